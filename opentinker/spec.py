@@ -1,0 +1,177 @@
+"""The job spec: one validated, serialisable description of an RL job.
+
+Every section forbids unknown keys so a typo fails before any work starts, and
+`load_spec` turns pydantic's errors into one line per problem: `field.path: reason`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    """Which base model to start from: a known name (see `opentinker.models`) or a local path."""
+
+    name: str = Field(min_length=1, description="known model name or a local model folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, name: str) -> str:
+        from opentinker.models import is_resolvable
+
+        if not is_resolvable(name):
+            raise ValueError(f"unknown model {name!r}: not a known name nor an existing local folder")
+        return name
+
+
+class LoraSpec(_Section):
+    kind: Literal["lora"] = "lora"
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+
+
+class FullSpec(_Section):
+    kind: Literal["full"] = "full"
+
+
+AdapterSpec = Annotated[Union[LoraSpec, FullSpec], Field(discriminator="kind")]
+
+
+class KLSpec(_Section):
+    coef: float = Field(0.0, ge=0)
+    estimator: Literal["k1", "k3"] = "k3"
+
+
+class AlgorithmSpec(_Section):
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    kl: KLSpec = Field(default_factory=KLSpec)
+    loss_aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    max_staleness: int = Field(0, ge=0, description="policy versions a rollout may lag behind the trainer")
+
+
+class RolloutSpec(_Section):
+    prompts_per_step: int = Field(8, gt=0)
+    group_size: int = Field(4, gt=0)
+    max_new_tokens: int = Field(24, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_turns: int = Field(1, gt=0)
+    max_total_tokens: int = Field(1024, gt=0)
+    step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
+
+
+class OptimizationSpec(_Section):
+    lr: float = Field(1e-4, gt=0)
+    steps: int = Field(10, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
+    weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("lr")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+class EvaluationSpec(_Section):
+    every: int = Field(5, ge=0, description="evaluate every k steps (0: only before and after training)")
+    greedy: bool = True
+    n_samples: int = Field(64, gt=0, description="validation problems per evaluation")
+
+
+class CheckpointSpec(_Section):
+    every: int = Field(0, ge=0, description="checkpoint every k steps (0: only at the end)")
+    keep_last: int = Field(2, gt=0)
+    base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/")
+
+
+class EnvSpec(_Section):
+    game: str = Field(description="import path of an AbstractGame subclass, 'package.module:ClassName'")
+    config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
+
+    @field_validator("game")
+    @classmethod
+    def _import_path(cls, v: str) -> str:
+        if ":" not in v or not all(v.split(":", 1)):
+            raise ValueError("must look like 'package.module:ClassName'")
+        return v
+
+
+class JobSpec(_Section):
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    model: ModelSpec
+    adapter: AdapterSpec = Field(default_factory=LoraSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    env: EnvSpec
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _group_baseline_needs_a_group(self) -> "JobSpec":
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
+                f"so group_size must be at least 2 (got {self.rollout.group_size})"
+            )
+        return self
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run; the message lists `field.path: reason` per problem."""
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full")))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{path or '<spec>'}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_spec(data: dict[str, Any]) -> JobSpec:
+    """Validate a plain dict (e.g. from YAML or a client) into a JobSpec, or raise SpecError."""
+    if not isinstance(data, dict):
+        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_errors(err)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML job spec from disk and validate it."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise SpecError(f"<spec>: not valid YAML: {err}") from None
+    return parse_spec(data or {})
+
+
+def dump_spec(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,94 @@
+"""The token record of one episode: the single place that owns ids, masks, logprobs and versions.
+
+Written only by the agent loop (append-only), read by the trainer and the algorithms. Earlier
+tokens are never re-tokenized: what the policy sampled is exactly what the trainer scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Turn:
+    """One GENERATING + INTERACTING round: the action text and the environment's answer."""
+
+    action: str
+    observation: str | None = None
+    reward: float = 0.0
+    sampled_start: int = 0
+    sampled_end: int = 0
+
+
+@dataclass
+class Trajectory:
+    """An episode as tokens. `loss_mask[i] == 1` exactly where token i was sampled by the policy."""
+
+    prompt_ids: list[int]
+    group_id: int = 0
+    policy_version: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    task: dict[str, Any] = field(default_factory=dict)
+    failed: bool = False
+    failure: str | None = None
+    stop_reason: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+            self.loss_mask = [0] * len(self.prompt_ids)
+            self.sampling_logprobs = [0.0] * len(self.prompt_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def append_sampled(self, ids: list[int], logprobs: list[float], action: str) -> None:
+        """Add the policy's tokens (trainable) and open a new turn."""
+        if len(ids) != len(logprobs):
+            raise ValueError("each sampled token needs its sampling logprob")
+        start = len(self.token_ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.sampling_logprobs.extend(float(x) for x in logprobs)
+        self.turns.append(Turn(action=action, sampled_start=start, sampled_end=len(self.token_ids)))
+
+    def append_observation(self, ids: list[int], observation: str) -> None:
+        """Add the environment's answer as context (not trained on)."""
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.sampling_logprobs.extend([0.0] * len(ids))
+        if self.turns:
+            self.turns[-1].observation = observation
+
+    @property
+    def reward(self) -> float:
+        """Episode return: the sum of per-turn rewards; a failed episode earns 0."""
+        return 0.0 if self.failed else float(sum(t.reward for t in self.turns))
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    def last_trainable_index(self) -> int | None:
+        for i in range(len(self.loss_mask) - 1, -1, -1):
+            if self.loss_mask[i]:
+                return i
+        return None
+
+    def token_rewards(self) -> list[float]:
+        """Reward placed on the last trainable token, zero elsewhere (the outcome-reward convention)."""
+        out = [0.0] * len(self.token_ids)
+        last = self.last_trainable_index()
+        if last is not None:
+            out[last] = self.reward
+        return out
+
+    @property
+    def response_text(self) -> str:
+        return "".join(t.action for t in self.turns)

@@ -1,0 +1,132 @@
+"""`opentinker` command line: validate a spec, run a job in this process with live progress."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from opentinker.spec import JobSpec, SpecError, load_spec
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="OpenTinker: agentic RL as a service.")
+console = Console()
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _load(path: Path, steps: Optional[int] = None) -> JobSpec:
+    try:
+        spec = load_spec(path)
+    except FileNotFoundError:
+        console.print(f"[red]spec not found:[/] {path}")
+        raise typer.Exit(2)
+    except SpecError as err:
+        console.print(f"[red]invalid spec {path}:[/]")
+        for line in str(err).splitlines():
+            console.print(f"  {line}", markup=False)
+        raise typer.Exit(2)
+    if steps is not None:
+        spec = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": steps})})
+    return spec
+
+
+@app.command()
+def validate(spec_path: Path = typer.Argument(..., help="job spec YAML")) -> None:
+    """Check a job spec without running anything."""
+    spec = _load(spec_path)
+    console.print(f"[green]ok[/] {spec_path}: {spec.model.name}, {spec.adapter.kind}, {spec.algorithm.advantage}, {spec.optimization.steps} steps")
+
+
+def _fmt(value: Optional[float], pct: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f}%" if pct else f"{value:.2f}"
+
+
+@app.command()
+def run(
+    spec_path: Path = typer.Argument(..., help="job spec YAML"),
+    steps: Optional[int] = typer.Option(None, help="override optimization.steps"),
+    job_id: Optional[str] = typer.Option(None, help="job id; re-running the same id resumes from its last checkpoint"),
+) -> None:
+    """Train in this process (no scheduler): rollout → update → evaluate → checkpoint, with live progress."""
+    spec = _load(spec_path, steps)
+    _quiet_libraries()
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    from opentinker.runner import LocalJob
+
+    console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.game}")
+    with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
+        job = LocalJob(spec, job_id=job_id)
+    console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
+
+    state = {"acc": None, "reward": None}
+    progress = Progress(
+        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+    )
+
+    def summary() -> str:
+        return f"reward {_fmt(state['reward'])} · val acc {_fmt(state['acc'], pct=True)}"
+
+    def on_eval(ev) -> None:
+        m = ev.metrics
+        state["acc"] = m.get("eval/accuracy")
+        extra = ""
+        if "eval/format_ok" in m:
+            extra += f" · format {_fmt(m['eval/format_ok'], pct=True)}"
+        if "eval/distinct_answer_share" in m:
+            extra += f" · distinct answers {_fmt(m['eval/distinct_answer_share'], pct=True)}"
+        progress.console.print(f"[magenta]eval @ step {ev.step}[/]: accuracy {_fmt(state['acc'], pct=True)} · reward {_fmt(m['eval/reward_mean'])}{extra}")
+        progress.update(task, summary=summary())
+
+    def on_step(report) -> None:
+        m = report.metrics
+        state["reward"] = m["rollout/reward_mean"]
+        progress.console.print(
+            f"step {report.step:>3}/{report.total_steps}: reward {_fmt(m['rollout/reward_mean'])} "
+            f"(failed {int(m['rollout/failed_episodes'])}) · loss {_fmt(m.get('update/policy_loss'))} · "
+            f"entropy {_fmt(m.get('update/entropy'))} · {m['rollout/tokens_per_s']:.0f} tok/s · {m['step/seconds']:.1f}s"
+            + (f" · checkpoint step {report.checkpoint.step}" if report.checkpoint else "")
+        )
+        progress.update(task, completed=report.step, summary=summary())
+
+    with progress:
+        task = progress.add_task("train", total=spec.optimization.steps, summary=summary())
+        result = job.run(on_step=on_step, on_eval=on_eval)
+
+    table = Table(title=f"job {result.job_id}", show_header=False)
+    table.add_row("steps", f"{result.steps_done} (resumed from {result.resumed_from})" if result.resumed_from else str(result.steps_done))
+    if result.evaluations:
+        first, last = result.evaluations[0].metrics, result.evaluations[-1].metrics
+        table.add_row("validation accuracy", f"{_fmt(first.get('eval/accuracy'), True)} → {_fmt(last.get('eval/accuracy'), True)}")
+    table.add_row("wall time", f"{result.seconds:.0f} s")
+    table.add_row("checkpoint", result.checkpoint.url if result.checkpoint else "-")
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,44 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    from opentinker.models import TINY, resolve_model
+
+    return resolve_model(TINY)
+
+
+@pytest.fixture
+def tiny(tiny_path):
+    """A fresh tiny random model and the real SmolLM2 tokenizer."""
+    from opentinker.models import TINY, load_model
+
+    return load_model(TINY)
+
+
+def tiny_spec(tmp_path, **overrides):
+    """A JobSpec for the tiny model on the uppercase toy game, with nested overrides."""
+    from opentinker.spec import parse_spec
+
+    data = {
+        "model": {"name": "tiny-random"},
+        "adapter": {"kind": "lora", "r": 8, "alpha": 16},
+        "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 4},
+        "optimization": {"lr": 1e-2, "steps": 4, "micro_batch_size": 8},
+        "evaluation": {"every": 0, "n_samples": 16},
+        "checkpoint": {"every": 2, "keep_last": 3, "base_url": f"file://{tmp_path}/runs"},
+        "env": {"game": "tests.games:UppercaseGame", "config": {"val_size": 16}},
+        "seed": 3,
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and key != "adapter":
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return parse_spec(data)

@@ -1,0 +1,147 @@
+"""The token record is exact: sampled + observation tokens, mask 1 only on sampled, logprobs that
+the trainer reproduces; failing environments cost one episode each."""
+
+import pytest
+import torch
+
+from opentinker.agent import ChatFormat, EpisodeLimits, EpisodeState, run_episodes
+from opentinker.agent.loop import Episode
+from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams
+from opentinker.metrics import episode_stats
+from opentinker.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+from tests.games import GarbageGame, HangingGame, NanRewardGame, RaisingGame, ScriptedTurns
+
+
+class RecordingEngine:
+    """Wraps an engine and keeps every prompt it was given and every completion it returned."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = []
+
+    @property
+    def policy_version(self):
+        return self.inner.policy_version
+
+    def generate(self, prompts, params, budgets=None):
+        out = self.inner.generate(prompts, params, budgets)
+        self.calls.append(([list(p) for p in prompts], out))
+        return out
+
+
+@pytest.fixture
+def setup(tiny):
+    model, tok = tiny
+    torch.manual_seed(0)
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(), temperature=0.8)
+    engine = RecordingEngine(HFRolloutEngine(trainer.model, tok))
+    return trainer, engine, ChatFormat(tok), tok
+
+
+def test_three_turn_record_is_token_exact(setup):
+    trainer, engine, chat, tok = setup
+    games = [ScriptedTurns(turns=3) for _ in range(3)]
+    tasks = [{"id": i} for i in range(3)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.8)
+    trajs = run_episodes(engine, chat, games, tasks, params, EpisodeLimits(max_turns=5, max_total_tokens=512))
+    assert len(engine.calls) == 3  # one batched generation per turn
+    for row, traj in enumerate(trajs):
+        assert traj.stop_reason == "done" and len(traj.turns) == 3 and not traj.failed
+        # the prompt is the chat template of the initial conversation, tokenized once
+        initial = [{"role": "system", "content": "Play along."}, {"role": "user", "content": f"start {row}"}]
+        assert traj.prompt_ids == chat.prompt_ids(initial)
+        # rebuild the record from what the engine returned and the observation deltas
+        expected, mask = list(traj.prompt_ids), [0] * len(traj.prompt_ids)
+        for turn, (prompts, completions) in enumerate(engine.calls):
+            assert prompts[row] == expected  # each generation continued the record as it stood: append-only
+            comp = completions[row]
+            expected += comp.token_ids
+            mask += [1] * len(comp.token_ids)
+            if turn < 2:
+                obs = chat.observation_ids(f"observation {turn + 1}", comp.finish_reason == "stop")
+                expected += obs
+                mask += [0] * len(obs)
+        assert traj.token_ids == expected
+        assert traj.loss_mask == mask
+        # the text of the record is the chat template of the conversation (nothing re-tokenized in between)
+        sampled = [tok.decode(traj.token_ids[t.sampled_start : t.sampled_end]) for t in traj.turns]
+        assert all(not s.endswith(tok.eos_token) for s in sampled)  # tiny random model: budget-limited turns
+        messages = initial + [
+            m for k, s in enumerate(sampled) for m in ([{"role": "assistant", "content": s}] + ([{"role": "user", "content": f"observation {k + 1}"}] if k < 2 else []))
+        ]
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert rendered.startswith(tok.decode(traj.token_ids))
+        # per-turn rewards kept; the episode reward sits on the last trainable token
+        assert [t.reward for t in traj.turns] == pytest.approx([0.1, 0.2, 1.0])
+        rewards = traj.token_rewards()
+        assert rewards[traj.last_trainable_index()] == pytest.approx(1.3) and sum(rewards) == pytest.approx(1.3)
+        assert traj.loss_mask[traj.last_trainable_index() + 1 :] == []
+
+    # recomputed logprobs (fp32, same weights) match the sampling logprobs
+    recomputed = trainer.logprobs(trajs)
+    for traj, lps in zip(trajs, recomputed):
+        sampled = [lp for lp, m in zip(traj.sampling_logprobs, traj.loss_mask) if m]
+        assert len(sampled) == len(lps) == traj.num_sampled
+        assert max(abs(a - b) for a, b in zip(sampled, lps)) < 1e-4
+
+
+def test_observation_after_a_stopped_turn_closes_with_the_template_tail(tiny):
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    stopped = tok.decode(chat.observation_ids("obs", policy_stopped=True))
+    cut = tok.decode(chat.observation_ids("obs", policy_stopped=False))
+    assert cut == tok.eos_token + stopped
+    assert stopped == "\n<|im_start|>user\nobs<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_state_machine_path(setup):
+    trainer, engine, chat, tok = setup
+    ep = Episode(ScriptedTurns(turns=2), {}, 0)
+    from opentinker.agent import loop
+
+    limits = EpisodeLimits(max_turns=5, max_total_tokens=512)
+    loop._start([ep], chat, limits)
+    while ep.state is EpisodeState.GENERATING:
+        loop._generate([ep], engine, chat, SamplingParams(max_new_tokens=3), limits)
+        loop._interact([ep], chat, limits)
+    assert ep.history + [ep.state] == [
+        EpisodeState.PENDING, EpisodeState.GENERATING, EpisodeState.INTERACTING,
+        EpisodeState.GENERATING, EpisodeState.INTERACTING, EpisodeState.TERMINATED,
+    ]
+
+
+def test_limits_end_episodes_cleanly(setup):
+    _, engine, chat, _ = setup
+    params = SamplingParams(max_new_tokens=8)
+    (by_turns,) = run_episodes(engine, chat, [ScriptedTurns(turns=99)], [{}], params, EpisodeLimits(max_turns=2, max_total_tokens=512))
+    assert by_turns.stop_reason == "max_turns" and len(by_turns.turns) == 2 and not by_turns.failed
+    prompt_len = len(by_turns.prompt_ids)
+    budget = prompt_len + 20
+    (by_tokens,) = run_episodes(engine, chat, [ScriptedTurns(turns=99)], [{}], params, EpisodeLimits(max_turns=99, max_total_tokens=budget))
+    assert by_tokens.stop_reason == "max_total_tokens" and len(by_tokens) <= budget and not by_tokens.failed
+
+
+def test_failing_environments_cost_one_episode_each(setup):
+    _, engine, chat, _ = setup
+    games = [ScriptedTurns(turns=1), RaisingGame(), HangingGame(), GarbageGame(), NanRewardGame(), ScriptedTurns(turns=1)]
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=512, step_timeout_s=0.5)
+    trajs = run_episodes(engine, chat, games, [{}] * len(games), SamplingParams(max_new_tokens=3), limits)
+    assert [t.failed for t in trajs] == [False, True, True, True, True, False]
+    assert "RuntimeError: environment bug" in trajs[1].failure
+    assert "timed out" in trajs[2].failure
+    assert "expected StepResult" in trajs[3].failure
+    assert "not finite" in trajs[4].failure
+    assert all(t.reward == 0.0 for t in trajs[1:5]) and trajs[0].reward == 1.0
+    stats = episode_stats(trajs, "rollout")
+    assert stats["rollout/failed_episodes"] == 4.0 and stats["rollout/episodes"] == 6.0
+
+
+def test_reset_failure_is_counted(setup):
+    _, engine, chat, _ = setup
+
+    class BadReset(ScriptedTurns):
+        def reset(self, **task):
+            raise KeyError("missing field")
+
+    (traj,) = run_episodes(engine, chat, [BadReset()], [{}], SamplingParams(max_new_tokens=3), EpisodeLimits())
+    assert traj.failed and traj.failure.startswith("reset: KeyError")

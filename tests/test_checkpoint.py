@@ -1,0 +1,107 @@
+"""Checkpoints commit atomically and resume reproduces training exactly."""
+
+import json
+
+import fsspec
+import pytest
+import torch
+
+from opentinker import checkpoint as ckpt
+from opentinker.runner import LocalJob
+from tests.conftest import tiny_spec
+
+
+def _weights(job):
+    return job.policy.trainer.trainable_state()
+
+
+@pytest.mark.parametrize("adapter", [{"kind": "lora", "r": 8, "alpha": 16}, {"kind": "full"}])
+def test_resume_reproduces_straight_training(tmp_path, tiny_path, adapter):
+    lr = 1e-2 if adapter["kind"] == "lora" else 1e-3
+    spec4 = tiny_spec(tmp_path, adapter=adapter, optimization={"steps": 4, "lr": lr})
+    straight = LocalJob(spec4, job_id="straight")
+    straight.run()
+
+    spec2 = tiny_spec(tmp_path, adapter=adapter, optimization={"steps": 2, "lr": lr})
+    first = LocalJob(spec2, job_id="resumed")
+    assert first.run().steps_done == 2
+    del first
+    second = LocalJob(spec4, job_id="resumed")  # a fresh process would do the same: nothing shared
+    result = second.run()
+    assert result.resumed_from == 2 and result.steps_done == 4 and len(result.history) == 2
+
+    a, b = _weights(straight), _weights(second)
+    assert a.keys() == b.keys()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    assert straight.rollout.env.state() == second.rollout.env.state()
+    assert straight.policy.version == second.policy.version == 4
+
+
+def test_rerun_of_a_finished_job_does_nothing(tmp_path, tiny_path):
+    spec = tiny_spec(tmp_path, optimization={"steps": 2})
+    LocalJob(spec, job_id="j").run()
+    again = LocalJob(spec, job_id="j").run()
+    assert again.resumed_from == 2 and again.history == []
+
+
+def _save(base, step, **kw):
+    return ckpt.save_checkpoint(base, "job", step, {"w": torch.ones(3) * step}, {"state": {}, "param_groups": []}, {"env": {}}, **kw)
+
+
+def test_uncommitted_or_truncated_checkpoints_are_ignored(tmp_path):
+    base = f"file://{tmp_path}"
+    _save(base, 1)
+    _save(base, 2)
+    assert ckpt.latest_checkpoint(base, "job").step == 2
+    # a write killed before its commit: step 3 has files but no COMMIT.json
+    fs = fsspec.filesystem("file")
+    step3 = tmp_path / "job" / "step-00000003"
+    fs.makedirs(str(step3), exist_ok=True)
+    (step3 / "weights.safetensors").write_bytes(b"partial")
+    assert ckpt.latest_checkpoint(base, "job").step == 2
+    # a committed checkpoint whose file was truncated afterwards is not trusted either
+    step2 = tmp_path / "job" / "step-00000002"
+    (step2 / "weights.safetensors").write_bytes(b"cut")
+    assert ckpt.latest_checkpoint(base, "job").step == 1
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        ckpt.load_checkpoint(f"{base}/job/step-00000002")
+
+
+def test_crash_during_write_leaves_previous_checkpoint_latest(tmp_path, monkeypatch):
+    base = f"file://{tmp_path}"
+    _save(base, 1)
+    real_dumps = json.dumps
+
+    def crash_on_manifest(obj, *a, **k):
+        if isinstance(obj, dict) and "files" in obj:
+            raise KeyboardInterrupt("killed")
+        return real_dumps(obj, *a, **k)
+
+    monkeypatch.setattr(ckpt.json, "dumps", crash_on_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        _save(base, 2)
+    monkeypatch.undo()
+    assert ckpt.latest_checkpoint(base, "job").step == 1
+    assert torch.equal(ckpt.load_checkpoint(ckpt.latest_checkpoint(base, "job").url).weights["w"], torch.ones(3))
+    _save(base, 2)  # the retry replaces the half-written folder
+    assert ckpt.latest_checkpoint(base, "job").step == 2
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    base = f"file://{tmp_path}"
+    for step in range(1, 6):
+        _save(base, step, keep_last=2)
+    assert [c.step for c in ckpt.list_checkpoints(base, "job")] == [4, 5]
+
+
+def test_lora_checkpoint_holds_a_loadable_peft_adapter(tmp_path, tiny_path):
+    from peft import PeftModel
+
+    from opentinker.models import TINY, load_model
+
+    spec = tiny_spec(tmp_path, optimization={"steps": 1})
+    result = LocalJob(spec, job_id="adapter").run()
+    local = result.checkpoint.url.removeprefix("file://")
+    base, _ = load_model(TINY)
+    restored = PeftModel.from_pretrained(base, f"{local}/adapter")
+    assert any("lora_" in n for n, _ in restored.named_parameters())

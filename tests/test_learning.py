@@ -1,0 +1,37 @@
+"""Learning, measured: the tiny model learns a toy task within a minute (CI); the real model
+learns arithmetic (slow, `pytest -m slow`; the full curve is bench/learning_math.py)."""
+
+import statistics
+
+import pytest
+
+from opentinker.runner import LocalJob
+from tests.conftest import tiny_spec
+
+
+def test_tiny_model_learns_the_uppercase_task(tmp_path, tiny_path):
+    spec = tiny_spec(
+        tmp_path,
+        adapter={"kind": "full"},
+        rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 4},
+        optimization={"steps": 16, "lr": 1e-3},
+        checkpoint={"every": 0},
+    )
+    result = LocalJob(spec, job_id="learn").run()
+    rewards = [h["rollout/reward_mean"] for h in result.history]
+    early, late = statistics.fmean(rewards[:4]), statistics.fmean(rewards[-4:])
+    assert late >= early + 0.2, rewards
+    first_eval, last_eval = result.evaluations[0].metrics, result.evaluations[-1].metrics
+    assert last_eval["eval/accuracy"] > first_eval["eval/accuracy"], (first_eval, last_eval)
+
+
+@pytest.mark.slow
+def test_smollm2_learns_addition(tmp_path):
+    from opentinker.spec import load_spec
+
+    spec = load_spec("examples/math_grpo.yaml")
+    spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"base_url": f"file://{tmp_path}"})})
+    result = LocalJob(spec, job_id="smollm2-add").run()
+    first, last = result.evaluations[0].metrics, result.evaluations[-1].metrics
+    assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.1
+    assert last["eval/distinct_answer_share"] >= 0.5 * first["eval/distinct_answer_share"]  # no collapse onto one answer

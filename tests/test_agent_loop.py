@@ -145,3 +145,32 @@ def test_reset_failure_is_counted(setup):
 
     (traj,) = run_episodes(engine, chat, [BadReset()], [{}], SamplingParams(max_new_tokens=3), EpisodeLimits())
     assert traj.failed and traj.failure.startswith("reset: KeyError")
+
+
+def test_shared_prompt_prefill_changes_nothing_but_speed(tiny):
+    """Group members share one prompt prefill; samples and logprobs equal the unshared path."""
+    model, tok = tiny
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec())
+    engine = HFRolloutEngine(trainer.model, tok)
+    chat = ChatFormat(tok)
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"question {i // 4}"}]) for i in range(8)]
+    params = SamplingParams(max_new_tokens=5, temperature=0.9)
+    assert engine._shared_prefill(prompts, *_padded(prompts, engine.pad_id)) is not None
+    torch.manual_seed(7)
+    shared = engine.generate(prompts, params)
+    engine._shared_prefill = lambda *a: None
+    torch.manual_seed(7)
+    plain = engine.generate(prompts, params)
+    assert [c.token_ids for c in shared] == [c.token_ids for c in plain]
+    for a, b in zip(shared, plain):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def _padded(prompts, pad_id):
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    return ids, attn

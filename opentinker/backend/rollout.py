@@ -66,6 +66,23 @@ class HFRolloutEngine:
                 results[i] = c
         return [results[i] for i in range(len(prompts))]
 
+    @torch.no_grad()
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor):
+        """Samples of one group share their prompt: run each distinct prompt once (all but its last
+        token) and give every row a copy of its prompt's KV cache. Saves (group_size-1)/group_size
+        of the prompt compute; returns None when no prompt repeats."""
+        first_row: dict[tuple[int, ...], int] = {}
+        index = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
+        if len(first_row) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        rows = torch.tensor([index.index(u) for u in range(len(first_row))])
+        ids, attn = input_ids[rows, :-1], attention[rows, :-1]
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+        cache = out.past_key_values
+        cache.reorder_cache(torch.tensor(index))
+        return cache
+
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int]) -> list[Completion]:
         from transformers import GenerationConfig
 
@@ -76,6 +93,7 @@ class HFRolloutEngine:
         for row, p in enumerate(prompts):
             input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p) :] = 1
+        cache = self._shared_prefill(prompts, input_ids, attention)
         max_new = max(1, min(params.max_new_tokens, max(budgets)))
         config = GenerationConfig(
             max_new_tokens=max_new,
@@ -95,6 +113,7 @@ class HFRolloutEngine:
                 input_ids=input_ids,
                 attention_mask=attention,
                 generation_config=config,
+                past_key_values=cache,
             )
         finally:
             self.model.train(was_training)

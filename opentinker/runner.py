@@ -88,14 +88,14 @@ class LocalJob:
             metrics = dict(batch.metrics) | self.update_step(batch)
             done = step + 1
             evaluation = None
-            if (spec.evaluation.every and done % spec.evaluation.every == 0) or done == total:
+            if spec.evaluates_at(done):
                 evaluation = self.rollout.evaluate(done)
                 metrics |= evaluation.metrics
                 result.evaluations.append(evaluation)
                 if on_eval:
                     on_eval(evaluation)
             ref = None
-            if (spec.checkpoint.every and done % spec.checkpoint.every == 0) or done == total:
+            if spec.checkpoints_at(done):
                 ref = self.checkpoint_step(done)
                 result.checkpoint = ref
             metrics["step/seconds"] = time.perf_counter() - t0

@@ -99,9 +99,18 @@ class EvaluationSpec(_Section):
 
 
 class CheckpointSpec(_Section):
-    every: int = Field(0, ge=0, description="checkpoint every k steps (0: only at the end)")
+    every: int = Field(1, ge=0, description="checkpoint every k steps (0: only at the end); flows log a step's metrics once it is checkpointed")
     keep_last: int = Field(2, gt=0)
     base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/")
+
+
+class ResourcesSpec(_Section):
+    """What the job's actors ask the Ray cluster for."""
+
+    num_gpus: float = Field(0, ge=0, description="GPUs for the trainer (and the rollout engine when colocated)")
+    num_cpus: float = Field(1, gt=0, description="logical CPUs reserved per actor; torch threads are set separately")
+    torch_threads: int = Field(0, ge=0, description="torch threads per actor (0: all cores of the node)")
+    colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
 
 
 class EnvSpec(_Section):
@@ -125,8 +134,19 @@ class JobSpec(_Section):
     optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     env: EnvSpec
     seed: int = 0
+
+    def evaluates_at(self, done: int) -> bool:
+        """Evaluate after `done` steps: every k steps and always after the last one."""
+        every = self.evaluation.every
+        return done == self.optimization.steps or (every > 0 and done % every == 0)
+
+    def checkpoints_at(self, done: int) -> bool:
+        """Checkpoint after `done` steps: every k steps and always after the last one."""
+        every = self.checkpoint.every
+        return done == self.optimization.steps or (every > 0 and done % every == 0)
 
     @model_validator(mode="after")
     def _group_baseline_needs_a_group(self) -> "JobSpec":

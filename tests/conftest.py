@@ -33,7 +33,7 @@ def tiny_spec(tmp_path, **overrides):
         "optimization": {"lr": 1e-2, "steps": 4, "micro_batch_size": 8},
         "evaluation": {"every": 0, "n_samples": 16},
         "checkpoint": {"every": 2, "keep_last": 3, "base_url": f"file://{tmp_path}/runs"},
-        "env": {"game": "tests.games:UppercaseGame", "config": {"val_size": 16}},
+        "env": {"game": "envs.toy:UppercaseGame", "config": {"val_size": 16}},
         "seed": 3,
     }
     for key, value in overrides.items():

@@ -1,4 +1,6 @@
-"""Small games for tests: scripted multi-turn episodes, faulty environments, a learnable toy task."""
+"""Small games for tests: scripted multi-turn episodes and faulty environments.
+
+The learnable toy task is shipped as envs.toy.UppercaseGame (importable on any worker)."""
 
 from __future__ import annotations
 
@@ -47,20 +49,3 @@ class GarbageGame(ScriptedTurns):
 class NanRewardGame(ScriptedTurns):
     def step(self, action: str) -> StepResult:
         return StepResult(observation="x", reward=float("nan"), done=True)
-
-
-class UppercaseGame(AbstractGame):
-    """Reward 1 when the reply's first letter is uppercase. A random model starts near chance;
-    the policy only has to move mass at its first token, so a tiny model learns it in seconds."""
-
-    def reset(self, prompt: str = "Say something.", **_: Any) -> str:
-        return prompt
-
-    @classmethod
-    def generate_task(cls, rng: Any, **_: Any) -> dict[str, Any]:
-        return {"prompt": f"Say something about item {int(rng.integers(10_000))}."}
-
-    def step(self, action: str) -> StepResult:
-        letters = [c for c in action if c.isalpha()]
-        good = bool(letters) and letters[0].isupper()
-        return StepResult(observation="", reward=1.0 if good else 0.0, done=True, info={"correct": good})

@@ -1,0 +1,63 @@
+"""Where the embedded local stack lives and how clients reach it.
+
+Every field can be set from the environment with the `OPENTINKER_` prefix
+(`OPENTINKER_STATE_DIR`, `OPENTINKER_PREFECT_PORT`, ...), so the CLI, the flows the worker runs
+and the tests all agree on one place and one set of ports without passing arguments around.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Configuration of the one-machine stack (Prefect server + worker, MLflow server)."""
+
+    model_config = SettingsConfigDict(env_prefix="OPENTINKER_", extra="ignore")
+
+    state_dir: Path = Path(".opentinker")
+    """Everything the stack writes: pid files, logs, the SQLite databases, MLflow artifacts.
+    Made absolute so that services started from another directory share it."""
+
+    host: str = "127.0.0.1"
+    """Interface every service binds to and clients dial; loopback keeps the stack private."""
+
+    prefect_port: int = 4200
+    """Port of the Prefect API and UI (Prefect's own default)."""
+
+    mlflow_port: int = 5000
+    """Port of the MLflow tracking server (MLflow's own default)."""
+
+    ray_address: str | None = None
+    """None: each flow starts a local Ray; "auto" or "ray://host:port": join that cluster."""
+
+    work_pool: str = "local"
+    """Process-type Prefect work pool the embedded worker polls and deployments target."""
+
+    project: str = "default"
+    """Prefix of MLflow experiment names, so several projects can share one server."""
+
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @property
+    def prefect_ui_url(self) -> str:
+        return f"http://{self.host}:{self.prefect_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect_ui_url}/api"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.host}:{self.mlflow_port}"
+
+
+def get_settings(**overrides) -> Settings:
+    """A fresh Settings read from the environment now (never cached: tests change it)."""
+    return Settings(**overrides)

@@ -1,0 +1,110 @@
+"""Submit jobs to the Prefect deployment and follow them through Prefect states and MLflow metrics.
+
+Client side: imports no torch, so it runs on a laptop that only talks to the servers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from opentinker.settings import Settings
+from opentinker.tracking import JOB_TAG
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RL_FLOW, RL_DEPLOYMENT = "rl-train", "rl-train"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
+def deployment_exists(name: str = f"{RL_FLOW}/{RL_DEPLOYMENT}") -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
+
+
+def deploy_rl_flow(settings: Settings) -> None:
+    """(Re)register the RL training deployment on the work pool, running this checkout's code."""
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.rl_train import rl_train
+
+    # A module entrypoint (flows.rl_train), not a file path: Ray workers unpickle the task context
+    # by module name, and `flows` is an installed package of this project.
+    rl_train.deploy(
+        name=RL_DEPLOYMENT, work_pool_name=settings.work_pool, build=False, push=False,
+        print_next_steps=False, ignore_warnings=True, description="OpenTinker RL training job",
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+
+
+def submit_rl_job(spec_data: dict[str, Any], job_id: str) -> str:
+    """Create a flow run of the RL deployment; returns the flow-run id. The worker picks it up."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(f"{RL_FLOW}/{RL_DEPLOYMENT}", parameters={"spec": spec_data, "job_id": job_id}, timeout=0)
+    return str(run.id)
+
+
+@dataclass
+class Progress:
+    state: str
+    step: int = 0
+    reward: float | None = None
+    accuracy: float | None = None
+    mlflow_run_id: str | None = None
+    mlflow_run_url: str | None = None
+    message: str | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def _latest(client, run_id: str, key: str) -> tuple[int, float] | None:
+    history = client.get_metric_history(run_id, key)
+    if not history:
+        return None
+    last = max(history, key=lambda m: (m.step, m.timestamp))
+    return last.step, last.value
+
+
+def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
+    """One look at a job: its Prefect state and its newest MLflow metrics."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+    state = run.state.type.value if run.state else "PENDING"
+    progress = Progress(state=state, message=run.state.message if run.state else None)
+    ml = MlflowClient(tracking_uri=settings.mlflow_url)
+    experiment = ml.get_experiment_by_name(settings.project)
+    if experiment is None:
+        return progress
+    runs = ml.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'", max_results=1)
+    if not runs:
+        return progress
+    run_id = runs[0].info.run_id
+    progress.mlflow_run_id = run_id
+    progress.mlflow_run_url = f"{settings.mlflow_url}/#/experiments/{experiment.experiment_id}/runs/{run_id}"
+    if reward := _latest(ml, run_id, "rollout/reward_mean"):
+        progress.step, progress.reward = reward
+    if acc := _latest(ml, run_id, "eval/accuracy"):
+        progress.accuracy = acc[1]
+    progress.result = {"checkpoint": runs[0].data.tags.get("opentinker.checkpoint")}
+    return progress
+
+
+def follow(flow_run_id: str, job_id: str, settings: Settings, on_update: Callable[[Progress], None], interval: float = 2.0) -> Progress:
+    """Poll until the flow run ends, calling `on_update` after every look."""
+    while True:
+        progress = poll(flow_run_id, job_id, settings)
+        on_update(progress)
+        if progress.state in TERMINAL:
+            return progress
+        time.sleep(interval)

@@ -23,6 +23,7 @@ from prefect_ray.context import remote_options
 from opentinker.actors import JobActors, check_placeable, create_actors
 from opentinker.settings import get_settings
 from opentinker.spec import JobSpec
+from opentinker.submit import check_mlflow
 from opentinker.tracking import JobTracker
 from tasks import checkpoint, evaluate, rollout, update
 
@@ -56,6 +57,7 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
     settings = get_settings()
     flow_run_id = str(runtime.flow_run.id or "local")
     job_id = job_id or spec.job_id or f"job-{flow_run_id[:8]}"
+    check_mlflow(settings.mlflow_url)
     check_placeable(spec)
     actors = create_actors(spec, job_id)
     tracker = JobTracker(settings.mlflow_url, settings.project, job_id, spec, tags={"prefect.flow_run_id": flow_run_id})
@@ -73,6 +75,7 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
         total = spec.optimization.steps
         logger.info(f"job {job_id}: {'resuming at step ' + str(start) if restored else 'starting'} of {total}; MLflow {tracker.run_url}")
         pending: list[tuple[int, dict[str, float]]] = []  # metrics not yet covered by a checkpoint
+        history: list[dict[str, float]] = []
         if start == 0 and total > 0:
             ev = _run(evaluate, actors, job_id, 0)
             tracker.log_transcripts(0, ev["transcripts"])
@@ -92,6 +95,7 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
                 url = _run(checkpoint, actors, job_id, done)
                 for s, m in pending:
                     tracker.log_metrics(s, m)
+                    history.append({"step": s, **m})
                 pending.clear()
             logger.info(f"step {done}/{total}: reward {metrics['rollout/reward_mean']:.3f}"
                         + (f", accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""))
@@ -99,7 +103,7 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
             tracker.log_checkpoint(url)
         tracker.finish("FINISHED")
         return {"job_id": job_id, "steps": total, "resumed_from": start, "checkpoint": url,
-                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url}
+                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url, "history": history}
     except BaseException:
         tracker.finish("FAILED")
         raise

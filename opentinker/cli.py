@@ -121,6 +121,118 @@ def run(
     console.print(table)
 
 
+def _settings_and_env():
+    """Settings, exported for the Prefect/MLflow clients before either library is imported."""
+    from opentinker.settings import get_settings
+    from opentinker.stack import mlflow_env, prefect_env
+
+    settings = get_settings()
+    os.environ.update(prefect_env(settings) | mlflow_env(settings))
+    return settings
+
+
+def _status_table(status) -> Table:
+    table = Table(title="OpenTinker stack")
+    for col in ("service", "running", "healthy", "pid", "url"):
+        table.add_column(col)
+    for s in status.values():
+        table.add_row(s.name, "yes" if s.running else "no", "yes" if s.healthy else "no", str(s.pid or "-"), s.url or "-")
+    return table
+
+
+def _bring_up(settings, deploy: bool):
+    from opentinker.stack import Stack, StackError
+
+    try:
+        with console.status("starting the stack (Prefect server + worker, MLflow) on loopback"):
+            status = Stack(settings).up()
+    except StackError as err:
+        console.print(f"stack: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    from opentinker.submit import deploy_rl_flow, deployment_exists
+
+    if deploy or not deployment_exists():
+        with console.status("registering the rl-train deployment"):
+            deploy_rl_flow(settings)
+    return status
+
+
+@app.command()
+def up() -> None:
+    """Start (or reuse) the embedded stack on 127.0.0.1 and register the deployments."""
+    settings = _settings_and_env()
+    _quiet_libraries()
+    console.print(_status_table(_bring_up(settings, deploy=True)))
+
+
+@app.command()
+def down() -> None:
+    """Stop the embedded stack."""
+    from opentinker.stack import Stack
+
+    Stack(_settings_and_env()).down()
+    console.print("stack stopped")
+
+
+@app.command()
+def status() -> None:
+    """Show which services of the embedded stack run, with their URLs."""
+    from opentinker.stack import Stack
+
+    console.print(_status_table(Stack(_settings_and_env()).status()))
+
+
+@app.command()
+def train(
+    spec_path: Path = typer.Argument(..., help="job spec YAML"),
+    steps: Optional[int] = typer.Option(None, help="override optimization.steps"),
+    job_id: Optional[str] = typer.Option(None, help="job id; submitting the same id again resumes it"),
+) -> None:
+    """Submit a training job to the stack (started if needed) and follow it until it ends."""
+    spec = _load(spec_path, steps)
+    settings = _settings_and_env()
+    _quiet_libraries()
+    from opentinker.submit import check_ray_address, follow, submit_rl_job
+
+    try:
+        check_ray_address(settings.ray_address)
+    except ConnectionError as err:
+        console.print(f"ray: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    _bring_up(settings, deploy=False)
+    from opentinker.runner import new_job_id
+
+    job_id = job_id or new_job_id(spec)
+    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id)
+    prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
+    console.print(f"submitted job [cyan]{job_id}[/] · Prefect {prefect_link}")
+    progress = Progress(
+        TextColumn("[bold]{task.fields[state]}"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+    )
+    with progress:
+        bar = progress.add_task("train", total=spec.optimization.steps, state="QUEUED", summary="")
+
+        def on_update(p) -> None:
+            summary = f"reward {_fmt(p.reward)} · val acc {_fmt(p.accuracy, pct=True)}"
+            progress.update(bar, completed=p.step, state=p.state, summary=summary)
+
+        final = follow(flow_run_id, job_id, settings, on_update)
+    console.print(f"job {job_id}: {final.state}", style="bold")
+    lines = {
+        "Prefect run": prefect_link,
+        "MLflow run": final.mlflow_run_url or "-",
+        "checkpoint": final.result.get("checkpoint") or f"{spec.checkpoint.base_url}/{job_id}",
+    }
+    if final.accuracy is not None:
+        lines["validation accuracy"] = _fmt(final.accuracy, pct=True)
+    for key, value in lines.items():  # plain lines: links stay whole and clickable
+        console.print(f"  {key}: {value}", markup=False, soft_wrap=True)
+    if final.state != "COMPLETED":
+        console.print(f"job {final.state.lower()}: {(final.message or '').splitlines()[0] if final.message else 'no message'}", style="red", markup=False)
+        raise typer.Exit(1)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     try:
         app()

@@ -103,6 +103,17 @@ class CheckpointSpec(_Section):
     keep_last: int = Field(2, gt=0)
     base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/")
 
+    @field_validator("base_url")
+    @classmethod
+    def _absolute_local(cls, v: str) -> str:
+        """A relative local path is pinned to the submitter's directory, so the worker (whose
+        working directory differs) writes where the user looks."""
+        if "://" not in v:
+            v = f"file://{v}"
+        if v.startswith("file://") and not v.removeprefix("file://").startswith("/"):
+            v = "file://" + str(Path(v.removeprefix("file://")).resolve())
+        return v.rstrip("/")
+
 
 class ResourcesSpec(_Section):
     """What the job's actors ask the Ray cluster for."""

@@ -5,6 +5,8 @@ Client side: imports no torch, so it runs on a laptop that only talks to the ser
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,35 @@ from opentinker.tracking import JOB_TAG
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RL_FLOW, RL_DEPLOYMENT = "rl-train", "rl-train"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
+def check_ray_address(address: str | None, timeout: float = 3.0) -> None:
+    """Fail in one line when a configured Ray cluster cannot be reached (Ray itself retries for long)."""
+    import socket
+
+    if not address:
+        return
+    if address == "auto":
+        if not Path("/tmp/ray/ray_current_cluster").exists():
+            raise ConnectionError("ray_address is 'auto' but no Ray cluster runs on this machine (start one with `ray start --head`)")
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            pass
+    except (OSError, ValueError) as err:
+        raise ConnectionError(f"Ray cluster at {address} is not reachable: {err}") from None
+
+
+def check_mlflow(url: str, timeout: float = 5.0) -> None:
+    """Fail in one line when the MLflow server is down (its client would retry for minutes)."""
+    import httpx
+
+    try:
+        httpx.get(f"{url}/health", timeout=timeout).raise_for_status()
+    except httpx.HTTPError as err:
+        raise ConnectionError(f"MLflow server at {url} is not reachable ({type(err).__name__}); start the stack with `opentinker up`") from None
 
 
 def deployment_exists(name: str = f"{RL_FLOW}/{RL_DEPLOYMENT}") -> bool:
@@ -38,11 +69,12 @@ def deploy_rl_flow(settings: Settings) -> None:
 
     # A module entrypoint (flows.rl_train), not a file path: Ray workers unpickle the task context
     # by module name, and `flows` is an installed package of this project.
-    rl_train.deploy(
-        name=RL_DEPLOYMENT, work_pool_name=settings.work_pool, build=False, push=False,
-        print_next_steps=False, ignore_warnings=True, description="OpenTinker RL training job",
-        entrypoint_type=EntrypointType.MODULE_PATH,
-    )
+    with contextlib.redirect_stdout(io.StringIO()):  # deploy() prints a table meant for its own CLI
+        rl_train.deploy(
+            name=RL_DEPLOYMENT, work_pool_name=settings.work_pool, build=False, push=False,
+            print_next_steps=False, ignore_warnings=True, description="OpenTinker RL training job",
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        )
 
 
 def submit_rl_job(spec_data: dict[str, Any], job_id: str) -> str:

@@ -1,0 +1,153 @@
+"""Jobs as Prefect flows on Ray, tracked in MLflow, against a real local stack (no mocks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_spec
+from tests.stack_fixtures import stack  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def stack_env(stack):  # noqa: F811
+    """Point this process (Prefect client, MLflow client, flow settings) at the test stack."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.stack import mlflow_env, prefect_env, settings_env
+
+    settings, _ = stack
+    env = settings_env(settings) | prefect_env(settings) | mlflow_env(settings)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+        yield settings, env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _mlflow_run(settings, job_id):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    exp = client.get_experiment_by_name(settings.project)
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`opentinker.job_id` = '{job_id}'")
+    return client, run
+
+
+def _steps(client, run_id, key):
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_flow_trains_on_ray_and_mlflow_holds_what_it_produced(stack_env, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.rl_train import rl_train
+
+    settings, _ = stack_env
+    spec = tiny_spec(tmp_path, optimization={"steps": 3}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
+    result = rl_train(spec, job_id="flow-basic")
+    assert result["steps"] == 3 and result["resumed_from"] == 0
+    assert result["checkpoint"].endswith("flow-basic/step-00000003")
+
+    client, run = _mlflow_run(settings, "flow-basic")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["rollout.group_size"] == "4" and run.data.params["model.name"] == "tiny-random"
+    produced = {h["step"]: h for h in result["history"]}
+    for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max", "rollout/failed_episodes",
+                "update/policy_loss", "update/kl", "update/entropy", "update/clip_fraction", "update/grad_norm",
+                "rollout/tokens_per_s", "rollout/seconds", "update/seconds", "step/seconds"):
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == [1, 2, 3], key
+        for m in history:
+            assert m.value == pytest.approx(produced[m.step][key]), key
+    assert _steps(client, run.info.run_id, "eval/accuracy") == [0, 2, 3]
+
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"spec.yaml", "transcripts", "final"} <= artifacts
+    transcripts = {a.path for a in client.list_artifacts(run.info.run_id, "transcripts")}
+    assert {"transcripts/step-000000.json", "transcripts/step-000000.html", "transcripts/step-000003.json"} <= transcripts
+    assert "final/adapter_config.json" in {a.path for a in client.list_artifacts(run.info.run_id, "final")}
+
+    # the MLflow run and the Prefect flow run point at each other; tasks carry job id and step
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    with get_client(sync_client=True) as prefect:
+        task_runs = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        names = {t.name: t.state.type.value for t in task_runs}
+        links = prefect.read_artifacts()
+    assert {"rollout-flow-basic-step0", "update-flow-basic-step2", "evaluate-flow-basic-step0", "checkpoint-flow-basic-step3"} <= set(names)
+    assert set(names.values()) == {"COMPLETED"}
+    assert any(a.type == "markdown" and run.info.run_id in (a.data or "") for a in links)
+
+
+def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path):
+    from flows.rl_train import rl_train
+    from opentinker import checkpoint as ckpt
+
+    settings, env = stack_env
+    spec = tiny_spec(tmp_path, optimization={"steps": 5}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
+    script = (
+        "import sys; from opentinker.spec import parse_spec; from flows.rl_train import rl_train; "
+        "import json; rl_train(parse_spec(json.loads(sys.argv[1])), job_id='flow-killed')"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script, spec.model_dump_json()], cwd=ROOT, env=os.environ | env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, "flow-killed")
+            if latest and latest.step >= 2:
+                break
+            assert proc.poll() is None, "the flow ended before it could be killed"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no checkpoint within 300 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = ckpt.latest_checkpoint(spec.checkpoint.base_url, "flow-killed").step
+    assert 2 <= killed_at < 5
+
+    result = rl_train(spec, job_id="flow-killed")
+    assert result["resumed_from"] >= killed_at and result["steps"] == 5
+    client, run = _mlflow_run(settings, "flow-killed")
+    assert _steps(client, run.info.run_id, "rollout/reward_mean") == [1, 2, 3, 4, 5]
+    assert _steps(client, run.info.run_id, "update/policy_loss") == [1, 2, 3, 4, 5]
+    assert _steps(client, run.info.run_id, "eval/accuracy") == [0, 2, 4, 5]
+    assert run.info.status == "FINISHED"
+
+
+def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
+    from opentinker.submit import deploy_rl_flow, follow, submit_rl_job
+
+    settings, _ = stack_env
+    deploy_rl_flow(settings)
+    spec = tiny_spec(tmp_path, optimization={"steps": 2}, evaluation={"every": 0, "n_samples": 8})
+    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), "flow-deployed")
+    seen = []
+    final = follow(flow_run_id, "flow-deployed", settings, lambda p: seen.append(p.state), interval=1.0)
+    assert final.state == "COMPLETED", final.message
+    assert final.step == 2 and final.result["checkpoint"].endswith("step-00000002")
+    assert "RUNNING" in seen
+
+
+def test_missing_mlflow_server_fails_the_flow_in_one_clear_line(stack_env, tmp_path, monkeypatch):
+    from flows.rl_train import rl_train
+    from tests.stack_fixtures import free_ports
+
+    (port,) = free_ports(1)
+    monkeypatch.setenv("OPENTINKER_MLFLOW_PORT", str(port))
+    with pytest.raises(ConnectionError, match=f"MLflow server at http://127.0.0.1:{port} is not reachable"):
+        rl_train(tiny_spec(tmp_path), job_id="flow-no-mlflow")

@@ -45,6 +45,7 @@ def ray_runner() -> RayTaskRunner:
 
 
 def _run(task, actors: JobActors, job_id: str, step: int) -> Any:
+    """Dispatch one step task through RayTaskRunner and wait for its (small) result."""
     # Thin tasks reserve no CPU: the actors hold the cores, and a task that cannot be placed
     # would wait forever without a task run to show for it.
     with remote_options(num_cpus=0, max_retries=0):
@@ -81,6 +82,7 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
             tracker.log_transcripts(0, ev["transcripts"])
             pending.append((0, ev["metrics"]))
         url = restored["url"] if restored else None
+        loop_start = time.perf_counter()
         for step in range(start, total):
             done = step + 1
             t0 = time.perf_counter()
@@ -99,11 +101,12 @@ def rl_train(spec: JobSpec, job_id: str | None = None) -> dict[str, Any]:
                 pending.clear()
             logger.info(f"step {done}/{total}: reward {metrics['rollout/reward_mean']:.3f}"
                         + (f", accuracy {metrics['eval/accuracy']:.3f}" if "eval/accuracy" in metrics else ""))
+        loop_seconds = time.perf_counter() - loop_start
         if url:
             tracker.log_checkpoint(url)
         tracker.finish("FINISHED")
         return {"job_id": job_id, "steps": total, "resumed_from": start, "checkpoint": url,
-                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url, "history": history}
+                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url, "history": history, "loop_seconds": loop_seconds}
     except BaseException:
         tracker.finish("FAILED")
         raise

@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 STEPS ?= 10
 
-.PHONY: install demo demo-long test test-slow bench-learning clean
+.PHONY: install demo demo-long demo-local down test test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-demo: install  ## SmolLM2-135M learns arithmetic with LoRA + GRPO (≈5 min); STEPS=25 for longer
-	$(VENV)/bin/opentinker run examples/math_grpo.yaml --steps $(STEPS)
+demo: install  ## SmolLM2-135M learns arithmetic (LoRA + GRPO) as a Prefect flow on Ray, tracked in MLflow
+	$(VENV)/bin/opentinker train examples/math_grpo.yaml --steps $(STEPS)
 
 demo-long: install
 	$(MAKE) demo STEPS=25
+
+demo-local: install  ## the same training in this process, without the stack
+	$(VENV)/bin/opentinker run examples/math_grpo.yaml --steps $(STEPS)
+
+down:  ## stop the local stack that `make demo` started
+	$(VENV)/bin/opentinker down
 
 test: install  ## the default suite (CI): unit, integration and a short learning check
 	$(PY) -m pytest -q
@@ -32,8 +38,11 @@ test: install  ## the default suite (CI): unit, integration and a short learning
 test-slow: install  ## long learning tests on the real model
 	$(PY) -m pytest -q -m slow
 
-bench-learning: install  ## writes bench/results/learning_math.{json,md}
+bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_math.py
+	$(PY) bench/step_vs_trl.py
+	$(PY) bench/overhead.py --model tiny-random --steps 20
+	$(PY) bench/overhead.py --model smollm2-135m-instruct --steps 10
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .opentinker .pytest_cache

@@ -1,0 +1,1 @@
+"""Shipped environments: math (strict answer format), toy (pipeline smoke test)."""

@@ -213,9 +213,14 @@ def train(
     with progress:
         bar = progress.add_task("train", total=spec.optimization.steps, state="QUEUED", summary="")
 
+        seen_eval = {"step": None}
+
         def on_update(p) -> None:
             summary = f"reward {_fmt(p.reward)} · val acc {_fmt(p.accuracy, pct=True)}"
             progress.update(bar, completed=p.step, state=p.state, summary=summary)
+            if p.accuracy_step is not None and p.accuracy_step != seen_eval["step"]:
+                seen_eval["step"] = p.accuracy_step
+                progress.console.print(f"[magenta]eval @ step {p.accuracy_step}[/]: validation accuracy {_fmt(p.accuracy, pct=True)}")
 
         final = follow(flow_run_id, job_id, settings, on_update)
     console.print(f"job {job_id}: {final.state}", style="bold")

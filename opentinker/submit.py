@@ -91,6 +91,7 @@ class Progress:
     step: int = 0
     reward: float | None = None
     accuracy: float | None = None
+    accuracy_step: int | None = None
     mlflow_run_id: str | None = None
     mlflow_run_url: str | None = None
     message: str | None = None
@@ -127,7 +128,7 @@ def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
     if reward := _latest(ml, run_id, "rollout/reward_mean"):
         progress.step, progress.reward = reward
     if acc := _latest(ml, run_id, "eval/accuracy"):
-        progress.accuracy = acc[1]
+        progress.accuracy_step, progress.accuracy = acc
     progress.result = {"checkpoint": runs[0].data.tags.get("opentinker.checkpoint")}
     return progress
 

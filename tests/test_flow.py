@@ -151,3 +151,20 @@ def test_missing_mlflow_server_fails_the_flow_in_one_clear_line(stack_env, tmp_p
     monkeypatch.setenv("OPENTINKER_MLFLOW_PORT", str(port))
     with pytest.raises(ConnectionError, match=f"MLflow server at http://127.0.0.1:{port} is not reachable"):
         rl_train(tiny_spec(tmp_path), job_id="flow-no-mlflow")
+
+
+def test_separate_trainer_and_rollout_actors_sync_weights_by_version(stack_env, tmp_path):
+    from flows.rl_train import rl_train
+
+    spec = tiny_spec(tmp_path, optimization={"steps": 3}, evaluation={"every": 0, "n_samples": 8},
+                     resources={"colocate": False, "num_cpus": 0.5})
+    result = rl_train(spec, job_id="flow-separate")
+    versions = {h["step"]: h["rollout/policy_version"] for h in result["history"] if "rollout/policy_version" in h}
+    assert versions == {1: 0.0, 2: 1.0, 3: 2.0}  # every rollout sampled from the newest policy
+
+
+def test_a_job_the_cluster_cannot_place_fails_before_starting(stack_env, tmp_path):
+    from flows.rl_train import rl_train
+
+    with pytest.raises(RuntimeError, match=r"resources.num_gpus: the job needs 1 GPU\(s\), the Ray cluster has 0"):
+        rl_train(tiny_spec(tmp_path, resources={"num_gpus": 1}), job_id="flow-gpu")

@@ -1,0 +1,53 @@
+"""The command line answers bad input with one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.stack_fixtures import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opentinker.cli", *args], cwd=ROOT, env=os.environ | (env or {}),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_invalid_spec_names_the_fields(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("model: {name: tiny-random}\nenv: {game: 'envs.math:MathGame'}\nrollout: {group_sise: 4}\noptimization: {lr: -1}\n")
+    for command in ("validate", "run", "train"):
+        out = _cli(command, str(spec))
+        assert out.returncode == 2, out
+        assert "rollout.group_sise: unknown key" in out.stdout and "optimization.lr: Input should be greater than 0" in out.stdout
+        assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_valid_spec_validates():
+    out = _cli("validate", "examples/math_grpo.yaml")
+    assert out.returncode == 0 and "ok" in out.stdout
+
+
+def test_unreachable_ray_address_is_one_line(tmp_path):
+    (port,) = free_ports(1)
+    out = _cli("train", "examples/toy_smoke.yaml", env={"OPENTINKER_RAY_ADDRESS": f"ray://127.0.0.1:{port}", "OPENTINKER_STATE_DIR": str(tmp_path)})
+    assert out.returncode == 1
+    assert f"Ray cluster at ray://127.0.0.1:{port} is not reachable" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (mlflow_port,) = free_ports(1)
+        out = _cli("up", env={"OPENTINKER_PREFECT_PORT": str(port), "OPENTINKER_MLFLOW_PORT": str(mlflow_port), "OPENTINKER_STATE_DIR": str(tmp_path)})
+    assert out.returncode == 1
+    assert f"prefect port {port} on 127.0.0.1 is in use by another program" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr

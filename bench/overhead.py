@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -41,26 +42,34 @@ def make_spec(model: str, steps: int, base_url: str):
     })
 
 
-def run_direct(spec) -> tuple[float, float]:
-    """(total seconds, step-loop seconds) calling the step functions in this process."""
+def _medians(history: list[dict[str, float]]) -> dict[str, float]:
+    keys = ("rollout/seconds", "update/seconds", "eval/seconds")
+    return {k: statistics.median(h[k] for h in history if k in h) for k in keys if any(k in h for h in history)}
+
+
+def run_direct(spec) -> tuple[float, float, dict[str, float]]:
+    """(total seconds, step-loop seconds, median phase seconds) calling the step functions here."""
     from opentinker.runner import LocalJob
 
     t0 = time.perf_counter()
     job = LocalJob(spec, job_id="direct")
     job.rollout.evaluate(0)
     loop0 = time.perf_counter()
+    history = []
     for step in range(spec.optimization.steps):
         done = step + 1
-        job.update_step(job.rollout_step(step))
+        batch = job.rollout_step(step)
+        metrics = batch.metrics | job.update_step(batch)
         if spec.evaluates_at(done):
-            job.rollout.evaluate(done)
+            metrics |= job.rollout.evaluate(done).metrics
         if spec.checkpoints_at(done):
             job.checkpoint_step(done)
+        history.append(metrics)
     end = time.perf_counter()
-    return end - t0, end - loop0
+    return end - t0, end - loop0, _medians(history)
 
 
-def run_flow(spec, settings) -> tuple[float, float]:
+def run_flow(spec, settings) -> tuple[float, float, dict[str, float]]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.rl_train import rl_train
@@ -68,7 +77,7 @@ def run_flow(spec, settings) -> tuple[float, float]:
     with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
         t0 = time.perf_counter()
         result = rl_train(spec, job_id="flow")
-        return time.perf_counter() - t0, result["loop_seconds"]
+        return time.perf_counter() - t0, result["loop_seconds"], _medians(result["history"])
 
 
 def main() -> int:
@@ -95,10 +104,10 @@ def main() -> int:
 
             torch.set_num_threads(os.cpu_count() or 1)
             spec = make_spec(args.model, args.steps, f"file://{tmp}/runs")
-            direct_total, direct_loop = run_direct(spec)
-            print(f"direct: loop {direct_loop:.1f}s, total {direct_total:.1f}s", flush=True)
-            flow_total, flow_loop = run_flow(spec, settings)
-            print(f"flow:   loop {flow_loop:.1f}s, total {flow_total:.1f}s", flush=True)
+            direct_total, direct_loop, direct_phases = run_direct(spec)
+            print(f"direct: loop {direct_loop:.1f}s, total {direct_total:.1f}s, median phases {direct_phases}", flush=True)
+            flow_total, flow_loop, flow_phases = run_flow(spec, settings)
+            print(f"flow:   loop {flow_loop:.1f}s, total {flow_total:.1f}s, median phases {flow_phases}", flush=True)
         finally:
             stack.down()
 
@@ -109,7 +118,7 @@ def main() -> int:
         "model": args.model, "steps": args.steps, "cpus": os.cpu_count(),
         "direct_loop_s": direct_loop, "flow_loop_s": flow_loop, "ratio_flow_over_direct": ratio,
         "overhead_per_step_ms": per_step_ms, "direct_total_s": direct_total, "flow_total_s": flow_total,
-        "extra_startup_s": startup,
+        "extra_startup_s": startup, "direct_median_phase_s": direct_phases, "flow_median_phase_s": flow_phases,
     }
     out = ROOT / "bench" / "results" / f"overhead_{args.model}"
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
@@ -119,7 +128,9 @@ def main() -> int:
         f"| direct step functions | {direct_loop:.1f} | {direct_total:.1f} |\n"
         f"| Prefect flow + RayTaskRunner + actors + MLflow | {flow_loop:.1f} | {flow_total:.1f} |\n\n"
         f"**Ratio flow / direct (step loop): {ratio:.3f}**, overhead {per_step_ms:.0f} ms per step; "
-        f"one-off extra start-up {startup:.1f} s (Ray start, actor creation, MLflow run).\n"
+        f"one-off extra start-up {startup:.1f} s (Ray start, actor creation, MLflow run).\n\n"
+        "Median seconds per phase, measured inside the step functions (direct) and inside the actor (flow): "
+        + ", ".join(f"{k} {direct_phases[k]:.2f} vs {flow_phases.get(k, float('nan')):.2f}" for k in direct_phases) + "\n"
     )
     out.with_suffix(".md").write_text(md)
     print(md)

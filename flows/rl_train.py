@@ -41,6 +41,9 @@ def ray_runner() -> RayTaskRunner:
         "logging_level": "WARNING",
         "log_to_driver": False,
         "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}},
+        # Ray runs workers at nice 15 by default: the model actor then loses the CPU to every
+        # server on the machine (measured: rollout and update ≈10% slower than in-process).
+        "_system_config": {"worker_niceness": 0},
     })
 
 

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from opentinker.settings import Settings
 from opentinker.tracking import JOB_TAG
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 RL_FLOW, RL_DEPLOYMENT = "rl-train", "rl-train"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 

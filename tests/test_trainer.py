@@ -7,7 +7,6 @@ from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams, StalePolicyError
 from opentinker.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
 from envs.toy import UppercaseGame
-from tests.games import ScriptedTurns
 
 
 def _batch(trainer, tok, n_groups=2, group=4, seed=0):

@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from opentinker import checkpoint as ckpt
 from opentinker.spec import JobSpec
 from opentinker.workers import PolicyWorker, RolloutBatch, RolloutWorker, seed_everything
 
@@ -39,10 +38,10 @@ class TrainerActor:
 
     def restore_latest(self) -> dict[str, Any] | None:
         """Load the job's latest complete checkpoint; returns its step and environment state."""
-        ref = ckpt.latest_checkpoint(self.spec.checkpoint.base_url, self.job_id)
-        if ref is None:
+        restored = self.policy.restore_latest(self.job_id)
+        if restored is None:
             return None
-        loaded = self.policy.restore(ref.url)
+        ref, loaded = restored
         return {"step": loaded.step, "env": loaded.state["env"], "version": self.policy.version, "url": ref.url}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
@@ -86,13 +85,10 @@ class RolloutActor:
         result = self.worker.evaluate(step)
         return {"metrics": result.metrics, "transcripts": result.transcripts}
 
-    def sync(self, weights: tuple[int, dict] | None = None, version: int | None = None) -> int:
+    def sync(self, weights: tuple[int, dict]) -> int:
         """Weight-sync handshake: adopt (version, weights) from the trainer; versions only go up."""
-        if weights is not None:
-            version, state = weights
-        else:
-            state = None
-        if version is None or version < self.worker.engine.policy_version:
+        version, state = weights
+        if version < self.worker.engine.policy_version:
             raise ValueError(f"refusing policy version {version}: engine already at {self.worker.engine.policy_version}")
         self.worker.set_version(version, state)
         return version

@@ -57,6 +57,14 @@ def _fmt(value: Optional[float], pct: bool = False) -> str:
     return f"{100 * value:.0f}%" if pct else f"{value:.2f}"
 
 
+def _step_progress(label: str) -> Progress:
+    """step n/N, bar, reward/accuracy summary, elapsed and ETA."""
+    return Progress(
+        TextColumn(label), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+    )
+
+
 @app.command()
 def run(
     spec_path: Path = typer.Argument(..., help="job spec YAML"),
@@ -77,10 +85,7 @@ def run(
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
 
     state = {"acc": None, "reward": None}
-    progress = Progress(
-        TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
-        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
-    )
+    progress = _step_progress("[bold]step")
 
     def summary() -> str:
         return f"reward {_fmt(state['reward'])} · val acc {_fmt(state['acc'], pct=True)}"
@@ -206,10 +211,7 @@ def train(
     flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id)
     prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
     console.print(f"submitted job [cyan]{job_id}[/] · Prefect {prefect_link}")
-    progress = Progress(
-        TextColumn("[bold]{task.fields[state]}"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
-        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
-    )
+    progress = _step_progress("[bold]{task.fields[state]}")
     with progress:
         bar = progress.add_task("train", total=spec.optimization.steps, state="QUEUED", summary="")
 

@@ -52,10 +52,10 @@ class LocalJob:
 
     def restore_latest(self) -> int:
         """Continue from the job's latest complete checkpoint; returns the step to start from."""
-        ref = ckpt.latest_checkpoint(self.spec.checkpoint.base_url, self.job_id)
-        if ref is None:
+        restored = self.policy.restore_latest(self.job_id)
+        if restored is None:
             return 0
-        loaded = self.policy.restore(ref.url)
+        _, loaded = restored
         self.rollout.load_env_state(loaded.state["env"])
         self.rollout.set_version(self.policy.version)
         return loaded.step

@@ -83,6 +83,11 @@ class PolicyWorker:
             keep_last=self.spec.checkpoint.keep_last,
         )
 
+    def restore_latest(self, job_id: str) -> tuple[ckpt.CheckpointRef, ckpt.LoadedCheckpoint] | None:
+        """Load the job's latest complete checkpoint, if any (weights, optimizer, version, RNG)."""
+        ref = ckpt.latest_checkpoint(self.spec.checkpoint.base_url, job_id)
+        return None if ref is None else (ref, self.restore(ref.url))
+
     def restore(self, url: str) -> ckpt.LoadedCheckpoint:
         loaded = ckpt.load_checkpoint(url)
         self.trainer.load_trainable_state(loaded.weights)

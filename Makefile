@@ -42,7 +42,8 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_math.py
 	$(PY) bench/step_vs_trl.py
 	$(PY) bench/overhead.py --model tiny-random --steps 20
-	$(PY) bench/overhead.py --model smollm2-135m-instruct --steps 10
+	$(PY) bench/overhead.py --model smollm2-135m-instruct --steps 8
+	$(PY) bench/scheduler_load.py --jobs 20 --slots 2
 
 clean:
 	rm -rf $(VENV) runs .opentinker .pytest_cache

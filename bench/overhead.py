@@ -93,8 +93,9 @@ def main() -> int:
 
     _quiet_libraries()
     with tempfile.TemporaryDirectory() as tmp:
-        prefect_port, mlflow_port = free_ports(2)
-        settings = Settings(state_dir=Path(tmp) / "state", prefect_port=prefect_port, mlflow_port=mlflow_port, work_pool="bench")
+        prefect_port, mlflow_port, gateway_port = free_ports(3)
+        settings = Settings(state_dir=Path(tmp) / "state", prefect_port=prefect_port, mlflow_port=mlflow_port,
+                            gateway_port=gateway_port)
         os.environ.update(settings_env(settings) | prefect_env(settings) | mlflow_env(settings))
         stack = Stack(settings)
         print("starting a local stack for the flow side ...", flush=True)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from opentinker.cli_env import env_app
 from opentinker.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OpenTinker: agentic RL as a service.")
@@ -79,7 +80,7 @@ def run(
     torch.set_num_threads(os.cpu_count() or 1)
     from opentinker.runner import LocalJob
 
-    console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.game}")
+    console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.label}")
     with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
         job = LocalJob(spec, job_id=job_id)
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
@@ -154,11 +155,11 @@ def _bring_up(settings, deploy: bool):
     except StackError as err:
         console.print(f"stack: {err}", style="red", markup=False)
         raise typer.Exit(1)
-    from opentinker.submit import deploy_rl_flow, deployment_exists
+    from opentinker.submit import deploy as deploy_all, deployed
 
-    if deploy or not deployment_exists():
-        with console.status("registering the rl-train deployment"):
-            deploy_rl_flow(settings)
+    if deploy or not deployed(settings):
+        with console.status("registering pools, slot limits and deployments"):
+            deploy_all(settings)
     return status
 
 
@@ -187,6 +188,71 @@ def status() -> None:
     console.print(_status_table(Stack(_settings_and_env()).status()))
 
 
+@app.command(name="deploy")
+def deploy_cmd() -> None:
+    """Create/resize the gpu and cpu work pools and slot limits, and register the deployments."""
+    settings = _settings_and_env()
+    _quiet_libraries()
+    from opentinker.scheduler import capacity
+    from opentinker.submit import deploy as deploy_all
+
+    try:
+        names = deploy_all(settings)
+    except Exception as err:  # noqa: BLE001 - one clear line (e.g. the server is down)
+        console.print(f"deploy failed: {type(err).__name__}: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    console.print(f"pools: gpu ({capacity(settings, 'gpu')} slots), cpu ({capacity(settings, 'cpu')} slots)")
+    console.print("deployments: " + ", ".join(names))
+
+
+@app.command()
+def worker(pool: str = typer.Option("cpu", help="work pool to poll: gpu or cpu")) -> None:
+    """Run a Prefect process worker for a pool in the foreground, with this stack's settings."""
+    import subprocess
+
+    from opentinker.scheduler import POOLS
+    from opentinker.stack import mlflow_env, prefect_env, settings_env
+
+    if pool not in POOLS:
+        console.print(f"--pool: must be one of {', '.join(POOLS)}", style="red")
+        raise typer.Exit(2)
+    settings = _settings_and_env()
+    env = {**os.environ, **settings_env(settings), **prefect_env(settings), **mlflow_env(settings)}
+    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+               "--name", f"opentinker-{pool}-{os.uname().nodename}", "--install-policy", "never"]
+    raise typer.Exit(subprocess.call(command, env=env))
+
+
+app.add_typer(env_app, name="env")
+
+tenant_app = typer.Typer(help="Tenants and their API keys (stored hashed in the state folder).", no_args_is_help=True)
+app.add_typer(tenant_app, name="tenant")
+
+
+@tenant_app.command("add")
+def tenant_add(name: str, rotate: bool = typer.Option(False, help="replace the key of an existing tenant")) -> None:
+    """Create a tenant and print its API key once (it is stored only as a hash)."""
+    from opentinker.gateway.tenants import TenantStore
+
+    settings = _settings_and_env()
+    try:
+        key = TenantStore(settings.state_dir / "tenants.json").create(name, rotate=rotate)
+    except ValueError as err:
+        console.print(str(err), style="red", markup=False)
+        raise typer.Exit(2)
+    console.print(f"tenant [cyan]{name}[/]; API key (shown once, keep it secret):")
+    print(key)
+
+
+@tenant_app.command("list")
+def tenant_list() -> None:
+    """Tenant names (keys are not recoverable)."""
+    from opentinker.gateway.tenants import TenantStore
+
+    for name in TenantStore(_settings_and_env().state_dir / "tenants.json").names():
+        print(name)
+
+
 @app.command()
 def train(
     spec_path: Path = typer.Argument(..., help="job spec YAML"),
@@ -208,7 +274,13 @@ def train(
     from opentinker.runner import new_job_id
 
     job_id = job_id or new_job_id(spec)
-    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id)
+    from opentinker.scheduler import SchedulingError
+
+    try:
+        flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
+    except SchedulingError as err:
+        console.print(f"cannot schedule: {err}", style="red", markup=False)
+        raise typer.Exit(2)
     prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
     console.print(f"submitted job [cyan]{job_id}[/] · Prefect {prefect_link}")
     progress = _step_progress("[bold]{task.fields[state]}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -34,8 +34,21 @@ class Settings(BaseSettings):
     ray_address: str | None = None
     """None: each flow starts a local Ray; "auto" or "ray://host:port": join that cluster."""
 
-    work_pool: str = "local"
-    """Process-type Prefect work pool the embedded worker polls and deployments target."""
+    work_pool: str = "cpu"
+    """Work pool the embedded worker polls: `cpu`, or `gpu` on a GPU machine (see scheduler.py)."""
+
+    gpu_slots: int | None = Field(None, ge=0)
+    """Slots of the `gpu` pool (one per GPU); None: count the GPUs with nvidia-smi."""
+
+    cpu_slots: int = Field(2, ge=0)
+    """Slots of the `cpu` pool: CPU jobs that may run at once."""
+
+    storage_url: str | None = None
+    """fsspec URL under which the gateway places tenants' checkpoints
+    (`<storage_url>/tenants/<tenant>/<job_id>`); None: `file://<state_dir>/storage`."""
+
+    gateway_port: int = 8200
+    """Port of the authenticated job gateway (the URL clients use)."""
 
     project: str = "default"
     """Prefix of MLflow experiment names, so several projects can share one server."""
@@ -52,6 +65,16 @@ class Settings(BaseSettings):
     @property
     def prefect_api_url(self) -> str:
         return f"{self.prefect_ui_url}/api"
+
+    @model_validator(mode="after")
+    def _default_storage(self) -> "Settings":
+        if self.storage_url is None:
+            self.storage_url = f"file://{self.state_dir / 'storage'}"
+        return self
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.host}:{self.gateway_port}"
 
     @property
     def mlflow_url(self) -> str:

@@ -125,15 +125,47 @@ class ResourcesSpec(_Section):
 
 
 class EnvSpec(_Section):
-    game: str = Field(description="import path of an AbstractGame subclass, 'package.module:ClassName'")
+    """Where episodes are played: a game class imported in-process (`game`) or a served
+    environment (`url`, see `opentinker env serve`). Exactly one of the two."""
+
+    game: str | None = Field(None, description="import path of an AbstractGame subclass, 'package.module:ClassName'")
+    url: str | list[str] | None = Field(None, description="base URL of a served environment, or a list of shards")
+    timeout_s: float = Field(30.0, gt=0, description="env.url: seconds per HTTP request")
+    retries: int = Field(2, ge=0, description="env.url: retries of a request that did not get through (a step that was sent is never re-sent)")
     config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
 
     @field_validator("game")
     @classmethod
-    def _import_path(cls, v: str) -> str:
-        if ":" not in v or not all(v.split(":", 1)):
+    def _import_path(cls, v: str | None) -> str | None:
+        if v is not None and (":" not in v or not all(v.split(":", 1))):
             raise ValueError("must look like 'package.module:ClassName'")
         return v
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == []:
+            raise ValueError("give at least one URL")
+        for url in [v] if isinstance(v, str) else v or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} must start with http:// or https://")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvSpec:
+        if (self.game is None) == (self.url is None):
+            raise ValueError("give exactly one of env.game (a class run in-process) or env.url (a served environment)")
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        """The shards of a served environment (empty for an in-process game)."""
+        return [self.url] if isinstance(self.url, str) else list(self.url or [])
+
+    @property
+    def label(self) -> str:
+        """What to show for this environment: the import path or the URL(s)."""
+        return self.game or ", ".join(self.urls)
 
 
 class JobSpec(_Section):

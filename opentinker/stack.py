@@ -1,6 +1,7 @@
-"""The embedded local stack: a Prefect server, a Prefect process worker and an MLflow server.
+"""The embedded local stack: a Prefect server, a Prefect process worker, an MLflow server and
+the job gateway.
 
-All three run on one machine, bound to `settings.host` (loopback by default), as detached
+All four run on one machine, bound to `settings.host` (loopback by default), as detached
 processes in their own sessions, so they outlive the command that started them and `down()`
 can stop each one with its children by signalling its process group. Each writes its output to
 `<state_dir>/logs/<name>.log` and its pid to `<state_dir>/pids/<name>.pid`; the pid files are
@@ -29,7 +30,7 @@ import psutil
 
 from opentinker.settings import Settings, get_settings
 
-SERVICES = ("prefect", "mlflow", "worker")
+SERVICES = ("prefect", "mlflow", "worker", "gateway")
 _POLL = 0.25  # seconds between health probes while waiting
 
 
@@ -96,7 +97,7 @@ def _worker_env(s: Settings) -> dict[str, str]:
     return {**settings_env(s), **prefect_env(s), **mlflow_env(s)}
 
 
-# --- the three services -----------------------------------------------------------------------
+# --- the services ----------------------------------------------------------------------------
 
 
 def _http_ok(url: str, method: str = "GET", **kwargs) -> httpx.Response | None:
@@ -191,6 +192,16 @@ _SPECS = {
         env=_worker_env,
         healthy=_worker_registered,
         cwd=lambda s: Path.cwd(),
+    ),
+    "gateway": _Service(
+        name="gateway",
+        keywords=("uvicorn", "opentinker.gateway"),
+        port=lambda s: s.gateway_port,
+        url=lambda s: s.gateway_url,
+        command=lambda s: [sys.executable, "-m", "uvicorn", "--factory", "opentinker.gateway.app:create_app",
+                           "--host", s.host, "--port", str(s.gateway_port), "--log-level", "warning"],
+        env=_worker_env,
+        healthy=lambda s, pid: _http_ok(f"{s.gateway_url}/v1/health") is not None,
     ),
 }
 
@@ -288,7 +299,7 @@ class Stack:
 
     # start-up
     def up(self, timeout: float = 120.0) -> dict[str, ServiceStatus]:
-        """Start what is not running, reuse what is, and wait until all three are healthy.
+        """Start what is not running, reuse what is, and wait until all are healthy.
 
         Raises StackError, before starting anything, if a port we need is held by another
         program; and if a service exits or stays unhealthy past `timeout` (services started by
@@ -304,7 +315,7 @@ class Stack:
         pids = {name: self.pid(name) for name in SERVICES}
         # A dead service may have left children holding its port: clear them and its pid file.
         self._stop([name for name, pid in pids.items() if pid is None], timeout=5.0)
-        for name in ("prefect", "mlflow"):
+        for name in ("prefect", "mlflow", "gateway"):
             port = _SPECS[name].port(s)
             if pids[name] is None and not _port_free(s.host, port):
                 raise StackError(
@@ -324,6 +335,10 @@ class Stack:
                 started.append("worker")
             self._wait("worker", pids["worker"], deadline)
             self._wait("mlflow", pids["mlflow"], deadline)
+            if pids["gateway"] is None:
+                pids["gateway"] = self._spawn("gateway")
+                started.append("gateway")
+            self._wait("gateway", pids["gateway"], deadline)
         except BaseException:
             for name in started:
                 self._stop([name])
@@ -349,7 +364,8 @@ class Stack:
     def _wait(self, name: str, pid: int, deadline: float) -> None:
         spec = _SPECS[name]
         while True:
-            if not _alive(pid, spec.keywords):
+            # No keyword check here: right after fork the child still shows our command line.
+            if not _alive(pid, ()):
                 raise StackError(
                     f"{name} exited during start-up; last lines of {self.log_file(name)}:\n"
                     + _tail(self.log_file(name))
@@ -364,32 +380,23 @@ class Stack:
             time.sleep(_POLL)
 
     def _ensure_work_pool(self, deadline: float) -> None:
-        """Create the process work pool unless it exists (the CLI fills in Prefect's default
-        base job template for the type)."""
-        s = self.settings
-        existing = _http_ok(f"{s.prefect_api_url}/work_pools/{s.work_pool}")
-        if existing is not None:
-            kind = existing.json().get("type")
-            if kind != "process":
-                raise StackError(f"work pool {s.work_pool!r} has type {kind!r}, not 'process'; "
-                                 "set OPENTINKER_WORK_POOL")
-            return
-        result = subprocess.run(
-            [sys.executable, "-m", "prefect", "work-pool", "create",
-             s.work_pool, "--type", "process"],
-            env={**os.environ, **prefect_env(s)}, cwd=self.state_dir, capture_output=True,
-            text=True, timeout=max(5.0, deadline - time.monotonic()),
-        )
-        output = (result.stdout + result.stderr).strip()
-        if result.returncode != 0 and "already exists" not in output:
-            raise StackError(f"creating work pool {s.work_pool!r} failed: {output[-500:]}")
+        """Create or resize the `gpu` and `cpu` pools and their slot limits (scheduler.py)."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from opentinker.scheduler import SchedulingError, ensure_pools
+
+        with temporary_settings({PREFECT_API_URL: self.settings.prefect_api_url}):
+            try:
+                ensure_pools(self.settings)
+            except SchedulingError as err:
+                raise StackError(f"{err}; set OPENTINKER_WORK_POOL or remove that pool") from None
 
     # shut-down
     def down(self, timeout: float = 15.0) -> None:
         """Stop every service (worker first): SIGTERM its process group, wait up to
         `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
         with self._locked():
-            self._stop(["worker", "prefect", "mlflow"], timeout)
+            self._stop(["gateway", "worker", "prefect", "mlflow"], timeout)
 
     def _stop(self, names: list[str], timeout: float = 15.0) -> None:
         groups = {}

@@ -5,8 +5,6 @@ Client side: imports no torch, so it runs on a laptop that only talks to the ser
 
 from __future__ import annotations
 
-import contextlib
-import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +13,8 @@ from typing import Any, Callable
 from opentinker.settings import Settings
 from opentinker.tracking import JOB_TAG
 
-RL_FLOW, RL_DEPLOYMENT = "rl-train", "rl-train"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+RL_FLOW = "rl-train"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 
 
 def check_ray_address(address: str | None, timeout: float = 3.0) -> None:
@@ -48,39 +46,33 @@ def check_mlflow(url: str, timeout: float = 5.0) -> None:
         raise ConnectionError(f"MLflow server at {url} is not reachable ({type(err).__name__}); start the stack with `opentinker up`") from None
 
 
-def deployment_exists(name: str = f"{RL_FLOW}/{RL_DEPLOYMENT}") -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
+def deploy(settings: Settings) -> list[str]:
+    """Pools, slot limits and every deployment of deployments/prefect.yaml (idempotent)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_deployment_by_name(name)
-            return True
-        except ObjectNotFound:
-            return False
+    from opentinker.scheduler import apply_deployments, ensure_pools
 
-
-def deploy_rl_flow(settings: Settings) -> None:
-    """(Re)register the RL training deployment on the work pool, running this checkout's code."""
-    from prefect.deployments.runner import EntrypointType
-
-    from flows.rl_train import rl_train
-
-    # A module entrypoint (flows.rl_train), not a file path: Ray workers unpickle the task context
-    # by module name, and `flows` is an installed package of this project.
-    with contextlib.redirect_stdout(io.StringIO()):  # deploy() prints a table meant for its own CLI
-        rl_train.deploy(
-            name=RL_DEPLOYMENT, work_pool_name=settings.work_pool, build=False, push=False,
-            print_next_steps=False, ignore_warnings=True, description="OpenTinker RL training job",
-            entrypoint_type=EntrypointType.MODULE_PATH,
-        )
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+        ensure_pools(settings)
+        return apply_deployments(settings)
 
 
-def submit_rl_job(spec_data: dict[str, Any], job_id: str) -> str:
-    """Create a flow run of the RL deployment; returns the flow-run id. The worker picks it up."""
+def deployed(settings: Settings) -> bool:
+    from opentinker.scheduler import deployment_exists, load_deployments
+
+    return all(deployment_exists(f"{RL_FLOW}/{entry['name']}") for entry in load_deployments())
+
+
+def submit_rl_job(spec_data: dict[str, Any], job_id: str, settings: Settings) -> str:
+    """Create a flow run of the RL deployment on the job's pool; returns the flow-run id.
+    The operator's path (the CLI on the stack's machine); tenants go through the gateway."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment(f"{RL_FLOW}/{RL_DEPLOYMENT}", parameters={"spec": spec_data, "job_id": job_id}, timeout=0)
+    from opentinker.scheduler import check_fits, deployment_name
+
+    pool = check_fits(settings, float((spec_data.get("resources") or {}).get("num_gpus", 0)))
+    run = run_deployment(deployment_name(RL_FLOW, pool), parameters={"spec": spec_data, "job_id": job_id},
+                         timeout=0, tags=["opentinker", f"job:{job_id}"])
     return str(run.id)
 
 
@@ -112,8 +104,10 @@ def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
 
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
-    state = run.state.type.value if run.state else "PENDING"
-    progress = Progress(state=state, message=run.state.message if run.state else None)
+    from opentinker.scheduler import job_state
+
+    state, reason = job_state(run)
+    progress = Progress(state=state, message=reason)
     ml = MlflowClient(tracking_uri=settings.mlflow_url)
     experiment = ml.get_experiment_by_name(settings.project)
     if experiment is None:

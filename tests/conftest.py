@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+# One embedded stack per test session (`stack`, `stack_env`), shared by every module.
+pytest_plugins = ["tests.stack_fixtures"]
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

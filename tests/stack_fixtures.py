@@ -1,9 +1,9 @@
-"""A session-wide embedded stack (Prefect server + worker, MLflow server) for tests.
+"""A session-wide embedded stack (Prefect server + worker, MLflow server, gateway) for tests.
 
 Started once per test session (cold start ≈30 s on the 2-core machine, most of it the Prefect
 server creating its database), on free loopback ports and in a temporary state directory, so it
-never collides with a developer's own stack on the default ports. Use it from a test module with
-`from tests.stack_fixtures import stack  # noqa: F401`, or import it in conftest.py.
+never collides with a developer's own stack on the default ports. conftest.py registers this
+module as a plugin, so every test module shares the one stack.
 """
 
 from __future__ import annotations
@@ -33,13 +33,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """Yields `(settings, status)` of a running, healthy stack; stops it at the end."""
-    prefect_port, mlflow_port = free_ports(2)
+    prefect_port, mlflow_port, gateway_port = free_ports(3)
     settings = Settings(
         state_dir=tmp_path_factory.mktemp("opentinker-state"),
         host="127.0.0.1",
         prefect_port=prefect_port,
         mlflow_port=mlflow_port,
-        work_pool="local",
+        gateway_port=gateway_port,
+        work_pool="cpu",
+        cpu_slots=2,
+        gpu_slots=0,
         ray_address=None,
     )
     services = Stack(settings)
@@ -48,3 +51,25 @@ def stack(tmp_path_factory):
         yield settings, status
     finally:
         services.down()
+
+
+@pytest.fixture(scope="module")
+def stack_env(stack):
+    """Point this process (Prefect client, MLflow client, flow settings) at the test stack."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.stack import mlflow_env, prefect_env, settings_env
+
+    settings, _ = stack
+    env = settings_env(settings) | prefect_env(settings) | mlflow_env(settings)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+        yield settings, env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -12,29 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_spec
-from tests.stack_fixtures import stack  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def stack_env(stack):  # noqa: F811
-    """Point this process (Prefect client, MLflow client, flow settings) at the test stack."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from opentinker.stack import mlflow_env, prefect_env, settings_env
-
-    settings, _ = stack
-    env = settings_env(settings) | prefect_env(settings) | mlflow_env(settings)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
-        yield settings, env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _mlflow_run(settings, job_id):
@@ -130,12 +109,12 @@ def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path
 
 
 def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
-    from opentinker.submit import deploy_rl_flow, follow, submit_rl_job
+    from opentinker.submit import deploy, follow, submit_rl_job
 
     settings, _ = stack_env
-    deploy_rl_flow(settings)
+    assert deploy(settings) == ["rl-train/gpu", "rl-train/cpu"]
     spec = tiny_spec(tmp_path, optimization={"steps": 2}, evaluation={"every": 0, "n_samples": 8})
-    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), "flow-deployed")
+    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), "flow-deployed", settings)
     seen = []
     final = follow(flow_run_id, "flow-deployed", settings, lambda p: seen.append(p.state), interval=1.0)
     assert final.state == "COMPLETED", final.message

@@ -14,10 +14,10 @@ import pytest
 
 from opentinker.settings import Settings
 from opentinker.stack import SERVICES, Stack, StackError, mlflow_env, prefect_env
-from tests.stack_fixtures import free_ports, stack  # noqa: F401
+from tests.stack_fixtures import free_ports
 
 
-def test_up_brings_all_services_healthy_on_loopback(stack):  # noqa: F811
+def test_up_brings_all_services_healthy_on_loopback(stack):
     settings, status = stack
     assert set(status) == set(SERVICES)
     for service in status.values():
@@ -34,7 +34,7 @@ def test_up_brings_all_services_healthy_on_loopback(stack):  # noqa: F811
     assert worker_env["OPENTINKER_STATE_DIR"] == str(settings.state_dir)
 
 
-def test_second_up_reuses_running_services(stack):  # noqa: F811
+def test_second_up_reuses_running_services(stack):
     settings, status = stack
     started = time.monotonic()
     again = Stack(settings).up(timeout=30)
@@ -43,7 +43,7 @@ def test_second_up_reuses_running_services(stack):  # noqa: F811
     assert all(s.healthy for s in again.values())
 
 
-def test_mlflow_client_logs_and_reads_back_through_server(stack):  # noqa: F811
+def test_mlflow_client_logs_and_reads_back_through_server(stack):
     from mlflow.tracking import MlflowClient
 
     settings, _ = stack
@@ -64,7 +64,7 @@ def test_mlflow_client_logs_and_reads_back_through_server(stack):  # noqa: F811
     assert len(stored) == 1 and stored[0].read_text() == "hello"
 
 
-def test_prefect_client_sees_pool_and_polling_worker(stack):  # noqa: F811
+def test_prefect_client_sees_pool_and_polling_worker(stack):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -99,7 +99,7 @@ def test_port_held_by_another_program_is_refused_before_starting(tmp_path, servi
     assert not list((tmp_path / "pids").iterdir())  # nothing was started
 
 
-def test_our_server_from_another_state_dir_is_not_adopted(stack, tmp_path):  # noqa: F811
+def test_our_server_from_another_state_dir_is_not_adopted(stack, tmp_path):
     settings, _ = stack
     other = Settings(state_dir=tmp_path, prefect_port=settings.prefect_port,
                      mlflow_port=free_ports(1)[0])
@@ -128,7 +128,7 @@ def test_service_that_dies_at_start_up_is_named_with_its_log(tmp_path):
     assert not list((tmp_path / "pids").iterdir())
 
 
-def test_down_stops_everything_then_up_restarts_from_same_state(stack):  # noqa: F811
+def test_down_stops_everything_then_up_restarts_from_same_state(stack):
     settings, status = stack
     services = Stack(settings)
     services.down()

@@ -101,3 +101,22 @@ def test_failed_episodes_are_left_out_of_the_update(tiny):
     trajs[0].failed = True
     metrics = trainer.update(trajs)
     assert metrics["update/sequences"] == len(trajs) - 1
+
+
+def test_a_step_whose_episodes_all_failed_is_skipped_not_refused_as_stale(tiny):
+    """Episodes that failed before sampling (an environment server down) carry no policy version
+    worth checking: the update is skipped and the version still advances with the trainer."""
+    model, tok = tiny
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(lr=1e-3))
+    trainer.version = 3
+    trajs = _with_signal(_batch(trainer, tok))
+    for t in trajs:
+        t.failed, t.policy_version = True, 0
+    metrics = trainer.update(trajs)
+    assert metrics["update/sequences"] == 0 and metrics["update/skipped"] == 1.0
+    assert trainer.version == 4
+    fresh = _with_signal(_batch(trainer, tok))
+    for t in fresh:
+        t.policy_version = 2  # a real stale sample is still refused
+    with pytest.raises(StalePolicyError):
+        trainer.update(fresh)

@@ -135,9 +135,11 @@ class PolicyTrainer:
     def update(self, trajs: list[Trajectory]) -> dict[str, float]:
         """One optimizer step on a batch of trajectories (gradients accumulated over micro-batches)."""
         t0 = time.perf_counter()
-        for t in trajs:
-            self.check_fresh(t.policy_version)
+        # Only samples that enter the loss must be fresh: a failed episode (e.g. its environment
+        # was down before any token was sampled) carries no policy version worth checking.
         usable = [t for t in trajs if not t.failed and t.num_sampled > 0]
+        for t in usable:
+            self.check_fresh(t.policy_version)
         metrics: dict[str, float] = {"update/sequences": float(len(usable))}
         if not usable:
             self.version += 1

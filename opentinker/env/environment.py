@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from opentinker.env.base import AbstractGame
+from opentinker.env.remote import UNAVAILABLE, RemoteGameClass
 
 # Keys GameEnvironment reads itself; every other key of the environment config goes to the
 # game's task generator.
@@ -46,6 +47,8 @@ class GameEnvironment:
     Data comes from a static dataset (`dataset` list or `data_path` JSONL; a `val_fraction` of it
     held out unless `val_data_path` is given) or, when neither is set, from the game's own
     `generate_task(rng, **config)` with `val_size` held-out tasks the training stream never repeats.
+    A served environment that cannot draw the validation set stops the job here; a training
+    task it cannot draw later fails only its episodes (see `opentinker.env.remote`).
     """
 
     def __init__(self, game_class: type[AbstractGame] | Callable[..., AbstractGame], config: Any = None, job_id: str | None = None):
@@ -86,6 +89,8 @@ class GameEnvironment:
         seen: dict[str, dict[str, Any]] = {}
         for _ in range(n * 50):
             task = self.game_class.generate_task(rng, **self.generator_config)
+            if UNAVAILABLE in task:  # a served environment that does not answer: the job cannot start
+                raise RuntimeError(f"env.url: {task[UNAVAILABLE]}")
             seen.setdefault(_task_key(task), task)
             if len(seen) == n:
                 break
@@ -130,6 +135,8 @@ def import_game(path: str) -> type[AbstractGame]:
     import importlib
 
     module_name, _, attr = path.partition(":")
+    if not (module_name and attr):
+        raise ValueError(f"env.game: {path!r} must look like 'package.module:ClassName'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
@@ -141,7 +148,10 @@ def import_game(path: str) -> type[AbstractGame]:
 
 
 def environment_from_spec(spec: Any) -> GameEnvironment:
-    return GameEnvironment(game_class=import_game(spec.env.game), config=spec, job_id=spec.job_id)
+    """The spec's game: imported in-process (`env.game`) or served over HTTP (`env.url`)."""
+    env = spec.env
+    game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries) if env.url else import_game(env.game)
+    return GameEnvironment(game_class=game_class, config=spec, job_id=spec.job_id)
 
 
 def save_dataset(tasks: list[dict[str, Any]], path: str | Path) -> None:

@@ -1,0 +1,65 @@
+"""SchedulerClient: submit, list, inspect, cancel and wait for jobs through the gateway."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentinker.client._http import Gateway, GatewayError
+from opentinker.client.config import config_to_dict
+
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+class SchedulerClient:
+    """`SchedulerClient(url=…).submit_job(config=…, num_gpus=…)` as in the reference design."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None):
+        self._gateway = Gateway(url, api_key)
+        self.url = self._gateway.url
+
+    def submit_job(self, config: Any, num_gpus: float | None = None) -> dict[str, Any]:
+        """Validate and queue a job. Returns job_id, state, server_url (for ServiceClient) and
+        links. Without an environment in `config` the job waits for `ServiceClient.fit(env=…)`."""
+        return self._gateway.request("POST", "/v1/jobs", json={"config": config_to_dict(config), "num_gpus": num_gpus})
+
+    def list_jobs(self) -> list[dict[str, Any]]:
+        return self._gateway.request("GET", "/v1/jobs")
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        return self._gateway.request("GET", f"/v1/jobs/{job_id}")
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self._gateway.request("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def metrics(self, job_id: str) -> dict[str, list[list[float]]]:
+        return self._gateway.request("GET", f"/v1/jobs/{job_id}/metrics")
+
+    def wait(self, job_id: str, timeout: float | None = None, poll: float = 2.0) -> dict[str, Any]:
+        """Poll until the job ends; returns its last status (TimeoutError past `timeout`)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.job_status(job_id)
+            if status["state"] in TERMINAL:
+                return status
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"job {job_id} still {status['state']} after {timeout:g}s")
+            time.sleep(poll)
+
+    def close(self) -> None:
+        self._gateway.close()
+
+
+class InferenceSchedulerClient:
+    """`InferenceSchedulerClient(url=…).submit_inference_job(model_path=…, num_gpus=…)`."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None):
+        self._gateway = Gateway(url, api_key)
+
+    def submit_inference_job(self, model_path: str, num_gpus: float = 0) -> dict[str, Any]:
+        try:
+            return self._gateway.request("POST", "/v1/inference", json={"model_path": model_path, "num_gpus": num_gpus})
+        except GatewayError as err:
+            if err.status == 501:
+                raise NotImplementedError(str(err)) from None
+            raise

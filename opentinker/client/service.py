@@ -1,0 +1,98 @@
+"""ServiceClient: attach an environment to a submitted job and train it synchronously, with
+live metrics, as the reference design's `client.set_config(args, env); client.fit(env=…)`."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from opentinker.client._http import Gateway, GatewayError
+from opentinker.client.config import config_to_dict, env_section
+from opentinker.client.scheduler import TERMINAL
+
+
+class JobFailed(RuntimeError):
+    """The job ended FAILED or CANCELLED; `status` holds the gateway's last answer."""
+
+    def __init__(self, status: dict[str, Any]):
+        super().__init__(f"job {status['job_id']} {status['state']}: {status.get('reason') or 'no reason given'}")
+        self.status = status
+
+
+class ServiceClient:
+    """Talks to one job: `server_url` is what `SchedulerClient.submit_job` returned."""
+
+    def __init__(self, server_url: str, api_key: str | None = None):
+        base, sep, job_id = server_url.rstrip("/").rpartition("/v1/jobs/")
+        if not sep or not job_id:
+            raise ValueError(f"server_url {server_url!r} is not a job URL (…/v1/jobs/<job_id>)")
+        self.job_id = job_id
+        self._gateway = Gateway(base, api_key)
+        self._config: dict[str, Any] = {}
+        self._env: dict[str, Any] | None = None
+
+    def set_config(self, args: Any, env: Any = None) -> None:
+        """Remember the job config and its environment for `fit` (nothing is sent yet)."""
+        self._config = config_to_dict(args)
+        if env is not None:
+            self._env = env_section(env, args)
+
+    def status(self) -> dict[str, Any]:
+        return self._gateway.request("GET", f"/v1/jobs/{self.job_id}")
+
+    def fit(self, env: Any = None, num_epochs: float | None = None, num_steps: int | None = None,
+            poll: float = 2.0, progress: bool = True) -> dict[str, Any]:
+        """Start the job with its environment (if it waits for one), then follow it to the end.
+
+        Returns the final status: state, metrics (the last value of each), checkpoint URI and
+        links. Raises JobFailed when the job fails or is cancelled.
+        """
+        status = self.status()
+        if env is not None:
+            self._env = env_section(env, self._config or None)
+        if status["state"] == "QUEUED" and status.get("reason", "") and "fit()" in status["reason"]:
+            if self._env is None:
+                raise ValueError("this job has no environment yet: fit(env=GameEnvironment(...)) or set_config(args, env)")
+            steps = num_steps if num_steps is not None else self._steps_for_epochs(env, num_epochs)
+            self._gateway.request("POST", f"/v1/jobs/{self.job_id}/start", json={"env": self._env, "steps": steps})
+        return self._follow(poll, progress)
+
+    def _steps_for_epochs(self, env: Any, num_epochs: float | None) -> int | None:
+        if num_epochs is None:
+            return None
+        n_train = len(getattr(env, "_static", None) or [])
+        if not n_train:
+            raise ValueError("num_epochs needs a static dataset (generated tasks have no epoch): pass num_steps")
+        prompts = int((self._config.get("rollout") or {}).get("prompts_per_step", 8))
+        return max(1, math.ceil(num_epochs * n_train / prompts))
+
+    def _follow(self, poll: float, progress: bool) -> dict[str, Any]:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        columns = [TextColumn("[bold]{task.fields[state]}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[summary]}"), TimeElapsedColumn(), TimeRemainingColumn()]
+        with Progress(*columns, disable=not progress, transient=False) as bar:
+            task = bar.add_task(self.job_id, total=None, state="QUEUED", summary="")
+            while True:
+                try:
+                    status = self.status()
+                except GatewayError as err:
+                    if err.status:  # the gateway answered: a real error
+                        raise
+                    time.sleep(poll)  # a blip: keep following
+                    continue
+                metrics = status.get("metrics") or {}
+                summary = " · ".join(f"{label} {metrics[key]:.3f}" for key, label in
+                                     (("rollout/reward_mean", "reward"), ("eval/accuracy", "val acc")) if key in metrics)
+                bar.update(task, total=status.get("total_steps"), completed=status.get("step") or 0,
+                           state=status["state"], summary=summary)
+                if status["state"] in TERMINAL:
+                    break
+                time.sleep(poll)
+        if status["state"] != "COMPLETED":
+            raise JobFailed(status)
+        return status
+
+    def close(self) -> None:
+        self._gateway.close()

@@ -1,0 +1,70 @@
+"""Tenants and their API keys. Only a key's SHA-256 is stored; the key itself is shown once.
+
+Keys are 32 random bytes, so a plain hash (no salt, no slow KDF) cannot be brute-forced; the
+lookup compares digests in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+from datetime import datetime, timezone
+from pathlib import Path
+
+TENANT_NAME = re.compile(r"^[a-z][a-z0-9-]{1,31}$")
+KEY_PREFIX = "otk_"
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class TenantStore:
+    """A JSON file of {tenant: {key_sha256, created}}, written atomically (owner-only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def _read(self) -> dict[str, dict[str, str]]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def _write(self, data: dict[str, dict[str, str]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def names(self) -> list[str]:
+        return sorted(self._read())
+
+    def create(self, name: str, rotate: bool = False) -> str:
+        """Add a tenant (or give an existing one a new key with rotate=True); returns the key."""
+        if not TENANT_NAME.match(name):
+            raise ValueError(f"tenant name {name!r}: 2-32 characters, lowercase letters, digits and '-', starting with a letter")
+        data = self._read()
+        if name in data and not rotate:
+            raise ValueError(f"tenant {name!r} exists (rotate its key with --rotate)")
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        data[name] = {"key_sha256": _digest(key), "created": datetime.now(timezone.utc).isoformat()}
+        self._write(data)
+        return key
+
+    def authenticate(self, key: str | None) -> str | None:
+        """The tenant owning `key`, or None."""
+        if not key:
+            return None
+        digest = _digest(key)
+        found = None
+        for name, record in self._read().items():
+            if hmac.compare_digest(record["key_sha256"], digest):
+                found = name
+        return found

@@ -1,0 +1,192 @@
+"""The scheduler is Prefect: this module only names and configures Prefect's own parts.
+
+- Work pools per hardware class (`gpu`, `cpu`), process type, whose concurrency limit bounds how
+  many job processes run at once.
+- A global concurrency limit per pool, `slots-<pool>`, with one slot per GPU (or per concurrent
+  CPU job): a job asking for N GPUs holds N slots for its whole life (see flows/rl_train.py).
+  Slots are leases: released on completion, failure or cancellation, and expired by the server
+  when a crashed job stops renewing them.
+- Deployments per job kind and pool, declared in `deployments/prefect.yaml`.
+- The job states users see, mapped from Prefect states.
+
+Client-safe: imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import shutil
+import subprocess
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from opentinker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOYMENTS_FILE = ROOT / "deployments" / "prefect.yaml"
+POOLS = ("gpu", "cpu")
+SLOTS_HELD_TAG = "opentinker:slots-held"
+AWAITING_ENV = "AwaitingEnvironment"
+# A run waiting for its environment is parked far in the future, out of every worker's reach.
+_PARKED = timedelta(days=3650)
+
+
+class SchedulingError(ValueError):
+    """A job the pools cannot take; the message has the numbers."""
+
+
+def detect_gpus() -> int:
+    """GPUs on this machine, counted with nvidia-smi (no torch on the control plane)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def pool_for(num_gpus: float) -> str:
+    return "gpu" if num_gpus > 0 else "cpu"
+
+
+def slots_for(num_gpus: float) -> int:
+    """Slots a job holds: one per (started) GPU, or one CPU slot for a CPU job."""
+    return max(1, math.ceil(num_gpus))
+
+
+def slot_limit(pool: str) -> str:
+    return f"slots-{pool}"
+
+
+def capacity(settings: Settings, pool: str) -> int:
+    if pool == "gpu":
+        return settings.gpu_slots if settings.gpu_slots is not None else detect_gpus()
+    return settings.cpu_slots
+
+
+def check_fits(settings: Settings, num_gpus: float) -> str:
+    """The pool for a job; SchedulingError when the job could never be placed."""
+    pool = pool_for(num_gpus)
+    have, need = capacity(settings, pool), slots_for(num_gpus)
+    if need > have:
+        what = f"{num_gpus:g} GPUs" if num_gpus else "a CPU slot"
+        raise SchedulingError(f"resources.num_gpus: the job asks for {what}; pool {pool!r} has {have} slot(s)")
+    return pool
+
+
+def ensure_pools(settings: Settings) -> None:
+    """Create or resize both process pools and their slot limits to the configured capacity."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        for pool in POOLS:
+            limit = capacity(settings, pool)
+            try:
+                existing = client.read_work_pool(pool)
+            except ObjectNotFound:
+                client.create_work_pool(WorkPoolCreate(
+                    name=pool, type="process", concurrency_limit=limit,
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description=f"OpenTinker {pool} jobs: at most {limit} running",
+                ))
+            else:
+                if existing.type != "process":
+                    raise SchedulingError(f"work pool {pool!r} has type {existing.type!r}, not 'process'")
+                if existing.concurrency_limit != limit:
+                    client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
+            client.upsert_global_concurrency_limit_by_name(slot_limit(pool), limit)
+
+
+def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[dict[str, Any]]:
+    return list(yaml.safe_load(path.read_text())["deployments"])
+
+
+def deployment_name(kind: str, pool: str) -> str:
+    return f"{kind}/{pool}"
+
+
+def apply_deployments(settings: Settings, path: Path = DEPLOYMENTS_FILE) -> list[str]:
+    """Register every deployment of `deployments/prefect.yaml`; returns their names.
+
+    Entrypoints are module paths (`flows.rl_train:rl_train`), not file paths: Ray workers
+    unpickle task context by module name, and `flows` is a package of this project.
+    """
+    import importlib
+
+    from prefect.deployments.runner import EntrypointType
+
+    names = []
+    for entry in load_deployments(path):
+        module, _, attr = entry["entrypoint"].partition(":")
+        flow = getattr(importlib.import_module(module), attr)
+        with contextlib.redirect_stdout(io.StringIO()):  # deploy() prints a table meant for its CLI
+            flow.deploy(
+                name=entry["name"], work_pool_name=entry["work_pool"]["name"], build=False, push=False,
+                print_next_steps=False, ignore_warnings=True, description=entry.get("description"),
+                tags=entry.get("tags"), entrypoint_type=EntrypointType.MODULE_PATH,
+                # The gateway validates specs itself, and a run parked for its environment
+                # carries an incomplete spec until fit() completes it.
+                enforce_parameter_schema=False,
+            )
+        names.append(f"{flow.name}/{entry['name']}")
+    return names
+
+
+def deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
+
+
+def parked_state():
+    """The Prefect state of a submitted job whose environment is not known yet."""
+    from prefect.states import Scheduled
+
+    return Scheduled(scheduled_time=datetime.now(timezone.utc) + _PARKED, name=AWAITING_ENV)
+
+
+# --- job states --------------------------------------------------------------------------------
+
+USER_STATES = ("QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
+
+
+def job_state(flow_run: Any) -> tuple[str, str | None]:
+    """(user-facing state, reason) of a job's flow run.
+
+    QUEUED: scheduled, pending, parked for its environment, or started but still waiting for
+    its slots; RUNNING: holding its slots (or cancelling); the rest are terminal.
+    """
+    state = flow_run.state
+    if state is None:
+        return "QUEUED", None
+    kind, name, message = state.type.value, state.name, state.message
+    if kind == "SCHEDULED" and name == AWAITING_ENV:
+        return "QUEUED", "waiting for the environment: call ServiceClient.fit()"
+    if kind in ("SCHEDULED", "PENDING", "PAUSED"):
+        return "QUEUED", message or "waiting for a worker"
+    if kind == "RUNNING":
+        if SLOTS_HELD_TAG in (flow_run.tags or []):
+            return "RUNNING", None
+        return "QUEUED", "waiting for slots"
+    if kind == "CANCELLING":
+        return "RUNNING", "cancelling"
+    if kind == "COMPLETED":
+        return "COMPLETED", None
+    if kind == "CANCELLED":
+        return "CANCELLED", message
+    return "FAILED", message or name  # FAILED, CRASHED

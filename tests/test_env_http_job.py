@@ -1,0 +1,74 @@
+"""A job against an environment served by `opentinker env serve` in another process: it trains
+exactly as with the import path, and a server that dies mid-job costs episodes, not the job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.conftest import tiny_spec
+from tests.stack_fixtures import free_ports
+
+
+def _serve(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "env", "serve", "envs.toy:UppercaseGame", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("env server did not start")
+
+
+def _train(spec, job_id, steps, between=None) -> list[dict[str, float]]:
+    from opentinker.runner import LocalJob
+
+    job = LocalJob(spec, job_id=job_id)
+    history = []
+    for step in range(steps):
+        if between:
+            between(step)
+        batch = job.rollout_step(step)
+        history.append(dict(batch.metrics) | job.update_step(batch))
+    return history
+
+
+def test_served_environment_trains_like_the_import_path_and_survives_a_dead_server(tmp_path):
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    common = {"optimization": {"steps": 5}, "rollout": {"step_timeout_s": 5}}
+    local = tiny_spec(tmp_path, **common)
+    served = tiny_spec(tmp_path, **common, env={"game": None, "url": url, "config": {"val_size": 16}, "timeout_s": 5, "retries": 1})
+
+    reference = _train(local, "local", 3)
+    server = _serve(port)
+    try:
+        same = _train(served, "served", 3)
+        for a, b in zip(reference, same):
+            assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
+            assert abs(a["update/policy_loss"] - b["update/policy_loss"]) < 1e-6
+
+        def kill_and_revive(step: int) -> None:
+            nonlocal server
+            if step == 1:
+                server.kill()
+                server.wait()
+            if step == 2:
+                server = _serve(port)
+
+        history = _train(served, "served-outage", 3, between=kill_and_revive)
+    finally:
+        server.kill()
+    episodes = history[0]["rollout/episodes"]
+    assert history[0]["rollout/failed_episodes"] == 0
+    assert history[1]["rollout/failed_episodes"] == episodes  # the outage cost that step's episodes ...
+    assert history[1]["update/sequences"] == 0
+    assert history[2]["rollout/failed_episodes"] == 0  # ... and the job went on once it was back
+    assert history[2]["update/sequences"] == episodes

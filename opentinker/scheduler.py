@@ -1,7 +1,7 @@
 """The scheduler is Prefect: this module only names and configures Prefect's own parts.
 
 - Work pools per hardware class (`gpu`, `cpu`), process type, whose concurrency limit bounds how
-  many job processes run at once.
+  many job processes exist at once (the slots plus one warming up).
 - A global concurrency limit per pool, `slots-<pool>`, with one slot per GPU (or per concurrent
   CPU job): a job asking for N GPUs holds N slots for its whole life (see flows/rl_train.py).
   Slots are leases: released on completion, failure or cancellation, and expired by the server
@@ -34,6 +34,7 @@ SLOTS_HELD_TAG = "opentinker:slots-held"
 AWAITING_ENV = "AwaitingEnvironment"
 # A run waiting for its environment is parked far in the future, out of every worker's reach.
 _PARKED = timedelta(days=3650)
+WARM_JOBS = 1
 
 
 class SchedulingError(ValueError):
@@ -89,21 +90,25 @@ def ensure_pools(settings: Settings) -> None:
 
     with get_client(sync_client=True) as client:
         for pool in POOLS:
-            limit = capacity(settings, pool)
+            slots = capacity(settings, pool)
+            # One job more than slots may start: it loads (imports, Ray) while the others run,
+            # then waits for a slot, so a finished job's slot is refilled in seconds, not after
+            # a whole process start-up (bench/scheduler_load.py). The slots bound what runs.
+            limit = slots + WARM_JOBS if slots else 0
             try:
                 existing = client.read_work_pool(pool)
             except ObjectNotFound:
                 client.create_work_pool(WorkPoolCreate(
                     name=pool, type="process", concurrency_limit=limit,
                     base_job_template=ProcessWorker.get_default_base_job_template(),
-                    description=f"OpenTinker {pool} jobs: at most {limit} running",
+                    description=f"OpenTinker {pool} jobs: {slots} slots",
                 ))
             else:
                 if existing.type != "process":
                     raise SchedulingError(f"work pool {pool!r} has type {existing.type!r}, not 'process'")
                 if existing.concurrency_limit != limit:
                     client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
-            client.upsert_global_concurrency_limit_by_name(slot_limit(pool), limit)
+            client.upsert_global_concurrency_limit_by_name(slot_limit(pool), slots)
 
 
 def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[dict[str, Any]]:

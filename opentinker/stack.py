@@ -93,8 +93,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def _worker_env(s: Settings) -> dict[str, str]:
-    """Flow runs inherit the worker's environment: they find Prefect, MLflow and the settings."""
-    return {**settings_env(s), **prefect_env(s), **mlflow_env(s)}
+    """Flow runs inherit the worker's environment: they find Prefect, MLflow and the settings.
+    The worker polls every 2 s instead of Prefect's 10: a freed slot is refilled sooner."""
+    return {**settings_env(s), **prefect_env(s), **mlflow_env(s), "PREFECT_WORKER_QUERY_SECONDS": "2"}
 
 
 # --- the services ----------------------------------------------------------------------------

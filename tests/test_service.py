@@ -122,35 +122,36 @@ def test_two_slots_bound_running_jobs_and_cancel_frees_them(service, tmp_path):
 
     settings, key, _ = service
     client = SchedulerClient(url=settings.gateway_url, api_key=key)
-    jobs = [client.submit_job(config=_args(tmp_path / str(i), steps=steps, with_env=True))["job_id"]
-            for i, steps in enumerate([40, 3, 3])]
-    long_job, short_job, queued_job = jobs
-    most, deadline, cancelled_queued = 0, time.monotonic() + 240, False
+    jobs = [client.submit_job(config=_args(tmp_path / str(i), steps=40, with_env=True))["job_id"] for i in range(3)]
+    most, cancelled_queued, running = 0, None, []
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        states = {j: client.job_status(j)["state"] for j in jobs}
-        running = sum(s == "RUNNING" for s in states.values())
-        most = max(most, running, _slots(settings))
-        if not cancelled_queued and running == 2 and states[queued_job] == "QUEUED":
-            assert client.cancel_job(queued_job)["state"] == "CANCELLED"
-            cancelled_queued = True
-        status = client.job_status(long_job)
-        if status["state"] == "RUNNING" and status["step"] >= 2 and states[short_job] == "COMPLETED":
+        statuses = {j: client.job_status(j) for j in jobs}
+        running = [j for j, s in statuses.items() if s["state"] == "RUNNING"]
+        queued = [j for j, s in statuses.items() if s["state"] == "QUEUED"]
+        most = max(most, len(running), _slots(settings))
+        if cancelled_queued is None and len(running) == 2 and queued:
+            # queued: parked in Prefect, or its process warming up and waiting for a slot
+            cancelled_queued = queued[0]
+            client.cancel_job(cancelled_queued)
+            assert client.wait(cancelled_queued, timeout=60, poll=1)["state"] == "CANCELLED"
+        if cancelled_queued and running and all(statuses[j]["step"] >= 2 for j in running):
             break
         time.sleep(1)
-    assert cancelled_queued and most == 2
-    client.cancel_job(long_job)
-    final = client.wait(long_job, timeout=120, poll=1)
-    assert final["state"] == "CANCELLED"
-    assert client.job_status(queued_job)["state"] == "CANCELLED"
-    assert client.job_status(short_job)["state"] == "COMPLETED"
-    deadline = time.monotonic() + 90  # the cancelled run's lease is released (or expires)
+    assert cancelled_queued and len(running) == 2 and most == 2
+    for job_id in running:
+        client.cancel_job(job_id)
+    for job_id in running:
+        assert client.wait(job_id, timeout=120, poll=1)["state"] == "CANCELLED"
+    deadline = time.monotonic() + 90  # the cancelled runs' leases are released (or expire)
     while _slots(settings) and time.monotonic() < deadline:
         time.sleep(2)
     assert _slots(settings) == 0
-    # the cancelled job keeps its complete checkpoints, and they load
+    # cancelled jobs keep their complete checkpoints
     base = f"{settings.storage_url}/tenants/acme"
-    latest = ckpt.latest_checkpoint(base, long_job)
-    assert latest is not None and latest.step >= 2
+    for job_id in running:
+        latest = ckpt.latest_checkpoint(base, job_id)
+        assert latest is not None and latest.step >= 2
 
 
 def test_no_api_key_is_written_anywhere(service):

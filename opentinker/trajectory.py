@@ -89,6 +89,34 @@ class Trajectory:
             out[last] = self.reward
         return out
 
+    def split_by_turn(self, gamma: float = 1.0) -> list["Trajectory"]:
+        """Per-turn credit: one record per turn, trained as its own sample.
+
+        Turn j keeps everything before its sampled tokens as context (mask 0) and its own tokens
+        (mask 1, same sampling logprobs), and earns the return from that turn on,
+        G_j = r_j + gamma * G_{j+1}. Records that follow the turn are not part of the sample.
+        """
+        if self.failed or not self.turns:
+            return [self]
+        returns, running = [], 0.0
+        for turn in reversed(self.turns):
+            running = turn.reward + gamma * running
+            returns.append(running)
+        returns.reverse()
+        out = []
+        for j, (turn, ret) in enumerate(zip(self.turns, returns)):
+            start, end = turn.sampled_start, turn.sampled_end
+            piece = Trajectory(
+                prompt_ids=list(self.token_ids[:start]), group_id=self.group_id, policy_version=self.policy_version,
+                task=self.task, info={**self.info, "turn": j}, stop_reason=self.stop_reason,
+            )
+            piece.token_ids.extend(self.token_ids[start:end])
+            piece.loss_mask.extend(self.loss_mask[start:end])
+            piece.sampling_logprobs.extend(self.sampling_logprobs[start:end])
+            piece.turns.append(Turn(action=turn.action, observation=turn.observation, reward=ret, sampled_start=start, sampled_end=end))
+            out.append(piece)
+        return out
+
     @property
     def response_text(self) -> str:
         return "".join(t.action for t in self.turns)

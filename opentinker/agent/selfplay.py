@@ -1,0 +1,119 @@
+"""Two-or-more-player matches where every seat is a policy: the multi-agent agent loop.
+
+Each seat keeps its own append-only token record per match (what that player saw and sampled),
+exactly like the single-agent loop: its prompt is tokenized once, its moves enter with mask 1
+and their sampling logprobs, and everything it is shown afterwards (the opponent's move, the
+board, an illegal-move message) enters as a chat-template observation delta with mask 0.
+Moves of all matches waiting on the same seat are generated in one batch.
+
+Rewards are the match's zero-sum result, put on each player's last turn: +1 win, -1 loss, 0
+draw (`Match.result_for`). A match that breaks (its code raises) or runs out of turns/tokens is
+a draw for everyone, with the reason in `info`; it never stops the other matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from opentinker.agent.chat import ChatFormat
+from opentinker.agent.loop import EpisodeLimits
+from opentinker.backend.rollout import RolloutEngine, SamplingParams
+from opentinker.trajectory import Trajectory
+
+
+class Match(Protocol):
+    """What a multi-player environment offers the loop (text only, like AbstractGame)."""
+
+    players: tuple[str, ...]
+    current_player: str
+    finished: bool
+
+    def system_prompt(self, player: str) -> str: ...
+    def observation_for(self, player: str) -> str: ...
+    def apply(self, player: str, action: str) -> tuple[bool, str]: ...
+    def result_for(self, player: str) -> float: ...
+    def info_for(self, player: str) -> dict[str, Any]: ...
+
+
+@dataclass
+class Seat:
+    """A player's policy: its inference engine and chat format (its own adapter or model)."""
+
+    engine: RolloutEngine
+    chat: ChatFormat
+
+
+def play_matches(seats: dict[str, Seat], matches: list[Match], params: SamplingParams, limits: EpisodeLimits,
+                 group_ids: list[int] | None = None) -> dict[str, list[Trajectory | None]]:
+    """Play every match to its end; returns, per player, one record per match (None if that
+    player never had to move)."""
+    n = len(matches)
+    groups = group_ids or list(range(n))
+    records: dict[str, list[Trajectory | None]] = {p: [None] * n for p in seats}
+    pending: dict[tuple[int, str], str | None] = {}  # a message the player must see next (illegal move)
+    stopped: dict[tuple[int, str], bool] = {}
+    aborted: dict[int, str] = {}
+    while True:
+        waiting: dict[str, list[int]] = {}
+        for i, match in enumerate(matches):
+            if i not in aborted and not match.finished:
+                waiting.setdefault(match.current_player, []).append(i)
+        if not waiting:
+            break
+        for player, idxs in waiting.items():
+            seat = seats[player]
+            ready = [i for i in idxs if _show(seat, matches[i], player, records, pending, stopped, aborted, limits, groups[i], i)]
+            if not ready:
+                continue
+            trajs = [records[player][i] for i in ready]
+            budgets = [limits.max_total_tokens - len(t) for t in trajs]
+            completions = seat.engine.generate([t.token_ids for t in trajs], params, budgets)
+            for i, traj, comp in zip(ready, trajs, completions):
+                action = seat.chat.decode(comp.token_ids)
+                traj.policy_version = seat.engine.policy_version
+                traj.append_sampled(comp.token_ids, comp.logprobs, action)
+                traj.messages.append({"role": "assistant", "content": action})
+                stopped[(i, player)] = comp.finish_reason == "stop"
+                try:
+                    legal, message = matches[i].apply(player, action)
+                except Exception as err:  # noqa: BLE001 - a broken match costs that match only
+                    aborted[i] = f"apply: {type(err).__name__}: {err}"
+                    continue
+                pending[(i, player)] = None if legal else message
+    for i, match in enumerate(matches):
+        for player in seats:
+            traj = records[player][i]
+            if traj is None or not traj.turns:
+                continue
+            if i in aborted:
+                traj.info.update({"result": "draw", "aborted": aborted[i]})
+                traj.stop_reason = "aborted"
+                continue
+            traj.turns[-1].reward = float(match.result_for(player))
+            traj.info.update(match.info_for(player))
+            traj.stop_reason = traj.stop_reason or "done"
+    return records
+
+
+def _show(seat: Seat, match: Match, player: str, records, pending, stopped, aborted, limits: EpisodeLimits, group: int, i: int) -> bool:
+    """Give `player` what it sees now (its prompt, or an observation delta); False if the match
+    had to end instead (turn or token budget spent)."""
+    traj = records[player][i]
+    message = pending.get((i, player))
+    observation = message if message is not None else match.observation_for(player)
+    if traj is None:
+        messages = [{"role": "system", "content": match.system_prompt(player)}, {"role": "user", "content": observation}]
+        records[player][i] = Trajectory(prompt_ids=seat.chat.prompt_ids(messages), group_id=group, messages=messages,
+                                        task={"match": i, "player": player})
+        return True
+    if len(traj.turns) >= limits.max_turns:
+        aborted[i] = f"{player} reached max_turns={limits.max_turns}"
+        return False
+    ids = seat.chat.observation_ids(observation, stopped.get((i, player), False))
+    if len(traj) + len(ids) >= limits.max_total_tokens:
+        aborted[i] = f"{player} reached max_total_tokens={limits.max_total_tokens}"
+        return False
+    traj.append_observation(ids, observation)
+    traj.messages.append({"role": "user", "content": observation})
+    return True

@@ -1,0 +1,40 @@
+"""Gomoku as a self-play match: the multi-agent loop's interface (opentinker.agent.selfplay.Match)
+over GomokuMatch, with seeded tasks so GameEnvironment can serve train and held-out openings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envs.gomoku.board import SYMBOLS
+from envs.gomoku.game import GomokuMatch
+
+
+class GomokuSelfPlay(GomokuMatch):
+    """Two policies play X and O. A task may place opening stones (`opening`: [[r, c], ...],
+    alternating X, O, ...) so that GRPO groups share a position and the held-out set differs
+    from training."""
+
+    players = ("X", "O")
+
+    @classmethod
+    def generate_task(cls, rng: Any, size: int = 9, opening_stones: int = 2, **_: Any) -> dict[str, Any]:
+        cells = rng.permutation(size * size)[:opening_stones]
+        return {"opening": [[int(c) // size, int(c) % size] for c in cells]}
+
+    def reset(self, opening: list[list[int]] | None = None, **_: Any) -> str:
+        for row, col in opening or []:
+            self.play(SYMBOLS[self.turn], row, col)
+        return self.observation_for(self.current_player)
+
+    @property
+    def current_player(self) -> str:
+        return SYMBOLS[self.turn]
+
+    def system_prompt(self, player: str | None = None) -> str:  # the rules are the same for both
+        return super().system_prompt()
+
+    def info_for(self, player: str) -> dict[str, Any]:
+        result = {1: "win", -1: "loss", 0: "draw"}[self.result_for(player)]
+        side = 1 if player == "X" else 2
+        return {"result": result, "correct": result == "win", "illegal_moves": self.illegal_moves[side],
+                "game_length": sum(v != 0 for row in self.board.cells for v in row)}

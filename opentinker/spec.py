@@ -115,6 +115,19 @@ class CheckpointSpec(_Section):
         return v.rstrip("/")
 
 
+class MultiAgentSpec(_Section):
+    """Self-play for games with several players (the env's game is a match, e.g. GomokuMatch)."""
+
+    players: list[str] = Field(default_factory=lambda: ["X", "O"], min_length=2, description="the match's player names, in turn order")
+    opponent: Literal["agents", "self", "snapshot"] = Field(
+        "agents", description="agents: every player its own policy, all trained; self: one policy plays and learns every seat; "
+        "snapshot: the first player learns against a frozen copy of itself, refreshed every snapshot_every steps")
+    snapshot_every: int = Field(5, gt=0)
+    credit: Literal["episode", "turn"] = Field("episode", description="turn: each turn is its own sample with its return from that turn on")
+    gamma: float = Field(1.0, ge=0, le=1)
+    phase_timeout_s: float = Field(3600.0, gt=0, description="a phase (rollout or update) that runs longer fails with the agent named")
+
+
 class ResourcesSpec(_Section):
     """What the job's actors ask the Ray cluster for."""
 
@@ -179,6 +192,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     env: EnvSpec
+    multiagent: MultiAgentSpec | None = None
     seed: int = 0
 
     def evaluates_at(self, done: int) -> bool:

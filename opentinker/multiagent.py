@@ -1,0 +1,143 @@
+"""Self-play training in one process: a policy (model + adapter + optimizer) per learning agent,
+stepped by the coordinator's phases (joint rollout, then one update per agent).
+
+Seats and policies (`multiagent.opponent`):
+- `agents`: every player is its own agent with its own policy, all trained on their own records;
+- `self`: one policy plays every seat and learns from all of them;
+- `snapshot`: the first player learns against a frozen copy of itself (the other seats), which is
+  refreshed from the learner every `snapshot_every` steps.
+
+The environment's game is a match class (see `opentinker.agent.selfplay.Match`) with
+`generate_task` and `reset(**task)`, wrapped by GameEnvironment for seeded tasks and a held-out
+set, like any single-agent game.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from opentinker.agent import ChatFormat, EpisodeLimits
+from opentinker.agent.coordinator import Coordinator
+from opentinker.agent.selfplay import Seat, play_matches
+from opentinker.backend import HFRolloutEngine, SamplingParams
+from opentinker.env import environment_from_spec
+from opentinker.metrics import episode_stats
+from opentinker.runner import new_job_id
+from opentinker.spec import JobSpec
+from opentinker.trajectory import Trajectory
+from opentinker.workers import PolicyWorker, RolloutBatch, seed_everything
+
+SNAPSHOT = "snapshot"
+
+
+def match_stats(trajs: list[Trajectory], outcomes: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    """Per-agent metrics: the generic episode ones over its records, and game results over every
+    match it sat in (`outcomes`: `Match.info_for`), including those it never had to move in
+    (the opponent forfeited first)."""
+    out = episode_stats(trajs, prefix)
+    if not outcomes:
+        return out
+    for name in ("win", "loss", "draw"):
+        out[f"{prefix}/{name}_rate"] = sum(o.get("result") == name for o in outcomes) / len(outcomes)
+    moves = sum(len(t.turns) for t in trajs)
+    illegal = sum(int(o.get("illegal_moves", 0)) for o in outcomes)
+    out[f"{prefix}/illegal_move_rate"] = illegal / moves if moves else 0.0
+    out[f"{prefix}/game_length"] = sum(float(o.get("game_length", 0)) for o in outcomes) / len(outcomes)
+    return out
+
+
+class MultiAgentJob:
+    def __init__(self, spec: JobSpec, job_id: str | None = None):
+        if spec.multiagent is None:
+            raise ValueError("multiagent: this job has no multiagent section")
+        self.spec, self.ma = spec, spec.multiagent
+        self.job_id = job_id or new_job_id(spec)
+        seed_everything(spec.seed)
+        self.env = environment_from_spec(spec)
+        players = self.ma.players
+        self.learners = list(players) if self.ma.opponent == "agents" else [players[0]]
+        self.policies = {name: PolicyWorker(spec) for name in self.learners}
+        if self.ma.opponent == "snapshot":
+            self.policies[SNAPSHOT] = PolicyWorker(spec)
+            self._refresh_snapshot()
+        seat_policy = {
+            "agents": {p: p for p in players},
+            "self": {p: players[0] for p in players},
+            "snapshot": {p: (players[0] if i == 0 else SNAPSHOT) for i, p in enumerate(players)},
+        }[self.ma.opponent]
+        r = spec.rollout
+        batch = max(64, r.prompts_per_step * r.group_size)
+        self.engines = {name: HFRolloutEngine(w.model, w.tokenizer, max_batch_size=batch) for name, w in self.policies.items()}
+        self.seats = {p: Seat(self.engines[seat_policy[p]], ChatFormat(self.policies[seat_policy[p]].tokenizer)) for p in players}
+        self.seat_policy = seat_policy
+        self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
+        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        self.coordinator = Coordinator(phase_timeout_s=self.ma.phase_timeout_s)
+
+    def _refresh_snapshot(self) -> None:
+        learner = self.policies[self.learners[0]].trainer
+        frozen = self.policies[SNAPSHOT].trainer
+        frozen.load_trainable_state({k: v.clone() for k, v in learner.trainable_state().items()})
+        frozen.version = learner.version
+
+    # --- phases ---------------------------------------------------------------------------
+    def play(self, step: int, tasks: list[dict[str, Any]], group_size: int, params: SamplingParams):
+        """Play the tasks' matches; returns (records per player, outcomes per player)."""
+        expanded = [t for t in tasks for _ in range(group_size)]
+        groups = [step * len(tasks) + i for i in range(len(tasks)) for _ in range(group_size)]
+        matches = []
+        for task in expanded:
+            match = self.env.make_game()
+            match.reset(**task)
+            matches.append(match)
+        records = play_matches(self.seats, matches, params, self.limits, groups)
+        outcomes = {p: [m.info_for(p) for m in matches] for p in self.ma.players}
+        return records, outcomes
+
+    def _agent_view(self, agent: str, records, outcomes) -> tuple[list[Trajectory], list[dict[str, Any]]]:
+        seats = [p for p in self.ma.players if self.seat_policy[p] == agent]
+        return [t for p in seats for t in records[p] if t is not None], [o for p in seats for o in outcomes[p]]
+
+    def rollout(self, step: int) -> dict[str, RolloutBatch]:
+        """The joint rollout: every match played to its end, records split per learning agent."""
+        t0 = time.perf_counter()
+        r = self.spec.rollout
+        records, outcomes = self.play(step, self.env.train_tasks(r.prompts_per_step), r.group_size, self.params)
+        batches = {}
+        for agent in self.learners:
+            trajs, seen = self._agent_view(agent, records, outcomes)
+            metrics = match_stats(trajs, seen, f"{agent}/rollout") | {f"{agent}/rollout/seconds": time.perf_counter() - t0}
+            if self.ma.credit == "turn":
+                trajs = [piece for t in trajs for piece in t.split_by_turn(self.ma.gamma)]
+            batches[agent] = RolloutBatch(step, self.engines[agent].policy_version, trajs, metrics)
+        return batches
+
+    def update(self, agent: str, batch: RolloutBatch) -> dict[str, float]:
+        metrics = self.policies[agent].update(batch)
+        self.engines[agent].policy_version = self.policies[agent].version  # shared model: the handshake
+        return {f"{agent}/{k}": v for k, v in metrics.items()}
+
+    def step(self, step: int) -> dict[str, float]:
+        """rollout phase (joint) → barrier → update phase (one piece of work per agent) → barrier."""
+        batches = self.coordinator.run_phase("rollout", step, {"selfplay": lambda: self.rollout(step)})["selfplay"]
+        updates = self.coordinator.run_phase("update", step, {a: (lambda a=a: self.update(a, batches[a])) for a in self.learners})
+        metrics = {k: v for b in batches.values() for k, v in b.metrics.items()}
+        for m in updates.values():
+            metrics |= m
+        if self.ma.opponent == "snapshot" and (step + 1) % self.ma.snapshot_every == 0:
+            self._refresh_snapshot()
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy matches on the held-out tasks (one per task), metrics per learning agent."""
+        e, r = self.spec.evaluation, self.spec.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
+        with torch.no_grad():
+            records, outcomes = self.play(step, self.env.validation_tasks(e.n_samples), 1, params)
+        out = {}
+        for agent in self.learners:
+            out |= match_stats(*self._agent_view(agent, records, outcomes), f"{agent}/eval")
+        return out

@@ -170,3 +170,53 @@ def check_placeable(spec: JobSpec) -> None:
         raise RuntimeError(f"resources.num_gpus: the job needs {need_gpu:g} GPU(s), the Ray cluster has {total.get('GPU', 0):g}")
     if need_cpu > total.get("CPU", 0):
         raise RuntimeError(f"resources.num_cpus: the job needs {need_cpu:g} CPU(s), the Ray cluster has {total.get('CPU', 0):g}")
+
+
+class MultiAgentActor:
+    """A self-play job's agents in one process (on CPU they share the cores anyway); the flow
+    drives its phases as separate Prefect tasks per agent."""
+
+    def __init__(self, spec: JobSpec, job_id: str):
+        from opentinker.multiagent import MultiAgentJob
+
+        _torch_threads(spec)
+        self.job = MultiAgentJob(spec, job_id)
+        self._batches: dict[str, Any] = {}
+
+    def learners(self) -> list[str]:
+        return list(self.job.learners)
+
+    def restore_latest(self) -> int:
+        return self.job.restore_latest()
+
+    def rollout(self, step: int) -> dict[str, float]:
+        self._batches = self.job.rollout(step)
+        return {k: v for b in self._batches.values() for k, v in b.metrics.items()}
+
+    def update(self, agent: str, step: int) -> dict[str, float]:
+        batch = self._batches[agent]
+        if batch.step != step:
+            raise RuntimeError(f"update of {agent} for step {step}, but the last rollout was step {batch.step}")
+        return self.job.update(agent, batch)
+
+    def after_updates(self, step: int) -> None:
+        self.job.after_updates(step)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.job.evaluate(step)
+
+    def checkpoint(self, step: int) -> dict[str, str]:
+        return self.job.checkpoint(step)
+
+
+def create_multiagent_actor(spec: JobSpec, job_id: str):
+    import ray
+
+    r = spec.resources
+    threads = str(r.torch_threads or os.cpu_count() or 1)
+    handle = ray.remote(MultiAgentActor).options(
+        name=f"{job_id}-agents", num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_restarts=0,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}},
+    ).remote(spec, job_id)
+    ray.get(handle.learners.remote())
+    return handle

@@ -127,9 +127,13 @@ class MultiAgentJob:
         metrics = {k: v for b in batches.values() for k, v in b.metrics.items()}
         for m in updates.values():
             metrics |= m
+        self.after_updates(step)
+        return metrics
+
+    def after_updates(self, step: int) -> None:
+        """The snapshot opponent follows its learner every `snapshot_every` steps."""
         if self.ma.opponent == "snapshot" and (step + 1) % self.ma.snapshot_every == 0:
             self._refresh_snapshot()
-        return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy matches on the held-out tasks (one per task), metrics per learning agent."""
@@ -141,3 +145,31 @@ class MultiAgentJob:
         for agent in self.learners:
             out |= match_stats(*self._agent_view(agent, records, outcomes), f"{agent}/eval")
         return out
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def agent_job_id(self, agent: str) -> str:
+        return f"{self.job_id}.{agent}"
+
+    def checkpoint(self, step: int) -> dict[str, str]:
+        """One checkpoint per learning agent (its weights, optimizer, version), each with the
+        environment's position; resume takes the newest step that every agent completed."""
+        state = self.env.state()
+        return {agent: self.policies[agent].save(step, self.agent_job_id(agent), state).url for agent in self.learners}
+
+    def restore_latest(self) -> int:
+        """Restore every learner (and the snapshot) at the newest step all of them have; 0 if none."""
+        from opentinker import checkpoint as ckpt
+
+        base = self.spec.checkpoint.base_url
+        steps = [{ref.step: ref for ref in ckpt.list_checkpoints(base, self.agent_job_id(a))} for a in self.learners]
+        common = set.intersection(*(set(s) for s in steps)) if steps else set()
+        if not common:
+            return 0
+        step = max(common)
+        for agent, refs in zip(self.learners, steps):
+            loaded = self.policies[agent].restore(refs[step].url)
+            self.engines[agent].policy_version = self.policies[agent].version
+        self.env.load_state(loaded.state["env"])
+        if self.ma.opponent == "snapshot":
+            self._refresh_snapshot()
+        return step

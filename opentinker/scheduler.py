@@ -115,8 +115,19 @@ def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[dict[str, Any]]:
     return list(yaml.safe_load(path.read_text())["deployments"])
 
 
+def deployment_names(path: Path = DEPLOYMENTS_FILE) -> list[str]:
+    """`<flow>/<name>` of every deployment in the YAML (flow names are the function names with
+    dashes: `flows.rl_train:rl_train` is the flow `rl-train`), without importing the flows."""
+    return [f"{e['entrypoint'].partition(':')[2].replace('_', '-')}/{e['name']}" for e in load_deployments(path)]
+
+
 def deployment_name(kind: str, pool: str) -> str:
     return f"{kind}/{pool}"
+
+
+def flow_for(spec_data: dict[str, Any]) -> str:
+    """The flow (job kind) that runs a spec: self-play when it has a multiagent section."""
+    return "self-play" if spec_data.get("multiagent") else "rl-train"
 
 
 def apply_deployments(settings: Settings, path: Path = DEPLOYMENTS_FILE) -> list[str]:

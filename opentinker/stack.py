@@ -413,7 +413,23 @@ class Stack:
         for pgid in groups.values():
             _signal_group(pgid, signal.SIGKILL)
         for name in names:
+            pid = self._recorded_pid(name)
+            if pid is not None:
+                _reap(pid)  # an exited child of ours stays a zombie until reaped
             self.pid_file(name).unlink(missing_ok=True)
+
+
+def _reap(pid: int, timeout: float = 2.0) -> None:
+    """Collect our exited child `pid` (no-op for a process that is not our child)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from opentinker.settings import Settings
-from opentinker.tracking import JOB_TAG
+from opentinker.tracking import JOB_TAG, headline_key
 
-RL_FLOW = "rl-train"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 
 
@@ -58,9 +57,9 @@ def deploy(settings: Settings) -> list[str]:
 
 
 def deployed(settings: Settings) -> bool:
-    from opentinker.scheduler import deployment_exists, load_deployments
+    from opentinker.scheduler import deployment_exists, deployment_names
 
-    return all(deployment_exists(f"{RL_FLOW}/{entry['name']}") for entry in load_deployments())
+    return all(deployment_exists(name) for name in deployment_names())
 
 
 def submit_rl_job(spec_data: dict[str, Any], job_id: str, settings: Settings) -> str:
@@ -68,10 +67,10 @@ def submit_rl_job(spec_data: dict[str, Any], job_id: str, settings: Settings) ->
     The operator's path (the CLI on the stack's machine); tenants go through the gateway."""
     from prefect.deployments import run_deployment
 
-    from opentinker.scheduler import check_fits, deployment_name
+    from opentinker.scheduler import check_fits, deployment_name, flow_for
 
     pool = check_fits(settings, float((spec_data.get("resources") or {}).get("num_gpus", 0)))
-    run = run_deployment(deployment_name(RL_FLOW, pool), parameters={"spec": spec_data, "job_id": job_id},
+    run = run_deployment(deployment_name(flow_for(spec_data), pool), parameters={"spec": spec_data, "job_id": job_id},
                          timeout=0, tags=["opentinker", f"job:{job_id}"])
     return str(run.id)
 
@@ -118,9 +117,10 @@ def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
     run_id = runs[0].info.run_id
     progress.mlflow_run_id = run_id
     progress.mlflow_run_url = f"{settings.mlflow_url}/#/experiments/{experiment.experiment_id}/runs/{run_id}"
-    if reward := _latest(ml, run_id, "rollout/reward_mean"):
+    keys = runs[0].data.metrics
+    if reward := _latest(ml, run_id, headline_key(keys, "rollout/reward_mean")):
         progress.step, progress.reward = reward
-    if acc := _latest(ml, run_id, "eval/accuracy"):
+    if acc := _latest(ml, run_id, headline_key(keys, "eval/accuracy")):
         progress.accuracy_step, progress.accuracy = acc
     progress.result = {"checkpoint": runs[0].data.tags.get("opentinker.checkpoint")}
     return progress

@@ -15,6 +15,13 @@ from opentinker.spec import JobSpec, dump_spec
 JOB_TAG = "opentinker.job_id"
 
 
+def headline_key(metric_keys, name: str) -> str:
+    """The key to show for `name` (e.g. "rollout/reward_mean"): itself, or for a self-play job
+    an agent's (`O/rollout/reward_mean`, the first in sorted order)."""
+    keys = sorted(metric_keys)
+    return name if name in keys else next((k for k in keys if k.endswith("/" + name)), name)
+
+
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     """{'a': {'b': 1}} -> {'a.b': '1'}; lists are JSON."""
     out: dict[str, str] = {}

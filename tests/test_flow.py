@@ -112,7 +112,9 @@ def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path)
     from opentinker.submit import deploy, follow, submit_rl_job
 
     settings, _ = stack_env
-    assert deploy(settings) == ["rl-train/gpu", "rl-train/cpu"]
+    from opentinker.scheduler import deployment_names
+
+    assert deploy(settings) == deployment_names() == ["rl-train/gpu", "rl-train/cpu", "self-play/gpu", "self-play/cpu"]
     spec = tiny_spec(tmp_path, optimization={"steps": 2}, evaluation={"every": 0, "n_samples": 8})
     flow_run_id = submit_rl_job(spec.model_dump(mode="json"), "flow-deployed", settings)
     seen = []
@@ -147,3 +149,32 @@ def test_a_job_the_cluster_cannot_place_fails_before_starting(stack_env, tmp_pat
 
     with pytest.raises(RuntimeError, match=r"resources.num_gpus: the job needs 1 GPU\(s\), the Ray cluster has 0"):
         rl_train(tiny_spec(tmp_path, resources={"num_gpus": 1}), job_id="flow-gpu")
+
+
+def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.self_play import self_play
+    from tests.test_multiagent import _gomoku_spec
+
+    settings, _ = stack_env
+    spec = _gomoku_spec(tmp_path, "agents").model_copy(update={"checkpoint": tiny_spec(tmp_path, checkpoint={"every": 1}).checkpoint})
+    spec = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": 2})})
+    first = self_play(spec, job_id="sp-flow")
+    assert first["agents"] == ["X", "O"] and set(first["checkpoints"]) == {"X", "O"}
+    keys = set(first["history"][-1])
+    assert {"X/rollout/win_rate", "O/rollout/win_rate", "X/update/sequences", "O/update/sequences", "X/eval/win_rate"} <= keys
+    # one update task per agent and step, visible in Prefect
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(limit=5, sort="START_TIME_DESC")
+        run = next(r for r in runs if r.name and r.flow_id and r.parameters.get("job_id") == "sp-flow")
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    names = sorted(t.name for t in tasks)
+    assert {"update-sp-flow-X-step0", "update-sp-flow-O-step0", "update-sp-flow-X-step1", "rollout-sp-flow-step1"} <= set(names)
+    # more steps with the same job id resume after the last common checkpoint
+    longer = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": 3})})
+    second = self_play(longer, job_id="sp-flow")
+    assert second["resumed_from"] == 2 and [h["step"] for h in second["history"]] == [3]
+    client_ml, ml_run = _mlflow_run(settings, "sp-flow")
+    assert _steps(client_ml, ml_run.info.run_id, "X/rollout/win_rate") == [1, 2, 3]

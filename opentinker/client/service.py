@@ -10,6 +10,7 @@ from typing import Any
 from opentinker.client._http import Gateway, GatewayError
 from opentinker.client.config import config_to_dict, env_section
 from opentinker.client.scheduler import TERMINAL
+from opentinker.tracking import headline_key
 
 
 class JobFailed(RuntimeError):
@@ -84,7 +85,8 @@ class ServiceClient:
                     continue
                 metrics = status.get("metrics") or {}
                 summary = " · ".join(f"{label} {metrics[key]:.3f}" for key, label in
-                                     (("rollout/reward_mean", "reward"), ("eval/accuracy", "val acc")) if key in metrics)
+                                     ((headline_key(metrics, "rollout/reward_mean"), "reward"), (headline_key(metrics, "eval/accuracy"), "val acc"))
+                                     if key in metrics)
                 bar.update(task, total=status.get("total_steps"), completed=status.get("step") or 0,
                            state=status["state"], summary=summary)
                 if status["state"] in TERMINAL:
@@ -96,3 +98,4 @@ class ServiceClient:
 
     def close(self) -> None:
         self._gateway.close()
+

@@ -15,14 +15,14 @@ from opentinker.scheduler import (
     AWAITING_ENV,
     check_fits,
     deployment_name,
+    flow_for,
     job_state,
     parked_state,
 )
 from opentinker.settings import Settings
 from opentinker.spec import JobSpec, SpecError, parse_spec
-from opentinker.tracking import JOB_TAG
+from opentinker.tracking import JOB_TAG, headline_key
 
-RL_FLOW = "rl-train"
 # Stands in for the environment while a job waits for fit(): the rest of the spec is checked now.
 _PLACEHOLDER_ENV = {"game": "opentinker.env:AbstractGame"}
 
@@ -89,7 +89,7 @@ class TenantJobs:
         if awaiting_env:
             params.pop("env")
         with self._client() as client:
-            deployment = client.read_deployment_by_name(deployment_name(RL_FLOW, pool))
+            deployment = client.read_deployment_by_name(deployment_name(flow_for(params), pool))
             run = client.create_flow_run_from_deployment(
                 deployment.id, parameters={"spec": params, "job_id": spec.job_id, "tenant": self.tenant},
                 tags=_tags(self.tenant, spec.job_id), state=parked_state() if awaiting_env else None,
@@ -141,7 +141,7 @@ class TenantJobs:
         if ml is not None:
             client, run = ml
             out["metrics"] = dict(run.data.metrics)
-            history = client.get_metric_history(run.info.run_id, "rollout/reward_mean")
+            history = client.get_metric_history(run.info.run_id, headline_key(run.data.metrics, "rollout/reward_mean"))
             out["step"] = max((m.step for m in history), default=0)
             out["checkpoint"] = run.data.tags.get("opentinker.checkpoint")
             out["links"]["mlflow"] = f"{self.settings.mlflow_url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"

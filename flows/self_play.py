@@ -1,0 +1,99 @@
+"""Multi-agent self-play as a Prefect flow: per step, a joint rollout task, then one update task
+per agent submitted together and all awaited (the phase barrier), then evaluate/checkpoint.
+
+Same contract as rl_train: the spec is the parameter, the job resumes from the newest step every
+agent has checkpointed, deployment runs hold their pool's slots, and a step's metrics (prefixed
+by agent) reach MLflow once the checkpoint covering it has committed.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import ray
+from prefect import flow, get_run_logger, runtime
+from prefect_ray.context import remote_options
+
+from flows.rl_train import job_slots, ray_runner
+from opentinker.actors import check_placeable, create_multiagent_actor
+from opentinker.agent.coordinator import PhaseError
+from opentinker.settings import get_settings
+from opentinker.spec import JobSpec
+from opentinker.submit import check_mlflow
+from opentinker.tracking import JobTracker
+from tasks.multiagent import agent_update, selfplay_checkpoint, selfplay_evaluate, selfplay_rollout
+
+
+def _phase(name: str, step: int, futures: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Wait for every task of a phase; a failing or late one fails the phase by name."""
+    results, problems, deadline = {}, [], time.monotonic() + timeout_s
+    for who, future in futures.items():
+        try:
+            results[who] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            problems.append(f"{who} did not finish within {timeout_s:g}s")
+        except Exception as err:  # noqa: BLE001 - named in the phase error
+            problems.append(f"{who} failed: {type(err).__name__}: {err}")
+    if problems:
+        raise PhaseError(f"{name} phase of step {step}: " + "; ".join(problems))
+    return results
+
+
+@flow(name="self-play", task_runner=ray_runner(), persist_result=False, log_prints=True)
+def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+    if spec.multiagent is None:
+        raise ValueError("multiagent: a self-play job needs a multiagent section")
+    settings = get_settings()
+    check_mlflow(settings.mlflow_url)
+    check_placeable(spec)
+    with job_slots(spec):
+        return _train(spec, job_id, tenant or settings.project)
+
+
+def _train(spec: JobSpec, job_id: str | None, experiment: str) -> dict[str, Any]:
+    logger = get_run_logger()
+    settings = get_settings()
+    flow_run_id = str(runtime.flow_run.id or "local")
+    job_id = job_id or spec.job_id or f"job-{flow_run_id[:8]}"
+    timeout = spec.multiagent.phase_timeout_s
+    actor = create_multiagent_actor(spec, job_id)
+    tracker = JobTracker(settings.mlflow_url, experiment, job_id, spec, tags={"prefect.flow_run_id": flow_run_id})
+    try:
+        agents = ray.get(actor.learners.remote())
+        start = ray.get(actor.restore_latest.remote())
+        total = spec.optimization.steps
+        logger.info(f"self-play job {job_id}: agents {agents}, {'resuming at step ' + str(start) if start else 'starting'} of {total}")
+        pending: list[tuple[int, dict[str, float]]] = []
+        history: list[dict[str, float]] = []
+        with remote_options(num_cpus=0, max_retries=0):
+            if start == 0 and total > 0:
+                pending.append((0, selfplay_evaluate.submit(actor=actor, job_id=job_id, step=0).result()))
+            urls: dict[str, str] = {}
+            for step in range(start, total):
+                done, t0 = step + 1, time.perf_counter()
+                metrics = _phase("rollout", step, {"selfplay": selfplay_rollout.submit(actor=actor, job_id=job_id, step=step)}, timeout)["selfplay"]
+                updates = _phase("update", step, {a: agent_update.submit(actor=actor, job_id=job_id, agent=a, step=step) for a in agents}, timeout)
+                for m in updates.values():
+                    metrics |= m
+                ray.get(actor.after_updates.remote(step))
+                if spec.evaluates_at(done):
+                    metrics |= selfplay_evaluate.submit(actor=actor, job_id=job_id, step=done).result()
+                metrics["step/seconds"] = time.perf_counter() - t0
+                pending.append((done, metrics))
+                if spec.checkpoints_at(done):
+                    urls = selfplay_checkpoint.submit(actor=actor, job_id=job_id, step=done).result()
+                    for s, m in pending:
+                        tracker.log_metrics(s, m)
+                        history.append({"step": s, **m})
+                    pending.clear()
+                logger.info(f"step {done}/{total}: " + ", ".join(f"{a} win {metrics.get(f'{a}/rollout/win_rate', 0):.2f}" for a in agents))
+        tracker.finish("FINISHED")
+        return {"job_id": job_id, "steps": total, "resumed_from": start, "checkpoints": urls, "agents": agents,
+                "mlflow_run_id": tracker.run_id, "history": history}
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        ray.kill(actor)

@@ -9,45 +9,17 @@ it has committed, so after a crash and resume MLflow holds each step exactly onc
 
 from __future__ import annotations
 
-import os
-import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import ray
-from prefect import flow, get_run_logger, runtime
-from prefect.artifacts import create_markdown_artifact
+from prefect import flow, get_run_logger
 from prefect_ray.context import remote_options
 
-from opentinker.actors import JobActors, check_placeable, create_actors
-from opentinker.scheduler import SLOTS_HELD_TAG, pool_for, slot_limit, slots_for
-from opentinker.settings import get_settings
+from flows.common import JobContext, ray_runner, scheduled_job
+from opentinker.actors import JobActors, create_actors
 from opentinker.spec import JobSpec
-from opentinker.submit import check_mlflow
-from opentinker.task_runner import SettingsOnceRayTaskRunner
-from opentinker.tracking import JobTracker
 from tasks import checkpoint, evaluate, rollout, update
-
-
-def ray_runner() -> SettingsOnceRayTaskRunner:
-    """Local Ray by default (sized to this machine, no dashboard); an existing cluster when configured."""
-    settings = get_settings()
-    if settings.ray_address:
-        return SettingsOnceRayTaskRunner(address=settings.ray_address)
-    pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    return SettingsOnceRayTaskRunner(init_kwargs={
-        "num_cpus": os.cpu_count() or 1,
-        "include_dashboard": False,
-        "object_store_memory": 512 * 1024**2,
-        "logging_level": "WARNING",
-        "log_to_driver": False,
-        "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}},
-        # Ray runs workers at nice 15 by default: the model actor then loses the CPU to every
-        # server on the machine (measured: rollout and update ≈10% slower than in-process).
-        "_system_config": {"worker_niceness": 0},
-    })
 
 
 def _run(task, actors: JobActors, job_id: str, step: int) -> Any:
@@ -58,50 +30,18 @@ def _run(task, actors: JobActors, job_id: str, step: int) -> Any:
         return task.submit(actors=actors, job_id=job_id, step=step).result()
 
 
-@contextmanager
-def job_slots(spec: JobSpec) -> Iterator[None]:
-    """Hold the job's slots of its pool's global concurrency limit for the whole run.
-
-    Only deployment runs take slots (the scheduler's runs); a direct call, as in a notebook or a
-    benchmark, runs unscheduled. The lease is renewed while the run lives and expires a minute
-    after a crash; the flow-run tag tells clients the job left the queue.
-    """
-    if runtime.deployment.id is None:
-        yield
-        return
-    from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
-
-    num_gpus = spec.resources.num_gpus
-    with concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus), strict=True, lease_duration=60):
-        with get_client(sync_client=True) as client:
-            run = client.read_flow_run(runtime.flow_run.id)
-            client.update_flow_run(run.id, tags=[*run.tags, SLOTS_HELD_TAG])
-        yield
-
-
 @flow(name="rl-train", task_runner=ray_runner(), persist_result=False, log_prints=True)
 def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     """One RL job. `tenant` names its MLflow experiment (the settings' project when None)."""
-    settings = get_settings()
-    check_mlflow(settings.mlflow_url)
-    check_placeable(spec)
-    with job_slots(spec):
-        return _train(spec, job_id, tenant or settings.project)
+    with scheduled_job(spec, job_id, tenant) as job:
+        return _train(spec, job)
 
 
-def _train(spec: JobSpec, job_id: str | None, experiment: str) -> dict[str, Any]:
+def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
     logger = get_run_logger()
-    settings = get_settings()
-    flow_run_id = str(runtime.flow_run.id or "local")
-    job_id = job_id or spec.job_id or f"job-{flow_run_id[:8]}"
+    job_id = job.job_id
     actors = create_actors(spec, job_id)
-    tracker = JobTracker(settings.mlflow_url, experiment, job_id, spec, tags={"prefect.flow_run_id": flow_run_id})
-    create_markdown_artifact(
-        key=re.sub(r"[^a-z0-9-]", "-", f"mlflow-{job_id}".lower()),
-        markdown=f"**OpenTinker job `{job_id}`**\n\nMLflow run: [{tracker.run_id}]({tracker.run_url})",
-        description="MLflow run of this job",
-    )
+    tracker = job.tracker(spec)
     try:
         restored = ray.get(actors.trainer.restore_latest.remote())
         if restored and not actors.colocated:

@@ -13,16 +13,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import ray
-from prefect import flow, get_run_logger, runtime
+from prefect import flow, get_run_logger
 from prefect_ray.context import remote_options
 
-from flows.rl_train import job_slots, ray_runner
-from opentinker.actors import check_placeable, create_multiagent_actor
+from flows.common import JobContext, ray_runner, scheduled_job
+from opentinker.actors import create_multiagent_actor
 from opentinker.agent.coordinator import PhaseError
-from opentinker.settings import get_settings
 from opentinker.spec import JobSpec
-from opentinker.submit import check_mlflow
-from opentinker.tracking import JobTracker
 from tasks.multiagent import agent_update, selfplay_checkpoint, selfplay_evaluate, selfplay_rollout
 
 
@@ -45,21 +42,15 @@ def _phase(name: str, step: int, futures: dict[str, Any], timeout_s: float) -> d
 def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     if spec.multiagent is None:
         raise ValueError("multiagent: a self-play job needs a multiagent section")
-    settings = get_settings()
-    check_mlflow(settings.mlflow_url)
-    check_placeable(spec)
-    with job_slots(spec):
-        return _train(spec, job_id, tenant or settings.project)
+    with scheduled_job(spec, job_id, tenant) as job:
+        return _train(spec, job)
 
 
-def _train(spec: JobSpec, job_id: str | None, experiment: str) -> dict[str, Any]:
+def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
     logger = get_run_logger()
-    settings = get_settings()
-    flow_run_id = str(runtime.flow_run.id or "local")
-    job_id = job_id or spec.job_id or f"job-{flow_run_id[:8]}"
-    timeout = spec.multiagent.phase_timeout_s
+    job_id, timeout = job.job_id, spec.multiagent.phase_timeout_s
     actor = create_multiagent_actor(spec, job_id)
-    tracker = JobTracker(settings.mlflow_url, experiment, job_id, spec, tags={"prefect.flow_run_id": flow_run_id})
+    tracker = job.tracker(spec)
     try:
         agents = ray.get(actor.learners.remote())
         start = ray.get(actor.restore_latest.remote())

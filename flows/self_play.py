@@ -9,7 +9,6 @@ by agent) reach MLflow once the checkpoint covering it has committed.
 from __future__ import annotations
 
 import time
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import ray
@@ -18,24 +17,9 @@ from prefect_ray.context import remote_options
 
 from flows.common import JobContext, ray_runner, scheduled_job
 from opentinker.actors import create_multiagent_actor
-from opentinker.agent.coordinator import PhaseError
+from opentinker.agent.coordinator import collect_phase
 from opentinker.spec import JobSpec
 from tasks.multiagent import agent_update, selfplay_checkpoint, selfplay_evaluate, selfplay_rollout
-
-
-def _phase(name: str, step: int, futures: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Wait for every task of a phase; a failing or late one fails the phase by name."""
-    results, problems, deadline = {}, [], time.monotonic() + timeout_s
-    for who, future in futures.items():
-        try:
-            results[who] = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            problems.append(f"{who} did not finish within {timeout_s:g}s")
-        except Exception as err:  # noqa: BLE001 - named in the phase error
-            problems.append(f"{who} failed: {type(err).__name__}: {err}")
-    if problems:
-        raise PhaseError(f"{name} phase of step {step}: " + "; ".join(problems))
-    return results
 
 
 @flow(name="self-play", task_runner=ray_runner(), persist_result=False, log_prints=True)
@@ -64,8 +48,8 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
             urls: dict[str, str] = {}
             for step in range(start, total):
                 done, t0 = step + 1, time.perf_counter()
-                metrics = _phase("rollout", step, {"selfplay": selfplay_rollout.submit(actor=actor, job_id=job_id, step=step)}, timeout)["selfplay"]
-                updates = _phase("update", step, {a: agent_update.submit(actor=actor, job_id=job_id, agent=a, step=step) for a in agents}, timeout)
+                metrics = collect_phase("rollout", step, {"selfplay": selfplay_rollout.submit(actor=actor, job_id=job_id, step=step)}, timeout)["selfplay"]
+                updates = collect_phase("update", step, {a: agent_update.submit(actor=actor, job_id=job_id, agent=a, step=step) for a in agents}, timeout)
                 for m in updates.values():
                     metrics |= m
                 ray.get(actor.after_updates.remote(step))

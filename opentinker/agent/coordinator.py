@@ -49,24 +49,28 @@ class Coordinator:
             event = PhaseEvent(phase, step, agent, time.monotonic())
             self.events.append(event)
             threading.Thread(target=_run, args=(fn, future, event), name=f"{phase}-{agent}", daemon=True).start()
-        deadline = time.monotonic() + self.phase_timeout_s
-        results, problems = {}, []
-        for agent, future in futures.items():
-            try:
-                results[agent] = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as err:  # noqa: BLE001 - reported with the agent's name
-                if future.done():
-                    problems.append(f"{agent} failed: {type(err).__name__}: {err}")
-                else:
-                    problems.append(f"{agent} did not finish within {self.phase_timeout_s:g}s")
-        if problems:
-            raise PhaseError(f"{phase} phase of step {step}: " + "; ".join(problems))
-        return results
+        return collect_phase(phase, step, futures, self.phase_timeout_s)
 
     def step(self, step: int, rollout: dict[str, Callable[[], Any]], update: Callable[[dict[str, Any]], dict[str, Callable[[], Any]]]) -> dict[str, Any]:
         """One training step: the rollout phase, then the update phase built from its results."""
         batches = self.run_phase("rollout", step, rollout)
         return self.run_phase("update", step, update(batches))
+
+
+def collect_phase(phase: str, step: int, futures: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """The barrier: wait for every future of a phase (thread futures here, Prefect task futures
+    in a flow) under one deadline; any failure or late one fails the phase, named."""
+    deadline = time.monotonic() + timeout_s
+    results, problems = {}, []
+    for who, future in futures.items():
+        try:
+            results[who] = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as err:  # noqa: BLE001 - reported with the agent's name
+            late = isinstance(err, TimeoutError) and not getattr(future, "done", lambda: True)()
+            problems.append(f"{who} did not finish within {timeout_s:g}s" if late else f"{who} failed: {type(err).__name__}: {err}")
+    if problems:
+        raise PhaseError(f"{phase} phase of step {step}: " + "; ".join(problems))
+    return results
 
 
 def _run(fn: Callable[[], Any], future: Future, event: PhaseEvent) -> None:

@@ -67,7 +67,7 @@ class TenantJobs:
     # --- submit ---------------------------------------------------------------------------
     def _normalise(self, config: dict[str, Any], num_gpus: float | None) -> tuple[JobSpec, bool]:
         """(validated spec in the tenant's namespace, whether the environment is still missing)."""
-        data = {k: v for k, v in dict(config).items()}
+        data = dict(config)
         awaiting_env = not data.get("env")
         if awaiting_env:
             data["env"] = _PLACEHOLDER_ENV

@@ -31,7 +31,7 @@ class TrainerActor:
         _torch_threads(spec)
         seed_everything(spec.seed)
         self.spec, self.job_id = spec, job_id
-        self.policy = PolicyWorker(spec)
+        self.policy = PolicyWorker(spec, job_id=job_id)
 
     def ready(self) -> int:
         return self.policy.version
@@ -59,8 +59,9 @@ class RolloutActor:
         _torch_threads(spec)
         if model is None:
             from opentinker.models import load_model
+            from opentinker.workers import pinned_init_from
 
-            model, tokenizer = load_model(spec.model.name, spec.model.dtype)
+            model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=pinned_init_from(spec, job_id))
             if spec.adapter.kind == "lora":
                 from opentinker.backend.trainer import wrap_model
 

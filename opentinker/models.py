@@ -122,8 +122,8 @@ def _build_tiny(tmp: Path) -> None:
     tokenizer.save_pretrained(tmp)
 
 
-def load_model(name: str, dtype: str = "float32"):
-    """(model, tokenizer) on CPU, in train mode off; callers decide adapters and devices."""
+def _load_base(name: str, dtype: str = "float32"):
+    """(model, tokenizer) of a named or local base model, on CPU, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -134,3 +134,93 @@ def load_model(name: str, dtype: str = "float32"):
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+# -- trained policies ---------------------------------------------------------------------------
+POLICY_FILE = "policy.json"
+"""Written into every checkpoint: what the weights apply to, so inference, evaluation and
+`model.init_from` can rebuild the policy without the job's spec."""
+
+
+def policy_info(spec, init_from: str | None) -> dict:
+    """The checkpoint's `policy.json`: base model, dtype, adapter, and the resolved checkpoint the
+    base was initialised from (never an alias: an alias may move later)."""
+    return {"base_model": spec.model.name, "dtype": spec.model.dtype,
+            "adapter": spec.adapter.model_dump(mode="json"), "init_from": init_from}
+
+
+def read_policy_info(checkpoint_url: str) -> dict:
+    """`policy.json` of a complete checkpoint (or, for checkpoints older than it, their spec.yaml)."""
+    import json
+
+    import yaml
+
+    from opentinker import checkpoint as ckpt
+
+    fs, path = ckpt._fs(checkpoint_url)
+    if not ckpt._is_complete(fs, path):
+        raise FileNotFoundError(f"{checkpoint_url} is not a complete checkpoint (missing or partial {ckpt.COMMIT})")
+    try:
+        return json.loads(fs.cat_file(f"{path}/{POLICY_FILE}"))
+    except FileNotFoundError:
+        spec = yaml.safe_load(fs.cat_file(f"{path}/spec.yaml"))
+        return {"base_model": spec["model"]["name"], "dtype": spec["model"].get("dtype", "float32"),
+                "adapter": spec.get("adapter") or {"kind": "lora"}, "init_from": spec["model"].get("init_from")}
+
+
+def resolve_checkpoint(uri: str) -> str:
+    """A complete checkpoint's step URL for `uri`: a step folder, a job folder (its latest complete
+    step) or a registry URI `models:/name@alias` / `models:/name/version`."""
+    from opentinker import checkpoint as ckpt
+
+    if uri.startswith("models:/"):
+        from opentinker.registry import resolve_model_uri
+
+        return resolve_model_uri(uri)
+    fs, path = ckpt._fs(uri)
+    if ckpt._is_complete(fs, path):
+        return uri.rstrip("/")
+    base, _, job = uri.rstrip("/").rpartition("/")
+    latest = ckpt.latest_checkpoint(base, job) if base else None
+    if latest is None:
+        raise FileNotFoundError(f"{uri}: neither a complete checkpoint nor a job folder holding one")
+    return latest.url
+
+
+def load_policy(checkpoint_url: str, dtype: str | None = None):
+    """(model, tokenizer, info): the checkpoint's base model with its trained weights applied
+    (a LoRA adapter is merged), in eval mode. Follows `init_from` chains."""
+    import torch
+
+    from opentinker import checkpoint as ckpt
+
+    info = read_policy_info(checkpoint_url)
+    model, tokenizer = load_model(info["base_model"], dtype or info["dtype"], init_from=info.get("init_from"))
+    weights = ckpt.load_checkpoint(checkpoint_url).weights
+    if info["adapter"].get("kind", "lora") == "lora":
+        from opentinker.backend.trainer import wrap_model
+        from opentinker.spec import LoraSpec
+
+        model = wrap_model(model, LoraSpec(**info["adapter"]))
+    named = dict(model.named_parameters())
+    unknown = sorted(set(weights) - set(named))
+    if unknown:
+        raise ValueError(f"{checkpoint_url}: weights do not fit {info['base_model']} ({len(unknown)} unknown tensors, e.g. {unknown[0]})")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            named[name].copy_(tensor)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.eval()
+    return model, tokenizer, info
+
+
+def load_model(name: str, dtype: str = "float32", init_from: str | None = None):
+    """(model, tokenizer) on CPU, in eval mode; callers decide adapters and devices.
+    `init_from`: a checkpoint (URL or registry URI) whose policy replaces the bare base weights."""
+    if init_from:
+        model, tokenizer, info = load_policy(resolve_checkpoint(init_from), dtype)
+        if info["base_model"] != name:
+            raise ValueError(f"model.init_from {init_from!r} was trained from {info['base_model']!r}, not {name!r}")
+        return model, tokenizer
+    return _load_base(name, dtype)

@@ -47,7 +47,7 @@ class LocalJob:
         self.spec = spec
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)
-        self.policy = PolicyWorker(spec)
+        self.policy = PolicyWorker(spec, job_id=self.job_id)
         self.rollout = RolloutWorker(spec, self.policy.model, self.policy.tokenizer)
 
     def restore_latest(self) -> int:

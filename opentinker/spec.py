@@ -7,11 +7,26 @@ Every section forbids unknown keys so a typo fails before any work starts, and
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+def _storage_url(v: str) -> str:
+    """An fsspec URL; a local path is made absolute (pinned to the submitter's directory, so a
+    worker with another working directory writes where the user looks). Credentials never go in
+    a URL: they come from the environment (AWS_* variables, instance roles)."""
+    if "://" not in v:
+        v = f"file://{v}"
+    scheme, rest = v.split("://", 1)
+    if scheme != "file" and "@" in rest.split("/", 1)[0]:
+        raise ValueError("credentials do not belong in a URL: set them in the environment (e.g. AWS_ACCESS_KEY_ID)")
+    if scheme == "file" and not rest.startswith("/"):
+        v = "file://" + str(Path(rest).resolve())
+    return v.rstrip("/")
 
 
 class _Section(BaseModel):
@@ -23,6 +38,21 @@ class ModelSpec(_Section):
 
     name: str = Field(min_length=1, description="known model name or a local model folder")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    init_from: str | None = Field(
+        None, description="start from a trained policy instead of the bare base model: a checkpoint URL "
+        "(a step folder, or a job folder for its latest complete step) or a registry URI models:/<name>@<alias> | models:/<name>/<version>; "
+        "its weights (adapter merged) become this job's base and KL reference")
+
+    @field_validator("init_from")
+    @classmethod
+    def _checkpoint_or_registry(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("models:/"):
+            if not re.fullmatch(r"models:/[^/@]+(@[A-Za-z0-9_-]+|/\d+)", v):
+                raise ValueError("a registry URI looks like models:/<name>@<alias> or models:/<name>/<version>")
+            return v
+        return _storage_url(v)
 
     @field_validator("name")
     @classmethod
@@ -101,18 +131,24 @@ class EvaluationSpec(_Section):
 class CheckpointSpec(_Section):
     every: int = Field(1, ge=0, description="checkpoint every k steps (0: only at the end); flows log a step's metrics once it is checkpointed")
     keep_last: int = Field(2, gt=0)
-    base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/")
+    base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/ (default: storage.base_url)")
 
     @field_validator("base_url")
     @classmethod
     def _absolute_local(cls, v: str) -> str:
-        """A relative local path is pinned to the submitter's directory, so the worker (whose
-        working directory differs) writes where the user looks."""
-        if "://" not in v:
-            v = f"file://{v}"
-        if v.startswith("file://") and not v.removeprefix("file://").startswith("/"):
-            v = "file://" + str(Path(v.removeprefix("file://")).resolve())
-        return v.rstrip("/")
+        return _storage_url(v)
+
+
+class StorageSpec(_Section):
+    """Where a job's files go: checkpoints (unless checkpoint.base_url says otherwise),
+    transcripts and inference outputs, under <base_url>/<job_id>/. `file://…` or `s3://bucket/prefix`."""
+
+    base_url: str = Field("file://./runs", validate_default=True, description="fsspec URL (file://, s3://); credentials come from the environment")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _storage_url(v)
 
 
 class MultiAgentSpec(_Section):
@@ -190,6 +226,7 @@ class JobSpec(_Section):
     optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     env: EnvSpec
     multiagent: MultiAgentSpec | None = None
@@ -204,6 +241,13 @@ class JobSpec(_Section):
         """Checkpoint after `done` steps: every k steps and always after the last one."""
         every = self.checkpoint.every
         return done == self.optimization.steps or (every > 0 and done % every == 0)
+
+    @model_validator(mode="after")
+    def _checkpoints_follow_storage(self) -> "JobSpec":
+        """checkpoint.base_url defaults to storage.base_url: one setting moves a job to S3."""
+        if "base_url" not in self.checkpoint.model_fields_set and self.checkpoint.base_url != self.storage.base_url:
+            self.checkpoint = self.checkpoint.model_copy(update={"base_url": self.storage.base_url})
+        return self
 
     @model_validator(mode="after")
     def _group_baseline_needs_a_group(self) -> "JobSpec":

@@ -8,6 +8,7 @@ machine they share one model object and weight sync is only a version handshake.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.metrics import episode_stats, transcripts
-from opentinker.models import load_model
+from opentinker.models import POLICY_FILE, load_model, policy_info, read_policy_info, resolve_checkpoint
 from opentinker.spec import JobSpec, LoraSpec, dump_spec
 from opentinker.trajectory import Trajectory
 
@@ -47,11 +48,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def pinned_init_from(spec: JobSpec, job_id: str | None) -> str | None:
+    """The checkpoint `model.init_from` means for this job, resolved once: a resumed job reuses
+    what its latest checkpoint recorded, so a registry alias that moved since cannot change the
+    base under trained weights."""
+    if not spec.model.init_from:
+        return None
+    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id) if job_id else None
+    if latest is not None:
+        recorded = read_policy_info(latest.url).get("init_from")
+        if recorded:
+            return recorded
+    return resolve_checkpoint(spec.model.init_from)
+
+
 class PolicyWorker:
-    def __init__(self, spec: JobSpec, model=None, tokenizer=None):
+    def __init__(self, spec: JobSpec, model=None, tokenizer=None, job_id: str | None = None):
         self.spec = spec
+        self.init_from = pinned_init_from(spec, job_id)
         if model is None:
-            model, tokenizer = load_model(spec.model.name, spec.model.dtype)
+            model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
         self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature)
 
@@ -71,7 +87,8 @@ class PolicyWorker:
         return self.trainer.version, self.trainer.trainable_state()
 
     def save(self, step: int, job_id: str, env_state: dict[str, Any]) -> ckpt.CheckpointRef:
-        extra = {"spec.yaml": dump_spec(self.spec).encode()}
+        extra = {"spec.yaml": dump_spec(self.spec).encode(),
+                 POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
         if isinstance(self.spec.adapter, LoraSpec):
             extra |= _adapter_files(self.trainer.model)
         return ckpt.save_checkpoint(

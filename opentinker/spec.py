@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -173,6 +174,22 @@ class ResourcesSpec(_Section):
     colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
 
 
+# `register` is the field's name in the interface other modules use; it shadows only the ABC
+# metaclass's `register`, which nothing calls on a spec section.
+warnings.filterwarnings("ignore", message='Field name "register" in "RegistrySpec" shadows', category=UserWarning)
+
+
+class RegistrySpec(_Section):
+    """Where a completed job's final checkpoint is registered (MLflow model registry, see
+    opentinker/registry.py): a new version of `model_name` with lineage tags and alias `challenger`."""
+
+    model_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+        description="registered model name; None: '<tenant or project>-<game class in lower case>' "
+        "(e.g. default-uppercasegame; 'env' for a served environment)")
+    register: bool = Field(True, description="register the final checkpoint when the job completes")
+
+
 class EnvSpec(_Section):
     """Where episodes are played: a game class imported in-process (`game`) or a served
     environment (`url`, see `opentinker env serve`). Exactly one of the two."""
@@ -230,6 +247,7 @@ class JobSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     env: EnvSpec
     multiagent: MultiAgentSpec | None = None
+    registry: RegistrySpec = Field(default_factory=RegistrySpec)
     seed: int = 0
 
     def evaluates_at(self, done: int) -> bool:

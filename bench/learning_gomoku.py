@@ -10,9 +10,9 @@ never used in training) are played greedily before training and every `--every` 
 loss / unfinished rates vs random, illegal-move rate (illegal attempts / all attempts), forfeit
 rate, and game length (stones on the board at the end).
 
-By default the game is `GomokuWithExample` below: GomokuGame with the same rules and texts plus
-one example exchange before the game (two moves along a row, with the environment's own replies),
-as the math games have. Without it (`--no-example`) SmolLM2-135M-Instruct almost never writes a
+By default the game shows one example exchange before the game (`few_shot: 1`: two moves along
+a row, with the environment's own replies, see envs/gomoku/examples.py), as the math games do.
+Without it (`--no-example`) SmolLM2-135M-Instruct almost never writes a
 readable move: it talks about the game instead, every game is lost by forfeit within 3 turns, all
 rewards are -1 and GRPO's group advantages are all zero, so nothing can be learned.
 
@@ -22,10 +22,9 @@ stones. Both start from the policy trained in (a) (`--sp-from-scratch`: from the
 and the snapshot is refreshed every `--sp-snapshot-every` steps (by default never within the run,
 so the last evaluation is the learner against the policy it started from). Held-out openings
 are played greedily before and after training: the learner's illegal-move rate (illegal / its
-turns) and its win / loss / draw rates against the snapshot. The self-play loop has no example
-exchange (it shows only the rules and the board; `Match` has no example turns), and there the
-base SmolLM2 writes no readable move at all (100% illegal, greedy), so (b) mainly shows whether
-what (a) learned carries over to the example-free prompt. A sampled X that does make a legal
+turns) and its win / loss / draw rates against the snapshot. Each player is shown its own
+example exchange (GomokuSelfPlay `few_shot: 1`: its first two moves of an earlier match, as the
+match showed them; `--no-example` drops it too). A sampled X that does make a legal
 move usually wins, because the snapshot O then forfeits.
 
 Cost: every turn re-reads the whole conversation (rules ~160 tokens, example ~230, a board ~90
@@ -56,43 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from envs.gomoku import GomokuGame
-
-EXAMPLE_GAME = "bench.learning_gomoku:GomokuWithExample"
-
-
-class GomokuWithExample(GomokuGame):
-    """envs.gomoku:GomokuGame (same rules, prompt and texts) with one example exchange before the
-    game: the model's first two moves of an earlier game, with the environment's replies."""
-
-    def __init__(self, example: bool = True, **kwargs):
-        super().__init__(**kwargs)
-        self._example = example_turns(self.size, self.win_length, self.max_illegal) if example else []
-
-    def get_example_turns(self) -> list[dict[str, str]]:
-        return [dict(m) for m in self._example]
-
-
-def example_turns(size: int, win_length: int, max_illegal: int) -> list[dict[str, str]]:
-    """X's first two moves along a row near the centre against the random opponent, with the
-    game's own observations (the first opponent seed that leaves the second cell free)."""
-    r = c = max(size // 2 - 1, 0)
-    moves = [(r, c), (r, c + 1)] if c + 1 < size else [(r, c)]
-    turns: list[dict[str, str]] = []
-    for seed in range(100):
-        game = GomokuGame(size=size, win_length=win_length, opponent="random", max_illegal=max_illegal)
-        turns = [{"role": "user", "content": game.reset(seed=seed)}]
-        for i, (row, col) in enumerate(moves):
-            if game.match.finished or game.match.board.cells[row][col]:
-                break
-            result = game.step(f"Move: {row},{col}")
-            turns.append({"role": "assistant", "content": f"Move: {row},{col}"})
-            if i + 1 < len(moves):
-                turns.append({"role": "user", "content": result.observation})
-        else:
-            return turns
-    return turns[:2]
-
+from envs.gomoku.examples import game_example
 
 def _spec_data(args, tmp: str, steps: int, every: int, prompts: int, eval_n: int, env: dict, **extra) -> dict:
     return {
@@ -157,10 +120,10 @@ def single_agent(args) -> tuple[dict, dict]:
     from opentinker.runner import LocalJob
     from opentinker.spec import parse_spec
 
-    game_kwargs = {"size": args.size, "win_length": args.win_length, "opponent": "random", "max_illegal": args.max_illegal}
-    env = {"game": "envs.gomoku:GomokuGame" if args.no_example else EXAMPLE_GAME,
-           "config": {"model_plays": "X", "val_size": args.eval_n, "game_kwargs": game_kwargs}}
-    example_len = 0 if args.no_example else len(example_turns(args.size, args.win_length, args.max_illegal))
+    game_kwargs = {"size": args.size, "win_length": args.win_length, "opponent": "random", "max_illegal": args.max_illegal,
+                   "few_shot": 0 if args.no_example else 1}
+    env = {"game": "envs.gomoku:GomokuGame", "config": {"model_plays": "X", "val_size": args.eval_n, "game_kwargs": game_kwargs}}
+    example_len = 0 if args.no_example else len(game_example(args.size, args.win_length, args.max_illegal))
     with tempfile.TemporaryDirectory() as tmp:
         spec = parse_spec(_spec_data(args, tmp, args.steps, args.every, args.prompts, args.eval_n, env))
         print(f"[single] {args.size}x{args.size}, {args.win_length} in a row, X vs random, "
@@ -195,7 +158,7 @@ def single_agent(args) -> tuple[dict, dict]:
     step_times = [h["step/seconds"] for h in result.history]
     spec_json = spec.model_dump(mode="json")
     if not args.no_example:
-        spec_json["env"]["example_turns"] = example_turns(args.size, args.win_length, args.max_illegal)
+        spec_json["env"]["example_turns"] = game_example(args.size, args.win_length, args.max_illegal)
     del job
     gc.collect()
     return {"spec": spec_json, "model_load_seconds": load_s, "wall_seconds": result.seconds,
@@ -208,7 +171,8 @@ def self_play(args, init_state: dict | None) -> dict:
 
     env = {"game": "envs.gomoku:GomokuSelfPlay",
            "config": {"size": args.size, "opening_stones": 2, "val_size": args.sp_eval_n,
-                      "game_kwargs": {"size": args.size, "win_length": args.win_length, "max_illegal": args.max_illegal}}}
+                      "game_kwargs": {"size": args.size, "win_length": args.win_length, "max_illegal": args.max_illegal,
+                                      "few_shot": 0 if args.no_example else 1}}}
     snapshot_every = args.sp_snapshot_every or args.sp_steps + 1
     with tempfile.TemporaryDirectory() as tmp:
         data = _spec_data(args, tmp, args.sp_steps, args.sp_every, args.sp_prompts, args.sp_eval_n, env,

@@ -10,6 +10,7 @@ from envs.gomoku import (
     Board,
     GomokuGame,
     GomokuMatch,
+    GomokuSelfPlay,
     greedy_opponent,
     parse_move,
     random_opponent,
@@ -248,3 +249,61 @@ def test_an_episode_through_the_agent_loop_with_a_random_model(tiny):
         if traj.info["illegal_moves"] > 2:  # the usual fate of random text: a loss by invalid moves
             assert traj.stop_reason == "done" and traj.info["result"] == "loss" and traj.reward == -1.0
     assert any(t.info["result"] == "loss" and t.reward == -1.0 for t in trajs)
+
+
+# -- example exchanges (few_shot) --------------------------------------------------------------
+def test_few_shot_example_is_a_real_opening_played_by_the_rules():
+    from envs.gomoku.examples import game_example
+
+    assert GomokuGame(size=6, win_length=4).get_example_turns() == []
+    turns = GomokuGame(size=6, win_length=4, few_shot=1).get_example_turns()
+    assert [m["role"] for m in turns] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in turns[1::2]] == ["Move: 2,2", "Move: 2,3"]
+    # replaying the example's moves against the same environment gives the same observations
+    game = GomokuGame(size=6, win_length=4, opponent="random")
+    for seed in range(100):
+        if game.reset(seed=seed) == turns[0]["content"] and game.step("Move: 2,2").observation == turns[2]["content"]:
+            break
+    else:
+        pytest.fail("no opponent seed reproduces the example's observations")
+    assert game_example(6, 4, 2) == turns
+    with pytest.raises(ValueError, match="few_shot"):
+        GomokuGame(few_shot=3)
+
+
+def test_selfplay_examples_show_each_player_its_own_moves():
+    match = GomokuSelfPlay(size=6, win_length=4, few_shot=1)
+    for player in ("X", "O"):
+        turns = match.example_turns(player)
+        assert [m["role"] for m in turns] == ["user", "assistant", "user", "assistant"]
+        assert all(m["content"].startswith(f"You play {player}.") for m in turns[::2])
+        assert f"Your move ({player})." in turns[0]["content"]
+        assert [m["content"] for m in turns[1::2]] == ["Move: 2,2", "Move: 2,3"]
+    assert GomokuSelfPlay(size=6, win_length=4).example_turns("X") == []
+    assert match.board.moves == []  # building examples never touches the live board
+
+
+def test_selfplay_prompt_carries_the_example_and_the_record_stays_exact(tiny):
+    import torch
+
+    from opentinker.agent import ChatFormat, EpisodeLimits
+    from opentinker.agent.selfplay import Seat, play_matches
+    from opentinker.backend import HFRolloutEngine, SamplingParams
+
+    model, tok = tiny
+    torch.manual_seed(0)
+    chat = ChatFormat(tok)
+    seat = Seat(HFRolloutEngine(model, tok), chat)
+    matches = [GomokuSelfPlay(size=5, win_length=4, few_shot=1) for _ in range(2)]
+    records = play_matches({"X": seat, "O": seat}, matches, SamplingParams(max_new_tokens=6, temperature=1.0),
+                           EpisodeLimits(max_turns=4, max_total_tokens=4096))
+    for player in ("X", "O"):
+        for match, traj in zip(matches, records[player]):
+            if traj is None:
+                continue
+            examples = match.example_turns(player)
+            first = [{"role": "system", "content": match.system_prompt(player)}, *examples, traj.messages[len(examples) + 1]]
+            assert traj.messages[: len(first)] == first
+            assert traj.prompt_ids == chat.prompt_ids(first)
+            sampled = {k for t in traj.turns for k in range(t.sampled_start, t.sampled_end)}
+            assert traj.loss_mask == [1 if k in sampled else 0 for k in range(len(traj))]

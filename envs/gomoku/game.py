@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from envs.gomoku.board import BLACK, SYMBOLS, WHITE, Board
+from envs.gomoku.examples import game_example
 from envs.gomoku.opponents import OPPONENTS
 from opentinker.env import AbstractGame, StepResult
 
@@ -160,6 +161,7 @@ class GomokuGame(AbstractGame):
     other step. `info["correct"]` is True only on a win, so the generic accuracy is the win rate.
     The opponent's rng comes from the task's `seed` (or `opponent_seed`, when set, for all tasks).
     `model_plays` here overrides the task's; None leaves it to the task (X when absent).
+    `few_shot=1` shows one example exchange before the game (see envs.gomoku.examples).
     """
 
     def __init__(
@@ -170,15 +172,19 @@ class GomokuGame(AbstractGame):
         model_plays: str | None = None,
         max_illegal: int = 2,
         opponent_seed: int | None = None,
+        few_shot: int = 0,
     ):
         if opponent not in OPPONENTS:
             raise ValueError(f"unknown opponent {opponent!r}; use one of {sorted(OPPONENTS)}")
         if model_plays not in (None, "X", "O", "random"):
             raise ValueError(f"model_plays must be 'X', 'O' or 'random', got {model_plays!r}")
+        if few_shot not in (0, 1):
+            raise ValueError(f"few_shot must be 0 or 1 (one example exchange), got {few_shot!r}")
         Board(size, win_length)  # validates the geometry now, not at the first reset
         self.size, self.win_length, self.max_illegal = size, win_length, max_illegal
         self.opponent = OPPONENTS[opponent]
         self.model_plays, self.opponent_seed = model_plays, opponent_seed
+        self._example = game_example(size, win_length, max_illegal) if few_shot else []
         self.match: GomokuMatch | None = None
         self.me = BLACK
         self.rng: np.random.Generator | None = None
@@ -194,6 +200,10 @@ class GomokuGame(AbstractGame):
 
     def get_system_prompt(self) -> str:
         return rules(self.size, self.win_length, self.max_illegal)
+
+    def get_example_turns(self) -> list[dict[str, str]]:
+        """`few_shot=1`: an earlier game's first two moves, with this environment's replies."""
+        return [dict(m) for m in self._example]
 
     def reset(self, seed: int = 0, model_plays: str | None = None, **_: Any) -> str:
         self.match = GomokuMatch(self.size, self.win_length, self.max_illegal)

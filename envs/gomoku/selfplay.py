@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from envs.gomoku.board import SYMBOLS
+from envs.gomoku.examples import selfplay_example
 from envs.gomoku.game import GomokuMatch
 
 
@@ -15,6 +16,16 @@ class GomokuSelfPlay(GomokuMatch):
     from training."""
 
     players = ("X", "O")
+
+    def __init__(self, size: int = 9, win_length: int = 5, max_illegal: int = 2, few_shot: int = 0):
+        if few_shot not in (0, 1):
+            raise ValueError(f"few_shot must be 0 or 1 (one example exchange per player), got {few_shot!r}")
+        super().__init__(size, win_length, max_illegal)
+        self.few_shot = few_shot
+
+    def example_turns(self, player: str) -> list[dict[str, str]]:
+        """`few_shot=1`: the player's first moves of an earlier match, as the match showed them."""
+        return selfplay_example(self.board.size, self.board.win_length, self.max_illegal, player) if self.few_shot else []
 
     @classmethod
     def generate_task(cls, rng: Any, size: int = 9, opening_stones: int = 2, **_: Any) -> dict[str, Any]:

@@ -34,6 +34,8 @@ class Match(Protocol):
     def apply(self, player: str, action: str) -> tuple[bool, str]: ...
     def result_for(self, player: str) -> float: ...
     def info_for(self, player: str) -> dict[str, Any]: ...
+    # Optional: `example_turns(player) -> list[message]`, example exchanges shown between the
+    # system prompt and the first observation (as AbstractGame.get_example_turns).
 
 
 @dataclass
@@ -103,7 +105,8 @@ def _show(seat: Seat, match: Match, player: str, records, pending, stopped, abor
     message = pending.get((i, player))
     observation = message if message is not None else match.observation_for(player)
     if traj is None:
-        messages = [{"role": "system", "content": match.system_prompt(player)}, {"role": "user", "content": observation}]
+        examples = match.example_turns(player) if hasattr(match, "example_turns") else []
+        messages = [{"role": "system", "content": match.system_prompt(player)}, *examples, {"role": "user", "content": observation}]
         records[player][i] = Trajectory(prompt_ids=seat.chat.prompt_ids(messages), group_id=group, messages=messages,
                                         task={"match": i, "player": player})
         return True

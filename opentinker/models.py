@@ -161,11 +161,21 @@ def read_policy_info(checkpoint_url: str) -> dict:
     if not ckpt._is_complete(fs, path):
         raise FileNotFoundError(f"{checkpoint_url} is not a complete checkpoint (missing or partial {ckpt.COMMIT})")
     try:
-        return json.loads(fs.cat_file(f"{path}/{POLICY_FILE}"))
+        try:
+            info = json.loads(fs.cat_file(f"{path}/{POLICY_FILE}"))
+        except FileNotFoundError:
+            spec = yaml.safe_load(fs.cat_file(f"{path}/spec.yaml"))
+            info = {"base_model": spec["model"]["name"], "dtype": spec["model"].get("dtype", "float32"),
+                    "adapter": spec.get("adapter") or {"kind": "lora"}, "init_from": spec["model"].get("init_from")}
+        base = info["base_model"]
     except FileNotFoundError:
-        spec = yaml.safe_load(fs.cat_file(f"{path}/spec.yaml"))
-        return {"base_model": spec["model"]["name"], "dtype": spec["model"].get("dtype", "float32"),
-                "adapter": spec.get("adapter") or {"kind": "lora"}, "init_from": spec["model"].get("init_from")}
+        raise ValueError(f"{checkpoint_url}: corrupt checkpoint: neither {POLICY_FILE} nor spec.yaml says what the weights apply to") from None
+    except (ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+        raise ValueError(f"{checkpoint_url}: corrupt checkpoint: unreadable {POLICY_FILE}/spec.yaml ({type(err).__name__}: {err})") from None
+    if not is_resolvable(base):
+        raise ValueError(f"{checkpoint_url}: the checkpoint's base model {base!r} is not available here "
+                         f"(known: {', '.join(KNOWN_MODELS)}, or a local model folder)")
+    return info
 
 
 def resolve_checkpoint(uri: str) -> str:

@@ -1,0 +1,93 @@
+"""A trained policy as the starting point: load_policy rebuilds it from a checkpoint alone
+(policy.json), and `model.init_from` makes it the next job's base, pinned for that job's life."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from opentinker import checkpoint as ckpt
+from opentinker.models import load_model, load_policy, read_policy_info, resolve_checkpoint
+from opentinker.runner import LocalJob
+from opentinker.spec import SpecError, parse_spec
+
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
+
+
+def _spec(tmp_path, adapter: str = "lora", **model) -> dict:
+    return {
+        "model": {"name": "tiny-random", **model},
+        "adapter": {"kind": adapter},
+        "env": {"game": "envs.toy:UppercaseGame"},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "optimization": {"steps": 2, "lr": 1e-2},
+        "evaluation": {"every": 0, "n_samples": 2},
+        "storage": {"base_url": str(tmp_path)},
+    }
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("adapter", ["lora", "full"])
+def test_a_checkpoint_alone_rebuilds_the_trained_policy_and_starts_the_next_job(tmp_path, adapter):
+    first = LocalJob(parse_spec(_spec(tmp_path, adapter)), job_id="first")
+    first.run()
+    trained = _logits(first.policy.model)
+    url = resolve_checkpoint(f"file://{tmp_path}/first")  # a job folder means its latest complete step
+    assert url.endswith("first/step-00000002")
+    info = read_policy_info(url)
+    assert info["base_model"] == "tiny-random" and info["adapter"]["kind"] == adapter and info["init_from"] is None
+
+    model, _, _ = load_policy(url)
+    assert torch.allclose(_logits(model), trained, atol=1e-5)
+    assert not torch.allclose(_logits(load_model("tiny-random")[0]), trained, atol=1e-3)  # training changed it
+
+    second = LocalJob(parse_spec(_spec(tmp_path, "lora", init_from=f"file://{tmp_path}/first")), job_id="second")
+    assert torch.allclose(_logits(second.policy.model), trained, atol=1e-5)  # fresh LoRA (B = 0) on the trained base
+    second.run()
+    recorded = read_policy_info(resolve_checkpoint(f"file://{tmp_path}/second"))
+    assert recorded["init_from"] == url  # the resolved step, never the job folder or an alias
+    assert torch.allclose(_logits(load_policy(resolve_checkpoint(f"file://{tmp_path}/second"))[0]),
+                          _logits(second.policy.model), atol=1e-5)
+
+
+def test_a_resumed_job_keeps_the_base_it_started_from(tmp_path):
+    first = LocalJob(parse_spec(_spec(tmp_path)), job_id="first")
+    first.run()
+    step2 = resolve_checkpoint(f"file://{tmp_path}/first")
+    spec = _spec(tmp_path, init_from=f"file://{tmp_path}/first")
+    LocalJob(parse_spec(spec), job_id="second").run()
+    # the source job moves on: its folder now resolves to a later step ...
+    spec_more = _spec(tmp_path) | {"optimization": {"steps": 3, "lr": 1e-2}}
+    more = LocalJob(parse_spec(spec_more), job_id="first")
+    more.restore_latest()
+    more.run()
+    assert resolve_checkpoint(f"file://{tmp_path}/first") != step2
+    # ... but "second", resumed, rebuilds on the step it recorded when it started
+    resumed = LocalJob(parse_spec(spec), job_id="second")
+    assert resumed.policy.init_from == step2
+
+
+def test_bad_init_from_fails_clearly(tmp_path):
+    with pytest.raises(SpecError, match="model.init_from: a registry URI looks like"):
+        parse_spec(_spec(tmp_path, init_from="models:/only-a-name"))
+    with pytest.raises(FileNotFoundError, match="neither a complete checkpoint nor a job folder"):
+        LocalJob(parse_spec(_spec(tmp_path, init_from=str(tmp_path / "nothing-here"))))
+    LocalJob(parse_spec(_spec(tmp_path)), job_id="tiny").run()
+    url = resolve_checkpoint(f"file://{tmp_path}/tiny")
+    path = url.removeprefix("file://")
+    info = json.loads(open(f"{path}/policy.json").read())
+    with open(f"{path}/policy.json", "w") as f:  # same size, another base model
+        f.write(json.dumps(info | {"base_model": "tiny-randoX"}))
+    with pytest.raises(ValueError, match="base model 'tiny-randoX' is not available here"):
+        load_policy(url)  # COMMIT.json's sizes still match: the content is what gives it away
+    with open(f"{path}/policy.json", "w") as f:
+        f.write("{not json" + " " * (len(json.dumps(info)) - 9))
+    with pytest.raises(ValueError, match="corrupt checkpoint: unreadable policy.json"):
+        LocalJob(parse_spec(_spec(tmp_path, init_from=url)))
+    assert ckpt.list_checkpoints(f"file://{tmp_path}", "tiny")[-1].url == url  # nothing was changed or pruned

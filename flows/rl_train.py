@@ -34,10 +34,34 @@ def _run(task, actors: JobActors, job_id: str, step: int) -> Any:
 def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     """One RL job. `tenant` names its MLflow experiment (the settings' project when None)."""
     with scheduled_job(spec, job_id, tenant) as job:
-        return _train(spec, job)
+        return _train(spec, job, tenant)
 
 
-def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
+def _register(spec: JobSpec, job: JobContext, tenant: str | None, url: str, tracker) -> dict[str, Any]:
+    """Register the final checkpoint (opentinker/registry.py) and tag the MLflow run with the version.
+
+    A registry failure fails the job rather than warning: registration is part of a completed
+    job's contract (the evaluation trigger and `models:/…@champion` rely on it), and a COMPLETED
+    job missing from the registry would go unnoticed. The checkpoint is committed before this runs,
+    so nothing trained is lost: re-running the job id resumes at its last step and only registers."""
+    from opentinker.registry import RegistryError, model_name_for, register_job_checkpoint
+
+    data = spec.model_dump(mode="json")
+    try:
+        reg = register_job_checkpoint(
+            checkpoint_url=url, model_name=model_name_for(data, job.experiment, tenant), job_id=job.job_id, kind="rl",
+            spec_data=data, base_model=spec.model.name, environment=spec.env.game or spec.env.label,
+            flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
+            tracking_uri=tracker.tracking_uri)
+    except (RegistryError, ValueError) as err:
+        raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
+                            "re-running the same job id registers it without training again") from err
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
+    return reg
+
+
+def _train(spec: JobSpec, job: JobContext, tenant: str | None = None) -> dict[str, Any]:
     logger = get_run_logger()
     job_id = job.job_id
     actors = create_actors(spec, job_id)
@@ -79,9 +103,11 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
         loop_seconds = time.perf_counter() - loop_start
         if url:
             tracker.log_checkpoint(url)
+        registered = _register(spec, job, tenant, url, tracker) if url and spec.registry.register else None
         tracker.finish("FINISHED")
         return {"job_id": job_id, "steps": total, "resumed_from": start, "checkpoint": url,
-                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url, "history": history, "loop_seconds": loop_seconds}
+                "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url, "history": history, "loop_seconds": loop_seconds,
+                "registered_model": registered}
     except BaseException:
         tracker.finish("FAILED")
         raise

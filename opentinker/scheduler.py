@@ -152,9 +152,40 @@ def apply_deployments(settings: Settings, path: Path = DEPLOYMENTS_FILE) -> list
                 # The gateway validates specs itself, and a run parked for its environment
                 # carries an incomplete spec until fit() completes it.
                 enforce_parameter_schema=False,
+                schedules=_schedules(entry), triggers=_triggers(entry),
+                concurrency_limit=entry.get("concurrency_limit"), parameters=entry.get("parameters"),
             )
         names.append(f"{flow.name}/{entry['name']}")
     return names
+
+
+def _schedules(entry: dict[str, Any]) -> list[Any] | None:
+    """prefect.yaml `schedules:` entries (cron or interval, timezone, active, parameters, slug) as
+    Prefect schedules; None when the deployment has none (re-applying then keeps no schedule)."""
+    from prefect.schedules import Cron, Interval
+
+    out = []
+    for item in entry.get("schedules") or []:
+        extra = {k: item[k] for k in ("timezone", "active", "parameters", "slug") if k in item}
+        if "cron" in item:
+            out.append(Cron(item["cron"], **extra))
+        elif "interval" in item:
+            out.append(Interval(item["interval"], **extra))
+        else:
+            raise ValueError(f"deployment {entry['name']!r}: a schedule needs `cron` or `interval`, got {item}")
+    return out or None
+
+
+def _triggers(entry: dict[str, Any]) -> list[Any] | None:
+    """prefect.yaml `triggers:` entries, validated the way `prefect deploy` does (each becomes an
+    automation owned by the deployment, replaced whenever the deployment is applied again)."""
+    from pydantic import TypeAdapter
+    from prefect.events import DeploymentTriggerTypes
+
+    adapter = TypeAdapter(DeploymentTriggerTypes)
+    specs = entry.get("triggers") or []
+    prefix = f"{entry['entrypoint'].partition(':')[2].replace('_', '-')}/{entry['name']}"
+    return [adapter.validate_python({"name": f"{prefix} trigger {i}", **t}) for i, t in enumerate(specs, 1)] or None
 
 
 def deployment_exists(name: str) -> bool:

@@ -4,10 +4,13 @@ A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the traina
 optimizer state, RNG states and a JSON state (step, policy version, data position). It counts
 only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
 point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
+COMMIT.json also records each file's sha256, so a file changed after the commit (same size, other
+bytes) makes loading fail with the URL and the file named instead of restoring garbage.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import random
@@ -24,6 +27,14 @@ from safetensors.torch import save as save_safetensors
 
 COMMIT = "COMMIT.json"
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+# Stores without folders: s3fs's makedirs would create a missing *bucket* instead of failing.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az"}
+
+
+class CheckpointError(FileNotFoundError):
+    """No usable checkpoint at a URL: none there, uncommitted (no COMMIT.json, a size differs) or
+    corrupt (bytes differ from the recorded sha256, or do not parse). A FileNotFoundError, so
+    callers asking "is there a checkpoint here" treat all of them alike; the message says which."""
 
 
 @dataclass
@@ -39,6 +50,11 @@ def _fs(url: str):
 
 def _join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
+
+
+def _makedirs(fs, path: str) -> None:
+    if not _OBJECT_STORES & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        fs.makedirs(path, exist_ok=True)
 
 
 def job_url(base_url: str, job_id: str) -> str:
@@ -68,9 +84,10 @@ def save_checkpoint(
     """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
     url = _join(job_url(base_url, job_id), f"step-{step:08d}")
     fs, path = _fs(url)
+    fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
     if fs.exists(path):
         fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
-    fs.makedirs(path, exist_ok=True)
+    _makedirs(fs, path)
     opt_buf, rng_buf = io.BytesIO(), io.BytesIO()
     torch.save(optimizer_state, opt_buf)
     torch.save(rng_state(), rng_buf)
@@ -83,10 +100,11 @@ def save_checkpoint(
     }
     for name, data in files.items():
         if "/" in name:
-            fs.makedirs(_join(path, name.rsplit("/", 1)[0]), exist_ok=True)
+            _makedirs(fs, _join(path, name.rsplit("/", 1)[0]))
         with fs.open(_join(path, name), "wb") as f:
             f.write(data)
-    manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()}}
+    manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()},
+                "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
     with fs.open(_join(path, COMMIT), "wb") as f:
         f.write(json.dumps(manifest).encode())
     if keep_last:
@@ -102,21 +120,51 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot store {type(obj).__name__} in checkpoint state")
 
 
-def _is_complete(fs, path: str) -> bool:
+def _manifest(fs, path: str) -> dict[str, Any] | None:
+    """COMMIT.json of a complete checkpoint (every listed file has its size), else None."""
+    fs.invalidate_cache(path)  # sizes from the store: a cached listing may predate a rewrite
     try:
         manifest = json.loads(fs.cat_file(_join(path, COMMIT)))
-        return all(fs.size(_join(path, name)) == size for name, size in manifest["files"].items())
-    except (FileNotFoundError, KeyError, ValueError, OSError):
-        return False
+        complete = all(fs.size(_join(path, name)) == size for name, size in manifest["files"].items())
+    except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
+        return None
+    return manifest if complete else None
+
+
+def _is_complete(fs, path: str) -> bool:
+    return _manifest(fs, path) is not None
+
+
+def _verified(fs, path: str, url: str, manifest: dict[str, Any], name: str) -> bytes:
+    data = fs.cat_file(_join(path, name))
+    expected = manifest.get("sha256", {}).get(name)  # absent in checkpoints written before hashes
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{url} is not a complete checkpoint: {name} differs from the sha256 in {COMMIT} "
+                              "(corrupt, or changed after the commit)")
+    return data
+
+
+def read_file(url: str, name: str, missing_ok: bool = False) -> bytes | None:
+    """One file of a complete checkpoint, verified against COMMIT.json; None when the checkpoint
+    has no such file and `missing_ok` (e.g. policy.json in checkpoints older than it)."""
+    fs, path = _fs(url)
+    manifest = _manifest(fs, path)
+    if manifest is None:
+        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+    if name not in manifest["files"]:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{url} is not a complete checkpoint: it has no {name}")
+    return _verified(fs, path, url, manifest, name)
 
 
 def list_checkpoints(base_url: str, job_id: str) -> list[CheckpointRef]:
     """Complete checkpoints of a job, oldest first."""
     root_url = job_url(base_url, job_id)
     fs, root = _fs(root_url)
+    fs.invalidate_cache(root)  # before exists(): s3fs answers it from a cached parent listing
     if not fs.exists(root):
         return []
-    fs.invalidate_cache(root)
     out = []
     for entry in fs.ls(root, detail=False):
         m = _STEP_DIR.search(entry.rstrip("/"))
@@ -148,11 +196,22 @@ class LoadedCheckpoint:
 
 
 def load_checkpoint(url: str) -> LoadedCheckpoint:
+    """Read a complete checkpoint; CheckpointError names the URL and the file when it is not usable."""
     fs, path = _fs(url)
-    if not _is_complete(fs, path):
-        raise FileNotFoundError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
-    weights = load_safetensors(fs.cat_file(_join(path, "weights.safetensors")))
-    optimizer_state = torch.load(io.BytesIO(fs.cat_file(_join(path, "optimizer.pt"))), weights_only=False)
-    rng = torch.load(io.BytesIO(fs.cat_file(_join(path, "rng.pt"))), weights_only=False)
-    state = json.loads(fs.cat_file(_join(path, "state.json")))
+    manifest = _manifest(fs, path)
+    if manifest is None:
+        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+
+    def parsed(name: str, parse):
+        data = _verified(fs, path, url, manifest, name)
+        try:
+            return parse(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt file
+            reason = (str(err).splitlines() or [""])[0]
+            raise CheckpointError(f"{url} is not a complete checkpoint: {name} is corrupt ({type(err).__name__}: {reason})") from err
+
+    weights = parsed("weights.safetensors", load_safetensors)
+    optimizer_state = parsed("optimizer.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
+    rng = parsed("rng.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
+    state = parsed("state.json", json.loads)
     return LoadedCheckpoint(step=int(state["step"]), weights=weights, optimizer_state=optimizer_state, rng=rng, state=state)

@@ -16,6 +16,7 @@ from opentinker.actors import check_placeable
 from opentinker.scheduler import SLOTS_HELD_TAG, pool_for, slot_limit, slots_for
 from opentinker.settings import get_settings
 from opentinker.spec import JobSpec
+from opentinker.storage import check_job_storage
 from opentinker.submit import check_mlflow
 from opentinker.task_runner import SettingsOnceRayTaskRunner
 from opentinker.tracking import JobTracker
@@ -81,10 +82,11 @@ class JobContext:
 
 @contextmanager
 def scheduled_job(spec: JobSpec, job_id: str | None, tenant: str | None) -> Iterator[JobContext]:
-    """Fail fast on a missing MLflow server or an unplaceable job, then hold the job's slots
-    for the whole run; `tenant` names the MLflow experiment (the settings' project when None)."""
+    """Fail fast on a missing MLflow server, unusable storage or an unplaceable job, then hold the
+    job's slots for the whole run; `tenant` names the MLflow experiment (the settings' project when None)."""
     settings = get_settings()
     check_mlflow(settings.mlflow_url)
+    check_job_storage(spec)
     check_placeable(spec)
     with job_slots(spec):
         flow_run_id = str(runtime.flow_run.id or "local")

@@ -80,10 +80,15 @@ def run(
 
     torch.set_num_threads(os.cpu_count() or 1)
     from opentinker.runner import LocalJob
+    from opentinker.storage import StorageError
 
     console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.label}")
-    with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
-        job = LocalJob(spec, job_id=job_id)
+    try:
+        with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
+            job = LocalJob(spec, job_id=job_id)  # checks its storage first, before the model loads
+    except StorageError as err:
+        console.print(str(err), style="red", markup=False)
+        raise typer.Exit(1)
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
 
     state = {"acc": None, "reward": None}

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from opentinker import checkpoint as ckpt
 from opentinker.spec import JobSpec
+from opentinker.storage import check_job_storage
 from opentinker.workers import EvalResult, PolicyWorker, RolloutWorker, seed_everything
 
 
@@ -44,6 +45,7 @@ class LocalJob:
     """Policy and rollout workers sharing one model in this process."""
 
     def __init__(self, spec: JobSpec, job_id: str | None = None):
+        check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         self.spec = spec
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)

@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     """fsspec URL under which the gateway places tenants' checkpoints
     (`<storage_url>/tenants/<tenant>/<job_id>`); None: `file://<state_dir>/storage`."""
 
+    artifacts_url: str | None = None
+    """Where the stack's MLflow server stores artifacts (`--artifacts-destination`; clients upload
+    through the server, so only it needs S3 credentials). None: `<storage_url>/mlflow` when
+    storage_url is remote (s3://…), else the local folder `<state_dir>/mlflow/artifacts`."""
+
     gateway_port: int = 8200
     """Port of the authenticated job gateway (the URL clients use)."""
 
@@ -79,6 +84,15 @@ class Settings(BaseSettings):
     @property
     def mlflow_url(self) -> str:
         return f"http://{self.host}:{self.mlflow_port}"
+
+    @property
+    def mlflow_artifacts_destination(self) -> str:
+        """`artifacts_url`, else follows a remote `storage_url`, else the local default (see artifacts_url)."""
+        if self.artifacts_url:
+            return self.artifacts_url.rstrip("/")
+        if self.storage_url.split("://", 1)[0] not in ("file", "local", self.storage_url):
+            return f"{self.storage_url.rstrip('/')}/mlflow"
+        return str(self.state_dir / "mlflow" / "artifacts")
 
 
 def get_settings(**overrides) -> Settings:

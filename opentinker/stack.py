@@ -7,6 +7,12 @@ can stop each one with its children by signalling its process group. Each writes
 `<state_dir>/logs/<name>.log` and its pid to `<state_dir>/pids/<name>.pid`; the pid files are
 the only record of what this stack owns: `up()` reuses a live, healthy service found there and
 refuses (before starting anything) a port that some other program holds.
+
+Services inherit the environment `up()` runs in (minus OPENTINKER_*, which come from the settings),
+so storage credentials and endpoints (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
+AWS_ENDPOINT_URL_S3, MLFLOW_S3_ENDPOINT_URL) reach the MLflow server and every job the worker runs
+without ever being written into settings or specs. With remote artifacts (settings.artifacts_url, or
+an s3:// storage_url) `up()` first checks that the bucket answers, and refuses to start otherwise.
 """
 
 from __future__ import annotations
@@ -178,7 +184,7 @@ _SPECS = {
         command=lambda s: [sys.executable, "-m", "mlflow", "server",
                            "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1",
                            "--backend-store-uri", f"sqlite:///{s.state_dir}/mlflow/mlflow.db",
-                           "--artifacts-destination", f"{s.state_dir}/mlflow/artifacts"],
+                           "--artifacts-destination", s.mlflow_artifacts_destination],
         env=lambda s: {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         healthy=lambda s, pid: _http_ok(f"{s.mlflow_url}/health") is not None,
     ),
@@ -323,6 +329,8 @@ class Stack:
                     f"{name} port {port} on {s.host} is in use by another program; "
                     f"set OPENTINKER_{name.upper()}_PORT"
                 )
+        if pids["mlflow"] is None:
+            _check_remote_storage(s)
         started: list[str] = []
         try:
             for name in ("prefect", "mlflow"):
@@ -345,6 +353,24 @@ class Stack:
                 self._stop([name])
             raise
         return self.status()
+
+    def start(self, name: str, timeout: float = 120.0) -> ServiceStatus:
+        """Start (or reuse) one service on its own and wait until it is healthy, e.g. only MLflow
+        for a tool or test that needs no scheduler. `down()` stops it like the others."""
+        with self._locked():
+            for sub in ("pids", "logs", "mlflow/artifacts"):
+                (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+            pid = self.pid(name)
+            if pid is None:
+                if name == "mlflow":
+                    _check_remote_storage(self.settings)
+                pid = self._spawn(name)
+            try:
+                self._wait(name, pid, time.monotonic() + timeout)
+            except BaseException:
+                self._stop([name])
+                raise
+        return self.service_status(name)
 
     def _spawn(self, name: str) -> int:
         spec = _SPECS[name]
@@ -417,6 +443,20 @@ class Stack:
             if pid is not None:
                 _reap(pid)  # an exited child of ours stays a zombie until reaped
             self.pid_file(name).unlink(missing_ok=True)
+
+
+def _check_remote_storage(s: Settings) -> None:
+    """MLflow would start fine and fail only at the first artifact upload: check a remote
+    artifact destination (and a remote storage_url, where the gateway puts jobs) up front."""
+    from opentinker.storage import StorageError, check_storage
+
+    urls = {s.storage_url: "OPENTINKER_STORAGE_URL", s.mlflow_artifacts_destination: "MLflow --artifacts-destination"}
+    for url, name in urls.items():
+        if "://" in url and not url.startswith("file://"):
+            try:
+                check_storage(url, name)
+            except StorageError as err:
+                raise StackError(str(err)) from None
 
 
 def _reap(pid: int, timeout: float = 2.0) -> None:

@@ -15,6 +15,7 @@ from opentinker.agent.chat import ChatFormat
 from opentinker.agent.guard import call_many_with_timeout, check_step_result
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.env.base import AbstractGame
+from opentinker.env.messages import initial_messages
 from opentinker.trajectory import Trajectory
 
 
@@ -56,17 +57,6 @@ def _fail(ep: Episode, reason: str) -> None:
     ep.move(EpisodeState.TERMINATED)
 
 
-def _initial_messages(game: AbstractGame, observation: str) -> list[dict[str, str]]:
-    messages = []
-    system = game.get_system_prompt()
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages.extend(game.get_example_turns())
-    first = "\n\n".join(x for x in (game.get_initial_user_message(), observation) if x)
-    messages.append({"role": "user", "content": first})
-    return messages
-
-
 def run_episodes(
     engine: RolloutEngine,
     chat: ChatFormat,
@@ -100,7 +90,7 @@ def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> 
         observation = ep.game.reset(**ep.task)
         if not isinstance(observation, str):
             raise TypeError(f"reset returned {type(observation).__name__}, expected str")
-        return _initial_messages(ep.game, observation)
+        return initial_messages(ep.game, observation)
 
     outcomes = call_many_with_timeout([(reset, (ep,), {}) for ep in episodes], limits.step_timeout_s)
     for ep, out in zip(episodes, outcomes):

@@ -1,0 +1,164 @@
+"""The CPU serving engine: a trained checkpoint in transformers, batched across concurrent requests.
+
+It reuses what training evaluation uses, so a served policy answers as it did in its job:
+`load_policy` (the checkpoint's base model with its adapter merged), `ChatFormat` (messages
+rendered by the model's own chat template, tokenized once, as the agent loop does) and
+`HFRolloutEngine` (batched generation with left padding, stopping at end-of-turn tokens).
+Requests that arrive while a batch runs are generated together in the next batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from opentinker.agent.chat import ChatFormat
+from opentinker.backend.rollout import Completion, HFRolloutEngine, SamplingParams
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint that cannot be served: missing, incomplete, corrupt, or for an unknown base."""
+
+
+class ContextLengthError(ValueError):
+    """A request whose prompt plus completion does not fit the model's context."""
+
+    def __init__(self, context: int, prompt_tokens: int, max_tokens: int | None):
+        asked = prompt_tokens + (max_tokens or 0)
+        detail = f"{prompt_tokens} in the prompt" + (f", {max_tokens} for the completion" if max_tokens else "")
+        super().__init__(f"This model's maximum context length is {context} tokens. However, you requested "
+                         f"{asked} tokens ({detail}). Please reduce the length of the prompt or the completion.")
+
+
+@dataclass
+class _Batchable:
+    prompts: list[list[int]]
+    budgets: list[int]
+    params: SamplingParams
+    seed: int | None
+    future: Future
+
+
+class HFEngine:
+    """Generation for the server: `generate` returns a Future, a worker thread batches the work."""
+
+    kind = "hf"
+
+    def __init__(self, model, tokenizer, info: dict[str, Any] | None = None, checkpoint: str | None = None,
+                 max_model_len: int | None = None, max_batch_size: int = 32):
+        self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size)
+        self.chat = ChatFormat(tokenizer)
+        self.tokenizer = tokenizer
+        self.info = info or {}
+        self.checkpoint = checkpoint
+        limit = getattr(model.config, "max_position_embeddings", None)
+        lengths = [x for x in (max_model_len, limit) if x]
+        if not lengths:
+            raise ModelLoadError("the model states no context length: pass max_model_len")
+        self.context_length = int(min(lengths))
+        self.max_batch_size = max_batch_size
+        self._queue: queue.Queue[_Batchable | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_checkpoint(cls, uri: str, dtype: str | None = None, max_model_len: int | None = None) -> HFEngine:
+        """Load a checkpoint (step folder, job folder or registry URI); every failure becomes one
+        ModelLoadError naming the checkpoint and the cause."""
+        from opentinker.models import load_policy, resolve_checkpoint
+
+        try:
+            url = resolve_checkpoint(uri)
+            model, tokenizer, info = load_policy(url, dtype)
+        except Exception as err:  # noqa: BLE001 - any cause, one clear message
+            raise ModelLoadError(f"cannot serve {uri}: {type(err).__name__}: {err}") from err
+        return cls(model, tokenizer, info, checkpoint=url, max_model_len=max_model_len)
+
+    # --- tokens ------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.chat.prompt_ids(messages)
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        return self.tokenizer(prompt)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.chat.decode(ids)
+
+    def budget(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """New tokens allowed for this prompt: `max_tokens`, or the rest of the context when None."""
+        room = self.context_length - prompt_tokens
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise ContextLengthError(self.context_length, prompt_tokens, max_tokens)
+        return max_tokens if max_tokens is not None else room
+
+    # --- generation --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None) -> Future:
+        """Future of one Completion per prompt. A request with a seed is generated alone, so its
+        samples do not depend on what else was in the batch."""
+        future: Future = Future()
+        self._queue.put(_Batchable(prompts, budgets, params, seed, future))
+        return future
+
+    def _loop(self) -> None:
+        pending: list[_Batchable] = []
+        stopping = False
+        while True:
+            if not pending:
+                item = self._queue.get()
+                if item is None:
+                    return
+                pending.append(item)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    pending.append(item)
+            batch, pending = self._take_batch(pending)
+            self._run(batch)
+            if stopping and not pending:
+                return
+
+    def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
+        """The oldest request and every later one that shares its sampling parameters (up to the batch size)."""
+        first = pending[0]
+        batch, rest, size = [first], [], len(first.prompts)
+        for item in pending[1:]:
+            fits = size + len(item.prompts) <= self.max_batch_size
+            if first.seed is None and item.seed is None and item.params == first.params and fits:
+                batch.append(item)
+                size += len(item.prompts)
+            else:
+                rest.append(item)
+        return batch, rest
+
+    def _run(self, batch: list[_Batchable]) -> None:
+        import torch
+
+        prompts = [p for item in batch for p in item.prompts]
+        budgets = [b for item in batch for b in item.budgets]
+        params = replace(batch[0].params, max_new_tokens=max(budgets))
+        try:
+            if batch[0].seed is not None:
+                torch.manual_seed(batch[0].seed)
+            completions: list[Completion] = self.rollout.generate(prompts, params, budgets)
+        except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
+            for item in batch:
+                item.future.set_exception(err)
+            return
+        start = 0
+        for item in batch:
+            item.future.set_result(completions[start : start + len(item.prompts)])
+            start += len(item.prompts)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=30)

@@ -1,0 +1,135 @@
+"""The GPU serving engine: vLLM's own OpenAI-compatible server (`vllm serve`) in a child process.
+
+A LoRA checkpoint on a plain base model is served as the base plus the adapter through vLLM's
+LoRA support (`--enable-lora --lora-modules`), under the job's model name; the base stays
+reachable as `<name>-base`. Anything else (a full fine-tune, or a LoRA whose base was itself a
+trained policy via `init_from`) is merged with `load_policy` and served as one model folder.
+Weights are served in the dtype they were trained in, so greedy answers match the job's.
+
+vllm is an optional extra for GPU workers (`pip install 'opentinker[vllm]'`); `check_available`
+says plainly what is missing before any slot is taken or any file is fetched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from opentinker.inference.engine_hf import ModelLoadError
+
+# Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class VLLMUnavailable(RuntimeError):
+    """This worker cannot run vLLM (no GPU, or the package is not installed)."""
+
+
+def check_available() -> None:
+    from opentinker.scheduler import detect_gpus
+
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMUnavailable("engine 'vllm' needs the vllm package on the worker (pip install 'opentinker[vllm]', "
+                              "GPU machines only); serve on CPU with engine 'hf'")
+    if detect_gpus() == 0:
+        raise VLLMUnavailable("engine 'vllm' needs a CUDA GPU, and nvidia-smi lists none on this worker; "
+                              "serve on CPU with engine 'hf' (num_gpus=0)")
+
+
+def _lora_rank(r: int) -> int:
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ModelLoadError(f"LoRA rank {r} is above the largest rank vLLM serves ({LORA_RANKS[-1]})")
+
+
+def model_args(checkpoint_url: str, workdir: Path, name: str) -> list[str]:
+    """`vllm serve` arguments that serve the checkpoint under `name` (files are made local in `workdir`)."""
+    import fsspec
+
+    from opentinker.models import load_policy, read_policy_info, resolve_model
+
+    info = read_policy_info(checkpoint_url)
+    adapter = info.get("adapter") or {}
+    fs, path = fsspec.core.url_to_fs(checkpoint_url)
+    path = path.rstrip("/")
+    dtype = ["--dtype", info.get("dtype", "auto")]
+    if adapter.get("kind", "lora") == "lora" and not info.get("init_from") and fs.exists(f"{path}/adapter/adapter_config.json"):
+        local = workdir / "adapter"
+        fs.get(f"{path}/adapter/", str(local) + "/", recursive=True)
+        base = f"{name}-base"
+        module = {"name": name, "path": str(local), "base_model_name": base}
+        return [str(resolve_model(info["base_model"])), "--served-model-name", base, *dtype,
+                "--enable-lora", "--max-lora-rank", str(_lora_rank(int(adapter.get("r", 16)))),
+                "--lora-modules", json.dumps(module)]
+    model, tokenizer, _ = load_policy(checkpoint_url)
+    merged = workdir / "model"
+    model.save_pretrained(merged)
+    tokenizer.save_pretrained(merged)
+    del model
+    return [str(merged), "--served-model-name", name, *dtype]
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the flow process dies, even by SIGKILL, so a cancelled
+    job never leaves a GPU server behind."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class VLLMServer:
+    """`vllm serve` as a child process; `url`, `alive()` and `stop()` like the CPU server's handle."""
+
+    engine = "vllm"
+
+    def __init__(self, checkpoint_url: str, host: str, port: int, name: str, workdir: Path,
+                 num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0):
+        self.model = name
+        self.url = f"http://{host}:{port}"
+        self.log = workdir / "vllm.log"
+        command = [str(Path(sys.executable).with_name("vllm")), "serve",
+                   *model_args(checkpoint_url, workdir, name), "--host", host, "--port", str(port)]
+        if max_model_len:
+            command += ["--max-model-len", str(max_model_len)]
+        if num_gpus >= 2:
+            command += ["--tensor-parallel-size", str(int(num_gpus))]
+        with self.log.open("ab") as out:
+            self._process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise ModelLoadError(f"vllm serve exited with code {self._process.returncode}:\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ModelLoadError(f"vllm serve did not become healthy within {timeout:g}s (log: {self.log})")
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()

@@ -1,0 +1,289 @@
+"""An OpenAI-compatible HTTP API over a serving engine, so any OpenAI client talks to a trained policy.
+
+    GET  /health               -> {"ok": true}
+    GET  /v1/models            -> the one served model
+    POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events)
+    POST /v1/completions       raw prompt(s) in, continuation(s) out (stream=true: server-sent events)
+
+Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
+requests, including a prompt plus `max_tokens` over the context length (code
+`context_length_exceeded`), 404 for a model that is not served. `temperature: 0` is greedy.
+Streaming sends the reply token by token once it is generated (the CPU engine generates a whole
+batch at once), so streaming clients work unchanged but see no earlier first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from opentinker.backend.rollout import Completion, SamplingParams
+from opentinker.inference.engine_hf import ContextLengthError, HFEngine
+
+_UNSUPPORTED = ("tools", "functions", "logit_bias", "response_format", "logprobs", "top_logprobs", "echo", "best_of", "suffix")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class _Sampling(BaseModel):
+    # OpenAI clients send fields this server ignores (user, presence_penalty=0, ...); the ones
+    # that would change the answer and are not implemented are refused by name below.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    def sampling(self) -> SamplingParams:
+        greedy = self.temperature == 0
+        return SamplingParams(temperature=1.0 if greedy else self.temperature, top_p=self.top_p, greedy=greedy)
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or [] if s]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = [p for p in self.content if p.get("type") == "text"]
+            if len(parts) != len(self.content):
+                raise OpenAIError(400, "only text content parts are supported", param="messages")
+            return "".join(str(p.get("text", "")) for p in parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+
+def _cut_at_stop(text: str, completion: Completion, stops: list[str]) -> tuple[str, str]:
+    """(text, finish_reason): the text up to the first stop string, if any occurs."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if cuts:
+        return text[: min(cuts)], "stop"
+    return text, completion.finish_reason
+
+
+def _pieces(engine: HFEngine, ids: list[int], text: str) -> Iterator[str]:
+    """The final text as per-token deltas (a delta that would end inside a multi-byte character waits)."""
+    sent = ""
+    for k in range(1, len(ids) + 1):
+        partial = engine.decode(ids[:k])
+        if partial.endswith("\ufffd"):
+            continue
+        partial = partial[: len(text)]
+        if len(partial) > len(sent) and text.startswith(partial):
+            yield partial[len(sent):]
+            sent = partial
+    if len(sent) < len(text):
+        yield text[len(sent):]
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def create_app(engine: HFEngine, model_name: str) -> FastAPI:
+    """The API for one served model; `model_name` is the id clients put in `model`."""
+    app = FastAPI(title=f"OpenTinker inference: {model_name}")
+    created = int(time.time())
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, err: OpenAIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param).response()
+
+    def check(req: _Sampling) -> None:
+        if req.model is not None and req.model != model_name:
+            raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found",
+                              kind="NotFoundError")
+        extra = req.model_extra or {}
+        for name in _UNSUPPORTED:
+            if extra.get(name) not in (None, False, 0, [], {}):
+                raise OpenAIError(400, f"`{name}` is not supported by this server", param=name)
+
+    def budgets(prompts: list[list[int]], req: _Sampling, param: str) -> list[int]:
+        try:
+            return [engine.budget(len(p), req.limit()) for p in prompts]
+        except ContextLengthError as err:
+            raise OpenAIError(400, str(err), param=param, code="context_length_exceeded") from None
+
+    async def run(prompts: list[list[int]], req: _Sampling, param: str) -> list[Completion]:
+        expanded = [p for p in prompts for _ in range(req.n)]
+        limits = budgets(expanded, req, param)
+        return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed))
+
+    def usage(prompts: list[list[int]], n: int, completions: list[Completion]) -> dict[str, int]:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "model": model_name}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "opentinker",
+            "root": engine.checkpoint, "parent": None, "max_model_len": engine.context_length,
+        }]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest):
+        check(req)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        prompt = engine.chat_prompt(messages)
+        completions = await run([prompt], req, "messages")
+        outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        use = usage([prompt], req.n, completions)
+        if not req.stream:
+            return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "usage": use,
+                    "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+                                for i, (_, text, reason) in enumerate(outs)]}
+
+        def events() -> Iterator[str]:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name}
+            for i, (c, text, reason) in enumerate(outs):
+                yield _sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+                for piece in _pieces(engine, c.token_ids, text):
+                    yield _sse(head | {"choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]})
+                yield _sse(head | {"choices": [{"index": i, "delta": {}, "finish_reason": reason}]})
+            if (req.stream_options or {}).get("include_usage"):
+                yield _sse(head | {"choices": [], "usage": use})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest):
+        check(req)
+        prompts = [engine.text_prompt(p) for p in req.prompts()]
+        if any(not p for p in prompts):
+            raise OpenAIError(400, "prompt: must not be empty", param="prompt")
+        completions = await run(prompts, req, "prompt")
+        outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        use = usage(prompts, req.n, completions)
+        if not req.stream:
+            return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "usage": use,
+                    "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                                for i, (_, text, reason) in enumerate(outs)]}
+
+        def events() -> Iterator[str]:
+            head = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
+            for i, (c, text, reason) in enumerate(outs):
+                for piece in _pieces(engine, c.token_ids, text):
+                    yield _sse(head | {"choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]})
+                yield _sse(head | {"choices": [{"index": i, "text": "", "finish_reason": reason, "logprobs": None}]})
+            if (req.stream_options or {}).get("include_usage"):
+                yield _sse(head | {"choices": [], "usage": use})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+# --- running it ------------------------------------------------------------------------------
+
+
+@dataclass
+class RunningServer:
+    """A server started by this process: its URL, and how to tell it is alive and stop it."""
+
+    url: str
+    model: str
+    engine: str
+    _server: Any
+    _thread: threading.Thread
+    _close: Any = None
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._close is not None:
+            self._close()
+
+
+def advertised_host(host: str) -> str:
+    """The name clients dial: the host itself, or this machine's name when bound to every interface."""
+    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
+
+
+def serve_in_thread(app: FastAPI, host: str, port: int = 0, model: str = "", engine: str = "hf",
+                    close: Any = None, timeout: float = 60.0) -> RunningServer:
+    """Run `app` with uvicorn in a daemon thread on `host:port` (0: a free port, bound here, so no
+    other process can take it in between); returns once it accepts connections."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="inference-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the inference server on {host}:{sock.getsockname()[1]} did not start")
+        time.sleep(0.05)
+    bound = sock.getsockname()[1]
+    name = advertised_host(host)
+    url = f"http://[{name}]:{bound}" if ":" in name else f"http://{name}:{bound}"
+    return RunningServer(url=url, model=model, engine=engine, _server=server, _thread=thread, _close=close)

@@ -43,11 +43,19 @@ def ray_runner() -> SettingsOnceRayTaskRunner:
 
 @contextmanager
 def job_slots(spec: JobSpec) -> Iterator[None]:
-    """Hold the job's slots of its pool's global concurrency limit for the whole run.
+    """Hold the job's slots of its pool's global concurrency limit for the whole run."""
+    with held_slots(spec.resources.num_gpus):
+        yield
+
+
+@contextmanager
+def held_slots(num_gpus: float) -> Iterator[None]:
+    """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit.
 
     Only deployment runs take slots (the scheduler's runs); a direct call, as in a notebook or a
     benchmark, runs unscheduled. The lease is renewed while the run lives and expires a minute
-    after a crash; the flow-run tag tells clients the job left the queue.
+    after a crash; the flow-run tag tells clients the job left the queue. Jobs without a JobSpec
+    (inference) call this directly.
     """
     if runtime.deployment.id is None:
         yield
@@ -55,7 +63,6 @@ def job_slots(spec: JobSpec) -> Iterator[None]:
     from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
 
-    num_gpus = spec.resources.num_gpus
     with concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus), strict=True, lease_duration=60):
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(runtime.flow_run.id)

@@ -112,7 +112,7 @@ def test_bad_submissions_fail_with_the_field_and_numbers(service, tmp_path):
         client.submit_job(config=bad)
     from opentinker.client import InferenceSchedulerClient
 
-    with pytest.raises(NotImplementedError, match="inference"):
+    with pytest.raises(InvalidJob, match="model_path: x: FileNotFoundError"):  # more in tests/test_inference_job.py
         InferenceSchedulerClient(url=settings.gateway_url, api_key=key).submit_inference_job(model_path="x", num_gpus=0)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from opentinker.client._http import Gateway, GatewayError
+from opentinker.client._http import Gateway
 from opentinker.client.config import config_to_dict
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
@@ -50,16 +50,33 @@ class SchedulerClient:
         self._gateway.close()
 
 
-class InferenceSchedulerClient:
-    """`InferenceSchedulerClient(url=…).submit_inference_job(model_path=…, num_gpus=…)`."""
+class InferenceSchedulerClient(SchedulerClient):
+    """`InferenceSchedulerClient(url=…).submit_inference_job(model_path=…, num_gpus=…)`; the
+    inherited `job_status`, `cancel_job` and `wait` work on inference jobs too."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None):
-        self._gateway = Gateway(url, api_key)
+    def submit_inference_job(self, model_path: str, num_gpus: float = 0, engine: str = "auto",
+                             max_model_len: int | None = None, ttl_s: float | None = None,
+                             wait: bool = True, timeout: float | None = 900.0, poll: float = 1.0) -> dict[str, Any]:
+        """Start serving a checkpoint (a job id or path in your storage, or models:/<name>@<alias>).
 
-    def submit_inference_job(self, model_path: str, num_gpus: float = 0) -> dict[str, Any]:
-        try:
-            return self._gateway.request("POST", "/v1/inference", json={"model_path": model_path, "num_gpus": num_gpus})
-        except GatewayError as err:
-            if err.status == 501:
-                raise NotImplementedError(str(err)) from None
-            raise
+        With `wait` (the default) returns once the server answers: the job's status with
+        "job_id", "vllm_server_url" (hand it to `run_inference`) and "openai_base_url" (for an
+        OpenAI client). Raises JobFailed when the job fails first (e.g. a corrupt checkpoint),
+        TimeoutError past `timeout` (the job keeps its place; cancel it with `cancel_job`).
+        """
+        body = {"model_path": model_path, "num_gpus": num_gpus, "engine": engine, "max_model_len": max_model_len, "ttl_s": ttl_s}
+        status = self._gateway.request("POST", "/v1/inference", json=body)
+        if not wait:
+            return status
+        from opentinker.client.service import JobFailed
+
+        end = None if timeout is None else time.monotonic() + timeout
+        while not status.get("vllm_server_url"):
+            if status["state"] in TERMINAL:
+                raise JobFailed(status)
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"inference job {status['job_id']} not serving after {timeout:g}s "
+                                   f"({status['state']}: {status.get('reason') or ''})")
+            time.sleep(poll)
+            status = self.job_status(status["job_id"])
+        return status

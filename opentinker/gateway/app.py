@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse
@@ -38,8 +38,11 @@ class StartRequest(BaseModel):
 
 
 class InferenceRequest(BaseModel):
-    model_path: str
+    model_path: str = Field(description="a checkpoint in your storage (job id, job/step path or URL) or models:/<name>@<alias>")
     num_gpus: float = Field(0, ge=0)
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -112,8 +115,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(400, f"{path} is a folder: list it with ?path={path}")
         return FileResponse(local, filename=Path(local).name, background=BackgroundTask(tmp.cleanup))
 
-    @app.post("/v1/inference")
+    @app.post("/v1/inference", status_code=201)
     def submit_inference(body: InferenceRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
-        raise HTTPException(501, "inference jobs are not available on this service yet (they arrive with the inference server)")
+        """Serve a checkpoint behind an OpenAI-compatible API; the job's status gives its URL once it serves."""
+        from opentinker.gateway import inference
+
+        return guarded(lambda: inference.submit(jobs, body.model_path, body.num_gpus, engine=body.engine,
+                                                max_model_len=body.max_model_len, ttl_s=body.ttl_s))
 
     return app

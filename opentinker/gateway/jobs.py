@@ -11,6 +11,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from opentinker.gateway import inference
 from opentinker.scheduler import (
     AWAITING_ENV,
     check_fits,
@@ -117,7 +118,7 @@ class TenantJobs:
     def describe(self, job_id: str, run: Any) -> dict[str, Any]:
         state, reason = job_state(run)
         spec = run.parameters.get("spec") or {}
-        return {
+        out = {
             "job_id": job_id, "state": state, "reason": reason,
             "num_gpus": (spec.get("resources") or {}).get("num_gpus", 0),
             "total_steps": (spec.get("optimization") or {}).get("steps"),
@@ -125,6 +126,9 @@ class TenantJobs:
             "server_url": f"{self.settings.gateway_url}/v1/jobs/{job_id}",
             "links": {"prefect": f"{self.settings.prefect_ui_url}/runs/flow-run/{run.id}"},
         }
+        if inference.KIND_TAG in (run.tags or []):
+            out |= inference.endpoint(self, job_id, run)  # its URL while it serves
+        return out
 
     def list(self) -> list[dict[str, Any]]:
         seen: dict[str, dict[str, Any]] = {}

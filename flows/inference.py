@@ -1,0 +1,64 @@
+"""An inference job as a Prefect flow: serve a checkpoint behind an OpenAI-compatible API until cancelled.
+
+The flow resolves the checkpoint and checks the engine first (a bad model path or a worker
+without the engine fails the job before it takes a slot), then holds its pool's slots for as
+long as it serves: the transformers engine on CPU (`num_gpus=0`), vLLM on GPUs. Once the server
+answers, its address is published as a Prefect artifact (key `endpoint-<job>`; metadata `url`,
+`openai_base_url`, `model`, `engine`, `checkpoint`), which the gateway reads back into the job's
+status. Cancelling the job stops the process, the server with it, and frees the slots.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger, runtime
+
+from flows.common import held_slots
+from opentinker.inference.launch import check_engine, launch
+from opentinker.inference.spec import InferenceSpec, endpoint_key
+from opentinker.models import resolve_checkpoint
+from opentinker.settings import get_settings
+
+def _publish(job_id: str, server: Any, checkpoint: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    base = f"{server.url}/v1"
+    markdown = (f"**Serving `{server.model}`** ({server.engine}) from `{checkpoint}`\n\n"
+                f"OpenAI base URL: [{base}]({base})\n\n"
+                f"```python\nfrom openai import OpenAI\nOpenAI(base_url=\"{base}\", api_key=\"none\")\n```")
+    metadata = {"url": server.url, "openai_base_url": base, "model": server.model, "engine": server.engine, "checkpoint": checkpoint}
+    with get_client(sync_client=True) as client:
+        client.create_artifact(ArtifactCreate(
+            key=endpoint_key(job_id), type="markdown", description="OpenAI-compatible endpoint of this inference job",
+            data=markdown, metadata_=metadata, flow_run_id=runtime.flow_run.id,
+        ))
+
+
+@flow(name="serve-model", persist_result=False, log_prints=True)
+def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+    """Serve `spec.model_path` until cancelled (or for `spec.ttl_s`); `tenant` is bookkeeping only."""
+    logger = get_run_logger()
+    job_id = job_id or f"serve-{str(runtime.flow_run.id or 'local')[:8]}"
+    checkpoint = resolve_checkpoint(spec.model_path)
+    check_engine(spec)
+    with held_slots(spec.num_gpus):
+        logger.info(f"loading {checkpoint} for engine {spec.engine_kind}")
+        server = launch(checkpoint, spec, get_settings().host, 0, name=job_id)
+        started = time.monotonic()
+        try:
+            if runtime.flow_run.id is not None:
+                _publish(job_id, server, checkpoint)
+            logger.info(f"serving {server.model} at {server.url}/v1 (OpenAI-compatible); cancel the job to stop")
+            while server.alive():
+                if spec.ttl_s is not None and time.monotonic() - started >= spec.ttl_s:
+                    logger.info(f"ttl of {spec.ttl_s:g}s reached: stopping")
+                    break
+                time.sleep(1.0)
+            else:
+                raise RuntimeError(f"the {server.engine} server for {checkpoint} stopped on its own")
+        finally:
+            server.stop()
+    return {"job_id": job_id, "checkpoint": checkpoint, "url": server.url, "seconds": time.monotonic() - started}

@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# One embedded stack per test session (`stack`, `stack_env`), shared by every module.
-pytest_plugins = ["tests.stack_fixtures"]
+# One embedded stack per test session (`stack`, `stack_env`), shared by every module;
+# one local S3 server (`s3_server`, `s3_url`).
+pytest_plugins = ["tests.stack_fixtures", "tests.s3_fixtures"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -31,8 +31,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    """Yields `(settings, status)` of a running, healthy stack; stops it at the end."""
+def stack(tmp_path_factory, s3_server):
+    """Yields `(settings, status)` of a running, healthy stack; stops it at the end. Started (and
+    restarted by any test) with the local S3 server's variables set, as `opentinker up` would be
+    with real ones: jobs that the worker runs can use s3:// storage."""
     prefect_port, mlflow_port, gateway_port = free_ports(3)
     settings = Settings(
         state_dir=tmp_path_factory.mktemp("opentinker-state"),

@@ -88,7 +88,7 @@ def run(
         with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
             job = LocalJob(spec, job_id=job_id)  # checks its storage first, before the model loads
     except StorageError as err:
-        console.print(str(err), style="red", markup=False)
+        console.print(str(err), style="red", markup=False, soft_wrap=True)  # one line, however long
         raise typer.Exit(1)
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
 

@@ -126,7 +126,12 @@ def deployment_name(kind: str, pool: str) -> str:
 
 
 def flow_for(spec_data: dict[str, Any]) -> str:
-    """The flow (job kind) that runs a spec: self-play when it has a multiagent section."""
+    """The flow (job kind) that runs a spec: sft for a `data` section without `env`, self-play
+    when it has a multiagent section."""
+    from opentinker.sft import is_sft_spec
+
+    if is_sft_spec(spec_data):
+        return "sft"
     return "self-play" if spec_data.get("multiagent") else "rl-train"
 
 

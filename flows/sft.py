@@ -1,0 +1,86 @@
+"""SFT as a Prefect flow: one `sft` task (TRL's SFTTrainer, on Ray with the job's CPUs/GPUs) between
+the same start-up and bookkeeping as RL jobs: the job's pool slots held for its life, one MLflow run
+(params = the spec; metrics per logging step; loss before/after; the final adapter or weights as
+artifacts), then the checkpoint registered as a new model version when `registry.register`.
+
+The whole training is one task: the model lives in that task's process from load to checkpoint,
+and a retried run with the same job id and spec returns the checkpoint it already wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect_ray.context import remote_options
+
+from flows.common import JobContext, ray_runner, scheduled_job
+from opentinker.sft import SFTSpec
+
+
+@task(name="sft", task_run_name="sft-{job_id}", cache_policy=NO_CACHE, persist_result=False, log_prints=False)
+def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str) -> dict[str, Any]:
+    """Train and checkpoint; metrics go straight to the job's MLflow run (found by its job id)."""
+    from opentinker.sft import run_sft
+    from opentinker.tracking import JobTracker
+
+    tracker = JobTracker(tracking_uri, experiment, job_id, spec)
+    result = run_sft(spec, job_id, tracker_callback=tracker.log_metrics)
+    result.pop("history", None)  # already in MLflow; the task result stays small
+    return result
+
+
+@flow(name="sft", task_runner=ray_runner(), persist_result=False, log_prints=True)
+def sft(spec: SFTSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
+    """One SFT job. `tenant` names its MLflow experiment (the settings' project when None)."""
+    with scheduled_job(spec, job_id, tenant) as job:
+        return _train(spec, job, tenant)
+
+
+def _register(spec: SFTSpec, job: JobContext, tenant: str | None, url: str, tracker) -> dict[str, Any]:
+    """Register the checkpoint as a version of `registry.model_name` (default `<tenant or project>-sft`),
+    as rl_train does: a registry failure fails the job, and a re-run of the job id (same spec)
+    reuses the saved checkpoint and only registers."""
+    from opentinker.registry import RegistryError, model_name_for, register_job_checkpoint
+
+    data = spec.model_dump(mode="json")
+    named = {"registry": {"model_name": spec.registry.model_name or f"{job.experiment}-sft"}}
+    try:
+        reg = register_job_checkpoint(
+            checkpoint_url=url, model_name=model_name_for(named, job.experiment, tenant), job_id=job.job_id, kind="sft",
+            spec_data=data, base_model=spec.model.name, environment=None,
+            flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
+            tracking_uri=tracker.tracking_uri)
+    except (RegistryError, ValueError) as err:
+        raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
+                            "re-running the same job id registers it without training again") from err
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
+    return reg
+
+
+def _train(spec: SFTSpec, job: JobContext, tenant: str | None) -> dict[str, Any]:
+    logger = get_run_logger()
+    tracker = job.tracker(spec)
+    try:
+        r = spec.resources
+        threads = str(r.torch_threads or os.cpu_count() or 1)
+        logger.info(f"SFT job {job.job_id}: {spec.model.name} ({spec.adapter.kind}) on {spec.data.path}; MLflow {tracker.run_url}")
+        with remote_options(num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_retries=0,
+                            runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}):
+            result = sft_train.submit(spec=spec, job_id=job.job_id, tracking_uri=tracker.tracking_uri, experiment=job.experiment).result()
+        logger.info(f"SFT job {job.job_id}: {result['steps']} steps, loss {_loss_line(result)}; checkpoint {result['checkpoint']}")
+        tracker.log_checkpoint(result["checkpoint"])
+        result["registered_model"] = _register(spec, job, tenant, result["checkpoint"], tracker) if spec.registry.register else None
+        tracker.finish("FINISHED")
+        return {**result, "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url}
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+
+
+def _loss_line(result: dict[str, Any]) -> str:
+    key = "eval/loss" if "eval/loss" in result["before"] else "train_set/loss"
+    return f"{result['before'][key]:.3f} -> {result['after'][key]:.3f} ({key})"

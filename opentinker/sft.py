@@ -1,0 +1,438 @@
+"""SFT jobs: TRL's `SFTTrainer` on JSONL chat data, saved as an ordinary OpenTinker checkpoint.
+
+The checkpoint has the RL layout (weights by the same parameter names, `policy.json`, `adapter/`
+for LoRA), so `model.init_from`, `load_policy`, inference and the registry treat an SFT policy like
+any other. Bad input fails before the model loads: the spec with `field.path: reason` lines, the
+data file with the line number of each bad example.
+
+Loss: on assistant tokens only (each assistant reply and its end-of-turn token), the tokens the
+RL loop trains; TRL computes that mask from `{% generation %}` markers in the chat template. For
+templates without markers we use TRL's training version when it knows one, else our marked copy
+of the SmolLM2/ChatML template (checked to render the same text), else the spec must say
+`training.assistant_only_loss: false`.
+
+Importing this module needs no torch (the CLI validates specs and data with it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from opentinker.spec import (
+    AdapterSpec,
+    LoraSpec,
+    ModelSpec,
+    RegistrySpec,
+    ResourcesSpec,
+    SpecError,
+    StorageSpec,
+    _format_errors,
+    _Section,
+    _storage_url,
+)
+
+SFT_SPEC_FILE = "sft_spec.yaml"
+ROLES = ("system", "user", "assistant")
+
+
+class SFTDataSpec(_Section):
+    path: str = Field(min_length=1, description="fsspec URL (or local path) of a JSONL file: one {\"messages\": [...]} chat per line")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of the examples held out to measure the loss before and after")
+
+    @field_validator("path")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _storage_url(v)
+
+
+class SFTTrainingSpec(_Section):
+    epochs: int = Field(1, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    batch_size: int = Field(8, gt=0, description="examples per forward/backward")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    max_length: int = Field(1024, gt=0, description="tokens per example; a longer example is refused (never truncated)")
+    lr_scheduler: str = Field("linear", pattern=r"^(linear|constant|cosine)$")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    assistant_only_loss: bool = Field(True, description="loss on assistant replies only (false: on whole conversations)")
+    gradient_checkpointing: bool = Field(False, description="trade compute for memory (slower; for long examples on a GPU)")
+    logging_steps: int = Field(1, gt=0, description="optimizer steps between metric points")
+    seed: int = 0
+
+    @field_validator("lr")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("must be finite")
+        return v
+
+
+class SFTCheckpointSpec(_Section):
+    base_url: str = Field("file://./runs", description="fsspec URL; the checkpoint goes to <base_url>/<job_id>/ (default: storage.base_url)")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _storage_url(v)
+
+
+class SFTSpec(_Section):
+    """One SFT job. Its checkpoint goes to <checkpoint.base_url>/<job_id>/step-<optimizer steps>/."""
+
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    model: ModelSpec
+    adapter: AdapterSpec = Field(default_factory=LoraSpec)
+    data: SFTDataSpec
+    training: SFTTrainingSpec = Field(default_factory=SFTTrainingSpec)
+    checkpoint: SFTCheckpointSpec = Field(default_factory=SFTCheckpointSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    registry: RegistrySpec = Field(default_factory=RegistrySpec, description="registered as a version of "
+                                   "registry.model_name (default: '<tenant or project>-sft') when the flow completes")
+
+    @model_validator(mode="after")
+    def _checkpoints_follow_storage(self) -> SFTSpec:
+        """checkpoint.base_url defaults to storage.base_url, as in RL specs."""
+        if "base_url" not in self.checkpoint.model_fields_set and self.checkpoint.base_url != self.storage.base_url:
+            self.checkpoint = self.checkpoint.model_copy(update={"base_url": self.storage.base_url})
+        return self
+
+
+class SFTDataError(SpecError):
+    """Data an SFT job cannot train on; one `data.path: line N: reason` per problem."""
+
+
+def is_sft_spec(data: Any) -> bool:
+    """An SFT spec by its shape: a `data` section and no environment (RL specs have `env`)."""
+    return isinstance(data, dict) and "data" in data and "env" not in data
+
+
+def parse_sft_spec(data: dict[str, Any]) -> SFTSpec:
+    """Validate a plain dict into an SFTSpec, or raise SpecError (`field.path: reason` per line)."""
+    if not isinstance(data, dict):
+        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
+    try:
+        return SFTSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_errors(err)) from None
+
+
+def load_sft_spec(path: str | Path) -> SFTSpec:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"<spec>: not valid YAML: {err}") from None
+    return parse_sft_spec(data or {})
+
+
+def dump_sft_spec(spec: SFTSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+# -- data ---------------------------------------------------------------------------------------
+def _chat_problem(row: Any) -> str | None:
+    """Why a parsed line is not a chat we can train on, or None."""
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        return 'expected an object with a "messages" list'
+    messages = row["messages"]
+    if not messages:
+        return "messages: empty"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}]: expected an object with role and content"
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:
+            return f"messages[{i}]: unknown key {extra[0]!r} (only role and content)"
+        if m.get("role") not in ROLES:
+            return f"messages[{i}].role: must be one of {', '.join(ROLES)} (got {m.get('role')!r})"
+        if not isinstance(m.get("content"), str):
+            return f"messages[{i}].content: must be a string"
+        if m["role"] == "system" and i != 0:
+            return f"messages[{i}]: a system message may only come first"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no assistant message: nothing to train on"
+    return None
+
+
+def load_chats(url: str, max_errors: int = 10) -> list[tuple[int, list[dict[str, str]]]]:
+    """(line number, messages) of every chat in a JSONL file; SFTDataError names each bad line."""
+    import fsspec
+
+    try:
+        with fsspec.open(url, "rt", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise SFTDataError(f"data.path: {url} does not exist") from None
+    except UnicodeDecodeError as err:
+        raise SFTDataError(f"data.path: {url} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    chats, errors = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            problem = f"not valid JSON ({err.msg}, column {err.colno})"
+        else:
+            problem = _chat_problem(row)
+        if problem:
+            errors.append(f"data.path: line {number}: {problem}")
+        else:
+            chats.append((number, row["messages"]))
+    if errors:
+        more = f"\n… and {len(errors) - max_errors} more bad lines" if len(errors) > max_errors else ""
+        raise SFTDataError("\n".join(errors[:max_errors]) + more)
+    if not chats:
+        raise SFTDataError(f"data.path: {url} holds no examples")
+    return chats
+
+
+def split_chats(chats: list, eval_fraction: float, seed: int) -> tuple[list, list]:
+    """(train, eval): a seeded shuffle; at least one of each when eval_fraction > 0."""
+    order = list(range(len(chats)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(chats) * eval_fraction)) if eval_fraction > 0 else 0
+    if n_eval >= len(chats):
+        raise SFTDataError(f"data.eval_fraction: {eval_fraction} of {len(chats)} examples leaves none to train on")
+    return [chats[i] for i in order[n_eval:]], [chats[i] for i in order[:n_eval]]
+
+
+# -- chat template with assistant masks ---------------------------------------------------------
+# SmolLM2's (ChatML) message expression, and the same text with the assistant reply and its
+# end-of-turn token inside {% generation %} markers: the tokens TRL's assistant mask keeps.
+_CHATML_MESSAGE = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+_CHATML_MARKED = (
+    "{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}" + _CHATML_MESSAGE + "{% endif %}"
+)
+
+
+def training_chat_template(tokenizer) -> str:
+    """The tokenizer's chat template with `{% generation %}` markers (see the module docstring)."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template["default"]
+    if not template:
+        raise SpecError("training.assistant_only_loss: the model has no chat template; set it to false")
+    if has_generation_markers(template):
+        return template
+    try:
+        patched = get_training_chat_template(tokenizer)
+    except ValueError:
+        patched = template.replace(_CHATML_MESSAGE, _CHATML_MARKED) if _CHATML_MESSAGE in template else None
+    if not patched:
+        raise SpecError("training.assistant_only_loss: this model's chat template cannot mark assistant replies; "
+                        "set training.assistant_only_loss: false to train on whole conversations")
+    return patched
+
+
+# -- the job ------------------------------------------------------------------------------------
+def _reuse(spec: SFTSpec, job_id: str) -> dict[str, Any] | None:
+    """The result of an earlier run of this job id with the same spec (a retried flow does not
+    train twice); an earlier run with another spec is refused, since its checkpoint would mix in."""
+    from opentinker import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id)
+    if latest is None:
+        return None
+    fs, path = ckpt._fs(latest.url)
+    try:
+        earlier = yaml.safe_load(fs.cat_file(f"{path}/{SFT_SPEC_FILE}"))
+    except FileNotFoundError:
+        earlier = None
+    if earlier != spec.model_dump(mode="json"):
+        raise SpecError(f"job_id: {job_id!r} already has a checkpoint from another spec ({latest.url}); use a new job id")
+    state = json.loads(fs.cat_file(f"{path}/state.json"))
+    return {**state["result"], "checkpoint": latest.url, "reused": True}
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Optimizer state with every tensor on the CPU (a GPU job's checkpoint loads anywhere)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+MetricsCallback = Callable[[int, dict[str, float]], Any]
+
+
+class SFTJob:
+    """Validates data, loads the model (from `model.init_from` when set), trains with SFTTrainer
+    and writes the checkpoint. `model` stays available after `run` (for tests and notebooks)."""
+
+    def __init__(self, spec: SFTSpec, job_id: str | None = None):
+        from opentinker.runner import new_job_id
+        from opentinker.storage import check_job_storage
+
+        self.spec = spec
+        self.job_id = job_id or new_job_id(spec)
+        check_job_storage(spec)  # a wrong bucket or missing credentials: one line, before anything loads
+        self.reused = _reuse(spec, self.job_id)
+        if self.reused:
+            return
+        chats = load_chats(spec.data.path)  # bad data fails before the model loads
+        self.train_chats, self.eval_chats = split_chats(chats, spec.data.eval_fraction, spec.training.seed)
+
+        from transformers import AutoTokenizer
+
+        from opentinker.models import resolve_checkpoint, resolve_model
+
+        self.init_from = resolve_checkpoint(spec.model.init_from) if spec.model.init_from else None
+        # the tokenizer alone first: template and lengths are checked before the model loads
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec.model.name))
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        if spec.training.assistant_only_loss:
+            self.tokenizer.chat_template = self._checked_template()
+        self._check_lengths(chats)
+
+        import torch
+
+        from opentinker.backend.trainer import wrap_model
+        from opentinker.models import load_model
+        from opentinker.workers import seed_everything
+
+        torch.set_num_threads(spec.resources.torch_threads or os.cpu_count() or 1)
+        model, _ = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
+        seed_everything(spec.training.seed)  # the LoRA initialisation
+        self.model = wrap_model(model, spec.adapter)
+
+    def _checked_template(self) -> str:
+        """The marked template, refused unless it renders the data exactly as the original does."""
+        marked = training_chat_template(self.tokenizer)
+        for line, messages in (self.train_chats + self.eval_chats)[:100]:
+            a = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            b = self.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=marked)
+            if a != b:
+                raise SpecError(f"training.assistant_only_loss: the marked chat template renders line {line} differently; "
+                                "set it to false")
+        return marked
+
+    def _check_lengths(self, chats: list) -> None:
+        limit, errors = self.spec.training.max_length, []
+        for line, messages in chats:
+            n = len(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
+            if n > limit:
+                errors.append(f"data.path: line {line}: {n} tokens, more than training.max_length={limit}")
+        if errors:
+            raise SFTDataError("\n".join(errors[:10]) + (f"\n… and {len(errors) - 10} more" if len(errors) > 10 else ""))
+
+    def _trainer(self, out_dir: str, on_log: MetricsCallback | None, history: list):
+        import torch
+        from datasets import Dataset
+        from transformers import PrinterCallback, TrainerCallback
+        from trl import SFTConfig, SFTTrainer
+
+        t = self.spec.training
+
+        class Log(TrainerCallback):
+            """Training-step metrics (TRL's loss, grad norm, token accuracy…) to the caller."""
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    point = {f"sft/{k}": float(v) for k, v in logs.items()
+                             if k in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens", "epoch")}
+                    history.append({"step": state.global_step, **point})
+                    if on_log:
+                        on_log(state.global_step, point)
+
+        config = SFTConfig(
+            output_dir=out_dir, num_train_epochs=t.epochs, learning_rate=t.lr, lr_scheduler_type=t.lr_scheduler,
+            per_device_train_batch_size=t.batch_size, per_device_eval_batch_size=t.batch_size,
+            gradient_accumulation_steps=t.grad_accum, max_length=t.max_length, weight_decay=t.weight_decay,
+            max_grad_norm=t.grad_clip, seed=t.seed, data_seed=t.seed, assistant_only_loss=t.assistant_only_loss,
+            activation_checkpointing=t.gradient_checkpointing, logging_steps=t.logging_steps,
+            dataloader_pin_memory=torch.cuda.is_available(),
+            # the model's dtype decides precision (TRL would turn on bf16 autocast), our callback the tracking,
+            # and we write the only checkpoint ourselves, in the OpenTinker format
+            bf16=False, fp16=False, report_to="none", save_strategy="no", eval_strategy="no",
+            disable_tqdm=True, dataloader_num_workers=0, dataset_num_proc=None,
+        )
+        as_rows = lambda chats: Dataset.from_list([{"messages": m} for _, m in chats])
+        trainer = SFTTrainer(model=self.model, args=config, train_dataset=as_rows(self.train_chats),
+                             processing_class=self.tokenizer, callbacks=[Log()])
+        trainer.remove_callback(PrinterCallback)  # metrics go to the caller, not to stdout
+        return trainer, as_rows
+
+    def _measure(self, trainer, rows) -> dict[str, float]:
+        """Mean token loss (and top-1 accuracy) on the held-out and the training examples."""
+        out: dict[str, float] = {}
+        for name, chats in (("eval", self.eval_chats), ("train_set", self.train_chats)):
+            if chats:
+                m = trainer.evaluate(eval_dataset=rows(chats), metric_key_prefix=name)
+                out[f"{name}/loss"] = float(m[f"{name}_loss"])
+                out[f"{name}/mean_token_accuracy"] = float(m["eval_mean_token_accuracy"])
+        return out
+
+    def run(self, on_log: MetricsCallback | None = None) -> dict[str, Any]:
+        """Train, measure before/after, checkpoint; `on_log(step, metrics)` sees every metric point."""
+        if self.reused:
+            return self.reused
+        import tempfile
+
+        from opentinker import checkpoint as ckpt
+        from opentinker.models import POLICY_FILE, policy_info
+        from opentinker.workers import _adapter_files
+
+        t0 = time.perf_counter()
+        history: list[dict[str, float]] = []
+        with tempfile.TemporaryDirectory(prefix="opentinker-sft-") as out_dir:
+            trainer, rows = self._trainer(out_dir, on_log, history)
+            before = self._measure(trainer, rows)
+            if on_log:
+                on_log(0, before | {"sft/max_steps": float(self.max_steps)})
+            train_start = time.perf_counter()
+            trainer.train()
+            train_seconds = time.perf_counter() - train_start
+            steps = trainer.state.global_step
+            after = self._measure(trainer, rows)
+            if on_log:
+                on_log(steps, after | {"sft/train_seconds": train_seconds})
+            self.model.eval()
+            result = {
+                "job_id": self.job_id, "steps": steps, "epochs": self.spec.training.epochs,
+                "train_examples": len(self.train_chats), "eval_examples": len(self.eval_chats),
+                "before": before, "after": after, "history": history, "train_seconds": train_seconds,
+                "assistant_only_loss": self.spec.training.assistant_only_loss, "init_from": self.init_from,
+            }
+            extra = {SFT_SPEC_FILE: dump_sft_spec(self.spec).encode(),
+                     POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
+            if isinstance(self.spec.adapter, LoraSpec):
+                extra |= _adapter_files(self.model)
+            ref = ckpt.save_checkpoint(
+                self.spec.checkpoint.base_url, self.job_id, steps,
+                weights={n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad},
+                optimizer_state=_to_cpu(trainer.optimizer.state_dict()),
+                state={"policy_version": steps, "kind": "sft", "result": result},
+                extra_files=extra,
+            )
+        return {**result, "checkpoint": ref.url, "seconds": time.perf_counter() - t0, "reused": False}
+
+    @property
+    def max_steps(self) -> int:
+        """Optimizer steps the run will take (as transformers counts them: a partial accumulation steps too)."""
+        batches = math.ceil(len(self.train_chats) / self.spec.training.batch_size)
+        return math.ceil(batches / self.spec.training.grad_accum) * self.spec.training.epochs
+
+
+def run_sft(spec: SFTSpec, job_id: str | None = None, tracker_callback: MetricsCallback | None = None) -> dict[str, Any]:
+    """One SFT job in this process; returns small, JSON-able facts (losses, steps, checkpoint URL)."""
+    return SFTJob(spec, job_id).run(on_log=tracker_callback)

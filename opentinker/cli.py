@@ -321,6 +321,11 @@ def train(
         raise typer.Exit(1)
 
 
+from opentinker.sft_cli import sft as _sft_command  # noqa: E402 - the command lives beside the SFT job
+
+app.command(name="sft")(_sft_command)
+
+
 def main() -> None:  # pragma: no cover - console entry point
     try:
         app()

@@ -21,6 +21,7 @@ from opentinker.inference.spec import InferenceSpec, endpoint_key
 from opentinker.models import resolve_checkpoint
 from opentinker.settings import get_settings
 
+
 def _publish(job_id: str, server: Any, checkpoint: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -143,10 +144,26 @@ def test_bad_inference_requests_fail_clearly(service, trained_job, tmp_path):
     corrupt_job = f"{final['job_id']}-corrupt"
     target = f"{source.rsplit('/', 2)[0]}/{corrupt_job}/{source.rsplit('/', 1)[1]}"
     shutil.copytree(source, target)
-    weights = f"{target}/weights.safetensors"
-    size = len(open(weights, "rb").read())
-    with open(weights, "wb") as f:
-        f.write(b"\x00" * size)
+    weights = Path(target) / "weights.safetensors"
+    weights.write_bytes(b"\x00" * weights.stat().st_size)  # same size: the commit manifest still matches
     with pytest.raises(JobFailed, match=r"cannot serve .*-corrupt/step-\d+: .*Error"):
         scheduler.submit_inference_job(model_path=corrupt_job, timeout=300)
     assert _slots_drop_to(before)
+
+
+def test_serve_flow_publishes_its_endpoint_and_stops_after_its_ttl(stack_env, trained_job):
+    """The flow called directly (no deployment: no slot): it serves, publishes, and ends at ttl_s."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.inference import serve_model
+    from opentinker.inference.spec import InferenceSpec, endpoint_key
+
+    _, final, _ = trained_job
+    result = serve_model(InferenceSpec(model_path=final["checkpoint"], ttl_s=2), job_id="direct-ttl")
+    assert result["checkpoint"] == final["checkpoint"] and result["seconds"] >= 2
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{result['url']}/health", timeout=5)
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[endpoint_key("direct-ttl")])))
+    assert found and found[-1].metadata_["url"] == result["url"] and found[-1].metadata_["model"] == "direct-ttl"

@@ -63,7 +63,11 @@ def submit(jobs: Any, model_path: str, num_gpus: float = 0, **options: Any) -> d
 
 def endpoint(jobs: Any, job_id: str, run: Any) -> dict[str, Any]:
     """The serving fields of an inference job's status; the URLs only while it serves."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
 
     spec = run.parameters.get("spec") or {}
     out: dict[str, Any] = {"kind": "inference", "num_gpus": spec.get("num_gpus", 0), "total_steps": None,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -13,12 +12,12 @@ console = Console()
 
 def serve(
     checkpoint: str = typer.Argument(..., help="step folder, job folder (latest complete step) or models:/<name>@<alias>"),
-    host: Optional[str] = typer.Option(None, help="interface to bind (default: the stack's host, 127.0.0.1)"),
+    host: str | None = typer.Option(None, help="interface to bind (default: the stack's host, 127.0.0.1)"),
     port: int = typer.Option(8000, help="port (0: any free port)"),
     name: str = typer.Option("policy", help="model id clients put in `model`"),
     engine: str = typer.Option("auto", help="auto (vllm with --num-gpus > 0, else hf), hf or vllm"),
     num_gpus: float = typer.Option(0, help="GPUs for vLLM"),
-    max_model_len: Optional[int] = typer.Option(None, help="context length to serve (default: the model's)"),
+    max_model_len: int | None = typer.Option(None, help="context length to serve (default: the model's)"),
 ) -> None:
     """Serve a trained checkpoint behind an OpenAI-compatible API until Ctrl-C."""
     from opentinker.inference.engine_hf import ModelLoadError

@@ -73,7 +73,7 @@ class HFEngine:
         try:
             url = resolve_checkpoint(uri)
             model, tokenizer, info = load_policy(url, dtype)
-        except Exception as err:  # noqa: BLE001 - any cause, one clear message
+        except Exception as err:  # any cause: one clear message naming the checkpoint
             raise ModelLoadError(f"cannot serve {uri}: {type(err).__name__}: {err}") from err
         return cls(model, tokenizer, info, checkpoint=url, max_model_len=max_model_len)
 

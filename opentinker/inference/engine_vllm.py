@@ -12,10 +12,8 @@ says plainly what is missing before any slot is taken or any file is fetched.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -78,13 +76,14 @@ def model_args(checkpoint_url: str, workdir: Path, name: str) -> list[str]:
     return [str(merged), "--served-model-name", name, *dtype]
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when the flow process dies, even by SIGKILL, so a cancelled
-    job never leaves a GPU server behind."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# Linux: the child asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG survives exec), so a
+# flow process killed even by SIGKILL never leaves a GPU server behind. Done in the child itself,
+# not through preexec_fn, which is unsafe in a process with threads.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 class VLLMServer:
@@ -94,8 +93,10 @@ class VLLMServer:
 
     def __init__(self, checkpoint_url: str, host: str, port: int, name: str, workdir: Path,
                  num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0):
+        from opentinker.inference.server import advertised_host
+
         self.model = name
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://{advertised_host(host)}:{port}"
         self.log = workdir / "vllm.log"
         command = [str(Path(sys.executable).with_name("vllm")), "serve",
                    *model_args(checkpoint_url, workdir, name), "--host", host, "--port", str(port)]
@@ -104,7 +105,7 @@ class VLLMServer:
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
         with self.log.open("ab") as out:
-            self._process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

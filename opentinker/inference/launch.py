@@ -37,7 +37,7 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
 
         try:
             checkpoint_url = resolve_checkpoint(checkpoint_url)
-        except Exception as err:  # noqa: BLE001 - one clear message, as the CPU engine gives
+        except Exception as err:  # any cause: one clear message naming the checkpoint
             raise ModelLoadError(f"cannot serve {checkpoint_url}: {type(err).__name__}: {err}") from err
         workdir = Path(tempfile.mkdtemp(prefix=f"opentinker-serve-{name}-"))
         return VLLMServer(checkpoint_url, host, port or free_port(host), name, workdir,

@@ -11,9 +11,10 @@ by default, as evaluation is.
 Metrics are training's own (`opentinker.metrics.episode_stats`, prefix `inference/`): reward,
 accuracy (episodes whose game reported `correct`; a failed episode counts as wrong), turns and
 completion tokens per episode. Results go to `<output_path>/transcripts.jsonl` (one episode per
-line) and `<output_path>/summary.json` through fsspec (`file://`, `s3://`), each written under a
-temporary name and then moved into place, and to an MLflow run in the experiment
-`inference/<job_id>` (one experiment per inference job, one run per call).
+line) and `<output_path>/summary.json` (default folder `./runs/inference/<job_id>`) through
+fsspec (`file://`, `s3://`), each written under a temporary name and then moved into place, and
+to an MLflow run in the experiment `inference/<job_id>` (one experiment per inference job, one
+run per call).
 
 Client side: imports no torch, so it runs wherever the data and the game code are.
 """
@@ -169,8 +170,8 @@ def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServ
     finally:
         try:
             game.close()
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
+        except Exception as err:  # noqa: BLE001 - closing is best effort
+            log.debug("episode %d: close failed: %s", index, err)
 
 
 # --- inputs ------------------------------------------------------------------------------------
@@ -210,7 +211,8 @@ def _output_urls(output_path: str | None, job_id: str | None) -> tuple[str, str]
     """(transcripts, summary) URLs: `<folder>/transcripts.jsonl` and `<folder>/summary.json`, or
     `<name>.jsonl` and `<name>.summary.json` when output_path names a .jsonl file."""
     if not output_path:
-        output_path = os.path.abspath(os.path.join("inference", job_id or time.strftime("run-%Y%m%d-%H%M%S")))
+        # beside the default checkpoint storage (file://./runs)
+        output_path = os.path.abspath(os.path.join("runs", "inference", job_id or time.strftime("run-%Y%m%d-%H%M%S")))
     output_path = output_path.rstrip("/")
     if output_path.endswith(".jsonl"):
         return output_path, output_path[: -len(".jsonl")] + ".summary.json"

@@ -71,6 +71,7 @@ def evaluate_promote(model_name: str | None = None, triggered_by: str | None = N
     settings = get_settings()
     client = _client(settings.mlflow_url)
     trigger = "manual" if model_name else "schedule"
+    asked_for = model_name is not None  # a run asked for one model fails when it cannot be evaluated
     if triggered_by:
         trigger = f"trigger:{triggered_by}"
         found = promotion.version_for_flow_run(client, triggered_by.rpartition(".")[2])
@@ -84,8 +85,9 @@ def evaluate_promote(model_name: str | None = None, triggered_by: str | None = N
         try:
             pair = promotion.plan(client, name, force=force, env=env)
         except (ModelNotFoundError, ValueError) as err:
-            if model_name:  # asked for by name: a missing model or alias fails the run
+            if asked_for:
                 raise
+            logger.warning(f"{name}: not evaluated: {err}")
             skipped.append({"model": name, "reason": str(err)})
             continue
         if pair.skip:

@@ -131,26 +131,30 @@ def plan(client, name: str, force: bool = False, env: dict[str, Any] | None = No
         champion = get_version(client, name, alias=CHAMPION)
     except ModelNotFoundError:
         champion = None
-    spec = _eval_spec(champion) if champion is not None else None
+    base = challenger.tags.get("base_model", "")
+    skip = None
+    if champion is not None and champion.version == challenger.version:
+        skip = f"challenger v{challenger.version} is the champion"
+    elif champion is not None and not force and challenger.tags.get("promotion.vs_champion") == str(champion.version):
+        skip = f"challenger v{challenger.version} was already evaluated against champion v{champion.version}"
+    if skip:
+        return Pair(name, str(challenger.version), str(champion.version), "", None, {}, base, skip=skip)
     chall_spec = _eval_spec(challenger)
-    spec = spec or chall_spec
+    challenger_url = resolve_model_uri(f"models:/{name}/{challenger.version}", client.tracking_uri)
+    if champion is None:  # nothing to measure against: see no_champion()
+        return Pair(name, str(challenger.version), None, challenger_url, None, chall_spec or {}, base)
+    spec = _eval_spec(champion) or chall_spec
     if env is not None:
         spec = {**(spec or {"seed": 0, "rollout": {}, "evaluation": {}}), "env": env}
     elif spec is None:
         raise ValueError(f"{name}: neither version {challenger.version} nor the champion records an environment "
                          f"({EVAL_SPEC_TAG} tag); pass env= to say which game to evaluate on")
-    elif champion is not None and chall_spec and chall_spec["env"].get("game") != spec["env"].get("game"):
+    elif chall_spec and chall_spec["env"].get("game") != spec["env"].get("game"):
         raise ValueError(f"{name}: challenger v{challenger.version} plays {chall_spec['env'].get('game')!r}, champion "
                          f"v{champion.version} plays {spec['env'].get('game')!r}; pass env= to compare them on one game")
-    pair = Pair(name=name, challenger=str(challenger.version), champion=str(champion.version) if champion else None,
-                challenger_url=resolve_model_uri(f"models:/{name}/{challenger.version}", client.tracking_uri),
-                champion_url=resolve_model_uri(f"models:/{name}/{champion.version}", client.tracking_uri) if champion else None,
-                eval_spec=spec, base_model=challenger.tags.get("base_model", ""))
-    if champion is not None and champion.version == challenger.version:
-        pair.skip = f"challenger v{challenger.version} is the champion"
-    elif champion is not None and not force and challenger.tags.get("promotion.vs_champion") == str(champion.version):
-        pair.skip = f"challenger v{challenger.version} was already evaluated against champion v{champion.version}"
-    return pair
+    return Pair(name=name, challenger=str(challenger.version), champion=str(champion.version), challenger_url=challenger_url,
+                champion_url=resolve_model_uri(f"models:/{name}/{champion.version}", client.tracking_uri),
+                eval_spec=spec, base_model=base)
 
 
 def models_with_challengers(client) -> list[str]:

@@ -11,6 +11,7 @@ blank lines (accuracy 0).
 from __future__ import annotations
 
 import time
+from datetime import timezone
 
 import pytest
 
@@ -181,6 +182,32 @@ def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env
     assert audit.data.params["trigger"] == f"trigger:prefect.flow-run.{flow_run_id}"
     assert audit.data.tags["prefect.flow_run_id"] == str(run.id)
 
+    # the cron schedule is live: Prefect's scheduler has queued the nightly sweeps (with
+    # SQLAlchemy 2.1 it fails on every pass and queues none; pyproject pins 2.0)
+    nightly = _wait_for_scheduled(deployment.id)
+    utc = [r.expected_start_time.astimezone(timezone.utc) for r in nightly]
+    assert utc and all((t.hour, t.minute) == (3, 0) for t in utc), utc
+    assert all(r.parameters.get("triggered_by") is None for r in nightly)
+
+
+def _wait_for_scheduled(deployment_id, deadline_s: float = 180.0) -> list:
+    """The deployment's scheduled (future) runs, once the scheduler service has created some."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+        if runs:
+            return runs
+        time.sleep(2)
+    return []
+
 
 def test_cli_lists_promotes_by_hand_and_names_what_is_missing(stack_env, checkpoints):
     from mlflow.tracking import MlflowClient
@@ -212,3 +239,31 @@ def test_cli_lists_promotes_by_hand_and_names_what_is_missing(stack_env, checkpo
         assert out.returncode == 1 and message in out.stdout, out.stdout
         assert isinstance(out.exception, SystemExit), out.exception  # a clean exit, not a traceback
     assert snapshot(client, name) == before
+
+
+def test_a_model_without_a_recorded_environment_needs_one_named(stack_env, checkpoints):
+    """SFT versions carry no game: a triggered run skips them with the reason, an explicit
+    evaluation fails until `env` names the game, and then it works as for RL versions."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.evaluate import evaluate_promote
+    from opentinker.promotion import evaluate_and_promote
+    from opentinker.registry import register_job_checkpoint
+
+    settings, _ = stack_env
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    name = "promo-sft"
+    for job, (_, url) in (("promo-sft-1", checkpoints["untrained"]), ("promo-sft-2", checkpoints["trained"])):
+        register_job_checkpoint(checkpoint_url=url, model_name=name, job_id=job, kind="sft",
+                                spec_data={"model": {"name": "tiny-random"}, "data": {"path": "chats.jsonl"}},
+                                base_model="tiny-random", environment=None, flow_run_id=f"run-{job}",
+                                mlflow_run_id=None, tracking_uri=settings.mlflow_url)
+    before = snapshot(client, name)
+    triggered = evaluate_promote(triggered_by="prefect.flow-run.run-promo-sft-2")
+    assert triggered["evaluated"] == [] and "pass env= to say which game" in triggered["skipped"][0]["reason"]
+    with pytest.raises(ValueError, match="records an environment"):
+        evaluate_and_promote(name)
+    assert snapshot(client, name) == before
+    record = evaluate_and_promote(name, env={"game": "envs.toy:UppercaseGame", "config": {"val_size": 32}}, margin=0.1)
+    assert record["decision"] == "promoted" and record["n"] == 32
+    assert client.get_registered_model(name).aliases["champion"] == "2"

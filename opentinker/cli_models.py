@@ -62,7 +62,18 @@ def evaluate(
     min_samples: int = typer.Option(DEFAULTS["min_samples"], help="fewer paired problems never promote"),
 ) -> None:
     """Evaluate the challenger against the champion now and move `champion` if it wins."""
+    import os
+    import warnings
+
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # we print the audit run below
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     from opentinker.promotion import evaluate_and_promote
+    from opentinker.settings import get_settings
 
     try:
         with console.status(f"evaluating {name}: challenger vs champion"):
@@ -72,7 +83,9 @@ def evaluate(
     if "challenger_mean" in record:
         console.print(f"v{record['challenger']} {record['challenger_mean']:.3f} vs champion v{record['champion_before']} "
                       f"{record['champion_mean']:.3f} (n={record['n']}, p={record['p_value']:.3g})")
-    console.print(f"[bold]{record['decision']}[/]: {escape(record['reason'])}")
+    console.print(f"[bold]{record['decision']}[/]: {escape(record['reason'])}", soft_wrap=True)
+    if record.get("eval_run_id"):
+        console.print(f"audit record: {get_settings().mlflow_url}/#/experiments/{record['experiment_id']}/runs/{record['eval_run_id']}", soft_wrap=True)
 
 
 @models_app.command()

@@ -254,7 +254,7 @@ def conclude(client, pair: Pair, spec, challenger: dict[str, Any], champion: dic
     client.set_terminated(run_id, "FINISHED")
     return {"model": pair.name, "challenger": pair.challenger, "champion_before": pair.champion,
             "champion_after": pair.challenger if outcome == "promoted" else pair.champion,
-            "decision": outcome, "reason": reason, "eval_run_id": run_id, "time": when, **metrics}
+            "decision": outcome, "reason": reason, "eval_run_id": run_id, "experiment_id": exp_id, "time": when, **metrics}
 
 
 def no_champion(client, pair: Pair) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from opentinker.cli_env import env_app
-from opentinker.inference.cli import serve
 from opentinker.cli_models import models_app
+from opentinker.inference.cli import serve
 from opentinker.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="OpenTinker: agentic RL as a service.")
@@ -231,8 +231,8 @@ def worker(pool: str = typer.Option("cpu", help="work pool to poll: gpu or cpu")
 
 
 app.add_typer(env_app, name="env")
-app.command(name="serve")(serve)
 app.add_typer(models_app, name="models")
+app.command(name="serve")(serve)
 
 tenant_app = typer.Typer(help="Tenants and their API keys (stored hashed in the state folder).", no_args_is_help=True)
 app.add_typer(tenant_app, name="tenant")

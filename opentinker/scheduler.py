@@ -31,6 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENTS_FILE = ROOT / "deployments" / "prefect.yaml"
 POOLS = ("gpu", "cpu")
 SLOTS_HELD_TAG = "opentinker:slots-held"
+# Set by a user's cancel: a run stopped by it ends CANCELLED even if Prefect records the killed
+# process as crashed (SIGTERM before the engine installs its handler, e.g. while importing).
+CANCEL_REQUESTED_TAG = "opentinker:cancel-requested"
 AWAITING_ENV = "AwaitingEnvironment"
 # A run waiting for its environment is parked far in the future, out of every worker's reach.
 _PARKED = timedelta(days=3650)
@@ -241,4 +244,6 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
         return "COMPLETED", None
     if kind == "CANCELLED":
         return "CANCELLED", message
+    if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
+        return "CANCELLED", f"cancelled; the run ended as {name}: {message}"
     return "FAILED", message or name  # FAILED, CRASHED

@@ -169,3 +169,23 @@ def test_tenant_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
     from opentinker.gateway.tenants import TenantStore
 
     assert TenantStore(tmp_path / "tenants.json").authenticate(key) == "initech"
+
+
+def test_job_state_reads_a_cancelled_run_as_cancelled_even_if_its_process_crashed():
+    """A SIGTERM that lands before Prefect's engine handles it records the run as Crashed; the
+    user asked to cancel, so the job reads CANCELLED. Without the request a crash is FAILED."""
+    from types import SimpleNamespace
+
+    from prefect.states import Cancelled, Crashed, Running
+
+    from opentinker.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, job_state
+
+    def run(state, *tags):
+        return SimpleNamespace(state=state, tags=list(tags))
+
+    assert job_state(run(Crashed(message="process exited with -15")))[0] == "FAILED"
+    state, reason = job_state(run(Crashed(message="process exited with -15"), CANCEL_REQUESTED_TAG))
+    assert state == "CANCELLED" and "Crashed" in reason
+    assert job_state(run(Cancelled(), CANCEL_REQUESTED_TAG))[0] == "CANCELLED"
+    assert job_state(run(Running(), SLOTS_HELD_TAG, CANCEL_REQUESTED_TAG))[0] == "RUNNING"
+    assert job_state(run(Running()))[0] == "QUEUED"

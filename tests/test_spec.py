@@ -61,7 +61,17 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_example_specs_are_valid():
+    """Every example parses as the kind of job it describes (SFT specs have `data`, not `env`)."""
     from pathlib import Path
 
-    for path in Path(__file__).parents[1].glob("examples/*.yaml"):
-        load_spec(path)
+    import yaml
+
+    from opentinker.sft import is_sft_spec, load_sft_spec
+
+    paths = sorted(Path(__file__).parents[1].glob("examples/*.yaml"))
+    assert paths
+    for path in paths:
+        if is_sft_spec(yaml.safe_load(path.read_text())):
+            load_sft_spec(path)
+        else:
+            load_spec(path)

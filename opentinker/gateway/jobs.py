@@ -14,6 +14,7 @@ from typing import Any
 from opentinker.gateway import inference
 from opentinker.scheduler import (
     AWAITING_ENV,
+    CANCEL_REQUESTED_TAG,
     check_fits,
     deployment_name,
     flow_for,
@@ -162,6 +163,7 @@ class TenantJobs:
             raise JobConflict(f"job {job_id} already ended ({state})")
         running = run.state is not None and run.state.type.value in ("RUNNING", "PENDING")
         with self._client() as client:
+            client.update_flow_run(run.id, tags=[*(run.tags or []), CANCEL_REQUESTED_TAG])
             client.set_flow_run_state(run.id, Cancelling() if running else Cancelled(message="cancelled while queued"), force=True)
         return self.status(job_id)
 

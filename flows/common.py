@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from prefect import runtime
 from prefect.artifacts import create_markdown_artifact
@@ -98,3 +99,28 @@ def scheduled_job(spec: JobSpec, job_id: str | None, tenant: str | None) -> Iter
     with job_slots(spec):
         flow_run_id = str(runtime.flow_run.id or "local")
         yield JobContext(job_id or spec.job_id or f"job-{flow_run_id[:8]}", flow_run_id, tenant or settings.project)
+
+
+def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tracker: JobTracker, *, kind: str,
+                              spec_data: dict[str, Any], model_name: str, base_model: str,
+                              environment: str | None) -> dict[str, Any]:
+    """Register a completed job's checkpoint (opentinker/registry.py) and tag its MLflow run.
+
+    A registry failure fails the job rather than warning: registration is part of a completed
+    job's contract (the evaluation trigger and `models:/…@champion` rely on it), and a COMPLETED
+    job missing from the registry would go unnoticed. The checkpoint is committed before this runs,
+    so nothing trained is lost: re-running the job id resumes at its last step and only registers."""
+    from opentinker.registry import RegistryError, register_job_checkpoint
+
+    try:
+        reg = register_job_checkpoint(
+            checkpoint_url=url, model_name=model_name, job_id=job.job_id, kind=kind, spec_data=spec_data,
+            base_model=base_model, environment=environment,
+            flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
+            tracking_uri=tracker.tracking_uri)
+    except (RegistryError, ValueError) as err:
+        raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
+                            "re-running the same job id registers it without training again") from err
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
+    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
+    return reg

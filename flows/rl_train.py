@@ -16,7 +16,7 @@ import ray
 from prefect import flow, get_run_logger
 from prefect_ray.context import remote_options
 
-from flows.common import JobContext, ray_runner, scheduled_job
+from flows.common import JobContext, ray_runner, register_final_checkpoint, scheduled_job
 from opentinker.actors import JobActors, create_actors
 from opentinker.spec import JobSpec
 from tasks import checkpoint, evaluate, rollout, update
@@ -38,27 +38,13 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
 
 
 def _register(spec: JobSpec, job: JobContext, tenant: str | None, url: str, tracker) -> dict[str, Any]:
-    """Register the final checkpoint (opentinker/registry.py) and tag the MLflow run with the version.
-
-    A registry failure fails the job rather than warning: registration is part of a completed
-    job's contract (the evaluation trigger and `models:/…@champion` rely on it), and a COMPLETED
-    job missing from the registry would go unnoticed. The checkpoint is committed before this runs,
-    so nothing trained is lost: re-running the job id resumes at its last step and only registers."""
-    from opentinker.registry import RegistryError, model_name_for, register_job_checkpoint
+    """The final checkpoint as a version of `registry.model_name` (default `<tenant or project>-<game>`)."""
+    from opentinker.registry import model_name_for
 
     data = spec.model_dump(mode="json")
-    try:
-        reg = register_job_checkpoint(
-            checkpoint_url=url, model_name=model_name_for(data, job.experiment, tenant), job_id=job.job_id, kind="rl",
-            spec_data=data, base_model=spec.model.name, environment=spec.env.game or spec.env.label,
-            flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
-            tracking_uri=tracker.tracking_uri)
-    except (RegistryError, ValueError) as err:
-        raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
-                            "re-running the same job id registers it without training again") from err
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
-    return reg
+    return register_final_checkpoint(job, tenant, url, tracker, kind="rl", spec_data=data,
+                                     model_name=model_name_for(data, job.experiment, tenant), base_model=spec.model.name,
+                                     environment=spec.env.game or spec.env.label)
 
 
 def _train(spec: JobSpec, job: JobContext, tenant: str | None = None) -> dict[str, Any]:

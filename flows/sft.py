@@ -16,7 +16,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect_ray.context import remote_options
 
-from flows.common import JobContext, ray_runner, scheduled_job
+from flows.common import JobContext, ray_runner, register_final_checkpoint, scheduled_job
 from opentinker.sft import SFTSpec
 
 
@@ -40,25 +40,14 @@ def sft(spec: SFTSpec, job_id: str | None = None, tenant: str | None = None) -> 
 
 
 def _register(spec: SFTSpec, job: JobContext, tenant: str | None, url: str, tracker) -> dict[str, Any]:
-    """Register the checkpoint as a version of `registry.model_name` (default `<tenant or project>-sft`),
-    as rl_train does: a registry failure fails the job, and a re-run of the job id (same spec)
-    reuses the saved checkpoint and only registers."""
-    from opentinker.registry import RegistryError, model_name_for, register_job_checkpoint
+    """The checkpoint as a version of `registry.model_name` (default `<tenant or project>-sft`), as
+    rl_train does; a re-run of the job id (same spec) reuses the saved checkpoint and only registers."""
+    from opentinker.registry import model_name_for
 
-    data = spec.model_dump(mode="json")
     named = {"registry": {"model_name": spec.registry.model_name or f"{job.experiment}-sft"}}
-    try:
-        reg = register_job_checkpoint(
-            checkpoint_url=url, model_name=model_name_for(named, job.experiment, tenant), job_id=job.job_id, kind="sft",
-            spec_data=data, base_model=spec.model.name, environment=None,
-            flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
-            tracking_uri=tracker.tracking_uri)
-    except (RegistryError, ValueError) as err:
-        raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
-                            "re-running the same job id registers it without training again") from err
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
-    return reg
+    return register_final_checkpoint(job, tenant, url, tracker, kind="sft", spec_data=spec.model_dump(mode="json"),
+                                     model_name=model_name_for(named, job.experiment, tenant), base_model=spec.model.name,
+                                     environment=None)
 
 
 def _train(spec: SFTSpec, job: JobContext, tenant: str | None) -> dict[str, Any]:

@@ -170,6 +170,30 @@ def _bring_up(settings, deploy: bool):
     return status
 
 
+def _stack_for_a_job(settings) -> None:
+    """Before submitting: the Ray cluster the settings name must answer, then the stack is up."""
+    from opentinker.submit import check_ray_address
+
+    try:
+        check_ray_address(settings.ray_address)
+    except ConnectionError as err:
+        console.print(f"ray: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    _bring_up(settings, deploy=False)
+
+
+def _submit_to_pool(spec, job_id: str, settings) -> str:
+    """Queue the job on its deployment (routed by the spec's kind); its flow-run id, or exit 2."""
+    from opentinker.scheduler import SchedulingError
+    from opentinker.submit import submit_rl_job
+
+    try:
+        return submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
+    except SchedulingError as err:
+        console.print(f"cannot schedule: {err}", style="red", markup=False)
+        raise typer.Exit(2)
+
+
 @app.command()
 def up() -> None:
     """Start (or reuse) the embedded stack on 127.0.0.1 and register the deployments."""
@@ -272,24 +296,13 @@ def train(
     spec = _load(spec_path, steps)
     settings = _settings_and_env()
     _quiet_libraries()
-    from opentinker.submit import check_ray_address, follow, submit_rl_job
+    from opentinker.submit import follow
 
-    try:
-        check_ray_address(settings.ray_address)
-    except ConnectionError as err:
-        console.print(f"ray: {err}", style="red", markup=False)
-        raise typer.Exit(1)
-    _bring_up(settings, deploy=False)
+    _stack_for_a_job(settings)
     from opentinker.runner import new_job_id
 
     job_id = job_id or new_job_id(spec)
-    from opentinker.scheduler import SchedulingError
-
-    try:
-        flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
-    except SchedulingError as err:
-        console.print(f"cannot schedule: {err}", style="red", markup=False)
-        raise typer.Exit(2)
+    flow_run_id = _submit_to_pool(spec, job_id, settings)
     prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
     console.print(f"submitted job [cyan]{job_id}[/] · Prefect {prefect_link}")
     progress = _step_progress("[bold]{task.fields[state]}")

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentinker.registry import (CHALLENGER, CHAMPION, CHECKPOINT_TAG, EVAL_SPEC_TAG, ModelNotFoundError, _client,
+from opentinker.registry import (CHALLENGER, CHAMPION, EVAL_SPEC_TAG, ModelNotFoundError, _client,
                                  get_version, now_iso, resolve_model_uri)
 
 TEST = "one-sided exact sign test on paired per-problem reward differences (exact McNemar for 0/1 rewards)"

@@ -26,19 +26,22 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from opentinker.spec import (
     AdapterSpec,
+    LearningRate,
     LoraSpec,
     ModelSpec,
     RegistrySpec,
     ResourcesSpec,
     SpecError,
     StorageSpec,
-    _format_errors,
     _Section,
     _storage_url,
+    dump_spec,
+    read_spec_yaml,
+    validate_spec,
 )
 
 SFT_SPEC_FILE = "sft_spec.yaml"
@@ -57,7 +60,7 @@ class SFTDataSpec(_Section):
 
 class SFTTrainingSpec(_Section):
     epochs: int = Field(1, gt=0)
-    lr: float = Field(1e-4, gt=0)
+    lr: LearningRate = 1e-4
     batch_size: int = Field(8, gt=0, description="examples per forward/backward")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     max_length: int = Field(1024, gt=0, description="tokens per example; a longer example is refused (never truncated)")
@@ -68,13 +71,6 @@ class SFTTrainingSpec(_Section):
     gradient_checkpointing: bool = Field(False, description="trade compute for memory (slower; for long examples on a GPU)")
     logging_steps: int = Field(1, gt=0, description="optimizer steps between metric points")
     seed: int = 0
-
-    @field_validator("lr")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
 
 
 class SFTCheckpointSpec(_Section):
@@ -119,27 +115,17 @@ def is_sft_spec(data: Any) -> bool:
 
 def parse_sft_spec(data: dict[str, Any]) -> SFTSpec:
     """Validate a plain dict into an SFTSpec, or raise SpecError (`field.path: reason` per line)."""
-    if not isinstance(data, dict):
-        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
-    try:
-        return SFTSpec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(_format_errors(err)) from None
+    return validate_spec(SFTSpec, data)
 
 
 def load_sft_spec(path: str | Path) -> SFTSpec:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(f"<spec>: not valid YAML: {err}") from None
-    return parse_sft_spec(data or {})
+    return parse_sft_spec(read_spec_yaml(path))
 
 
 def dump_sft_spec(spec: SFTSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+    return dump_spec(spec)
 
 
-# -- data ---------------------------------------------------------------------------------------
 def _chat_problem(row: Any) -> str | None:
     """Why a parsed line is not a chat we can train on, or None."""
     if not isinstance(row, dict) or not isinstance(row.get("messages"), list):

@@ -117,22 +117,12 @@ def _metrics(settings, run_id: str) -> dict[str, dict[int, float]]:
 
 
 def _submit(spec, job_id: str) -> None:
-    from opentinker.cli import _bring_up, _settings_and_env, _step_progress, console
-    from opentinker.scheduler import SchedulingError
-    from opentinker.submit import TERMINAL, check_ray_address, poll, submit_rl_job
+    from opentinker.cli import _settings_and_env, _stack_for_a_job, _step_progress, _submit_to_pool, console
+    from opentinker.submit import TERMINAL, poll
 
     settings = _settings_and_env()
-    try:
-        check_ray_address(settings.ray_address)
-    except ConnectionError as err:
-        console.print(f"ray: {err}", style="red", markup=False)
-        raise typer.Exit(1)
-    _bring_up(settings, deploy=False)
-    try:
-        flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)  # routed to the sft deployment
-    except SchedulingError as err:
-        console.print(f"cannot schedule: {err}", style="red", markup=False)
-        raise typer.Exit(2)
+    _stack_for_a_job(settings)
+    flow_run_id = _submit_to_pool(spec, job_id, settings)  # routed to the sft deployment
     prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
     console.print(f"submitted SFT job [cyan]{job_id}[/] · Prefect {prefect_link}")
     progress = _step_progress("[bold]{task.fields[state]}")

@@ -10,10 +10,10 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 def _storage_url(v: str) -> str:
@@ -28,6 +28,18 @@ def _storage_url(v: str) -> str:
     if scheme == "file" and not rest.startswith("/"):
         v = "file://" + str(Path(rest).resolve())
     return v.rstrip("/")
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _finite(v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError("must be finite")
+    return v
+
+
+LearningRate = Annotated[float, Field(gt=0), AfterValidator(_finite)]
 
 
 class _Section(BaseModel):
@@ -109,18 +121,11 @@ class RolloutSpec(_Section):
 
 
 class OptimizationSpec(_Section):
-    lr: float = Field(1e-4, gt=0)
+    lr: LearningRate = 1e-4
     steps: int = Field(10, gt=0)
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
     weight_decay: float = Field(0.0, ge=0)
-
-    @field_validator("lr")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if not math.isfinite(v):
-            raise ValueError("must be finite")
-        return v
 
 
 class EvaluationSpec(_Section):
@@ -292,25 +297,34 @@ def _format_errors(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_spec(data: dict[str, Any]) -> JobSpec:
-    """Validate a plain dict (e.g. from YAML or a client) into a JobSpec, or raise SpecError."""
+def validate_spec(model: type[_M], data: Any) -> _M:
+    """Validate a plain dict (e.g. from YAML or a client) into `model` (JobSpec, SFTSpec), or
+    raise SpecError with one `field.path: reason` line per problem."""
     if not isinstance(data, dict):
         raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
     try:
-        return JobSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
         raise SpecError(_format_errors(err)) from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read a YAML job spec from disk and validate it."""
-    text = Path(path).read_text()
+def read_spec_yaml(path: str | Path) -> Any:
+    """A spec file's YAML (a mapping for a valid spec), or SpecError if it does not parse."""
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(Path(path).read_text()) or {}
     except yaml.YAMLError as err:
         raise SpecError(f"<spec>: not valid YAML: {err}") from None
-    return parse_spec(data or {})
 
 
-def dump_spec(spec: JobSpec) -> str:
+def parse_spec(data: dict[str, Any]) -> JobSpec:
+    """Validate a plain dict (e.g. from YAML or a client) into a JobSpec, or raise SpecError."""
+    return validate_spec(JobSpec, data)
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML job spec from disk and validate it."""
+    return parse_spec(read_spec_yaml(path))
+
+
+def dump_spec(spec: BaseModel) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

@@ -78,7 +78,7 @@ def test_registration_records_lineage_and_sets_aliases(registered):
     from opentinker.registry import environment_version
 
     client, name = registered["client"], registered["name"]
-    (r1, r2), (s1, s2), (u1, u2) = registered["results"], registered["specs"], registered["urls"]
+    (r1, r2), (s1, s2), (_, u2) = registered["results"], registered["specs"], registered["urls"]
     # the first version is champion too (nothing to compare with); later ones are challengers only
     assert r1 == {"name": name, "version": "1", "aliases": ["challenger", "champion"]}
     assert r2 == {"name": name, "version": "2", "aliases": ["challenger"]}

@@ -15,7 +15,8 @@ def _weights(job):
     return job.policy.trainer.trainable_state()
 
 
-@pytest.mark.parametrize("adapter", [{"kind": "lora", "r": 8, "alpha": 16}, {"kind": "full"}])
+# LoRA exact resume also runs on S3 in the default suite (test_storage_s3), so here it is the slow variant
+@pytest.mark.parametrize("adapter", [pytest.param({"kind": "lora", "r": 8, "alpha": 16}, marks=pytest.mark.slow), {"kind": "full"}])
 def test_resume_reproduces_straight_training(tmp_path, tiny_path, adapter):
     lr = 1e-2 if adapter["kind"] == "lora" else 1e-3
     spec4 = tiny_spec(tmp_path, adapter=adapter, optimization={"steps": 4, "lr": lr})

@@ -71,6 +71,7 @@ def test_flow_trains_on_ray_and_mlflow_holds_what_it_produced(stack_env, tmp_pat
     assert any(a.type == "markdown" and run.info.run_id in (a.data or "") for a in links)
 
 
+@pytest.mark.slow  # the default suite kills and resumes a flow on S3 (test_storage_s3), with the same checks
 def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path):
     from flows.rl_train import rl_train
     from opentinker import checkpoint as ckpt
@@ -108,6 +109,7 @@ def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path
     assert run.info.status == "FINISHED"
 
 
+@pytest.mark.slow  # the S3 kill-and-resume test submits through the deployment and follows it the same way
 def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
     from opentinker.submit import deploy, follow, submit_rl_job
 

@@ -43,7 +43,8 @@ def data(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", params=["lora", "full"])
+# full fine-tuning is the slow variant (same code path past the adapter); `make test-slow` runs it
+@pytest.fixture(scope="module", params=["lora", pytest.param("full", marks=pytest.mark.slow)])
 def trained(request, data, tmp_path_factory):
     """One SFT run per adapter kind, shared by the tests that inspect its result and checkpoint."""
     tmp = tmp_path_factory.mktemp(f"sft-{request.param}")

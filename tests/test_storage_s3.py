@@ -114,6 +114,7 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
     again by the stack's worker (which got the S3 variables when the stack started), resumes from
     the newest complete S3 checkpoint: MLflow holds every step once and the final policy loads."""
     from opentinker.models import load_policy
+    from opentinker.scheduler import deployment_names
     from opentinker.submit import deploy, follow, submit_rl_job
 
     settings, env = stack_env
@@ -135,7 +136,8 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
     killed_at = ckpt.latest_checkpoint(s3_url, job_id).step
     assert 2 <= killed_at < 4
 
-    deploy(settings)
+    assert deploy(settings) == deployment_names()  # every deployment of deployments/prefect.yaml
+    assert {"rl-train/gpu", "rl-train/cpu", "self-play/gpu", "self-play/cpu", "sft/gpu", "sft/cpu"} <= set(deployment_names())
     flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
     final = follow(flow_run_id, job_id, settings, lambda p: None, interval=1.0)
     assert final.state == "COMPLETED", final.message

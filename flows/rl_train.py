@@ -4,7 +4,8 @@ The flow is the controller of one job. Its steps are Prefect tasks dispatched th
 RayTaskRunner; the model lives in the job's Ray actors for the whole run. On start the flow
 resumes from the job's latest complete checkpoint, so a retried or re-submitted run with the same
 job id continues where it stopped. A step's metrics go to MLflow once the checkpoint that covers
-it has committed, so after a crash and resume MLflow holds each step exactly once.
+it has committed, and travel inside that checkpoint: after a crash and resume MLflow holds each
+step exactly once, even when the crash fell between the commit and the logging.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from opentinker.spec import JobSpec
 from tasks import checkpoint, evaluate, rollout, update
 
 
-def _run(task, actors: JobActors, job_id: str, step: int) -> Any:
+def _run(task, actors: JobActors, job_id: str, step: int, **kwargs) -> Any:
     """Dispatch one step task through RayTaskRunner and wait for its (small) result."""
     # Thin tasks reserve no CPU: the actors hold the cores, and a task that cannot be placed
     # would wait forever without a task run to show for it.
     with remote_options(num_cpus=0, max_retries=0):
-        return task.submit(actors=actors, job_id=job_id, step=step).result()
+        return task.submit(actors=actors, job_id=job_id, step=step, **kwargs).result()
 
 
 @flow(name="rl-train", task_runner=ray_runner(), persist_result=False, log_prints=True)
@@ -60,6 +61,8 @@ def _train(spec: JobSpec, job: JobContext, tenant: str | None = None) -> dict[st
         start = restored["step"] if restored else 0
         total = spec.optimization.steps
         logger.info(f"job {job_id}: {'resuming at step ' + str(start) if restored else 'starting'} of {total}; MLflow {tracker.run_url}")
+        if restored and (late := tracker.log_missing_metrics(restored["metrics"])):
+            logger.info(f"logged steps {late} that the checkpoint covered but MLflow missed")
         pending: list[tuple[int, dict[str, float]]] = []  # metrics not yet covered by a checkpoint
         history: list[dict[str, float]] = []
         if start == 0 and total > 0:
@@ -79,7 +82,7 @@ def _train(spec: JobSpec, job: JobContext, tenant: str | None = None) -> dict[st
             metrics["step/seconds"] = time.perf_counter() - t0
             pending.append((done, metrics))
             if spec.checkpoints_at(done):
-                url = _run(checkpoint, actors, job_id, done)
+                url = _run(checkpoint, actors, job_id, done, metrics=pending)
                 for s, m in pending:
                     tracker.log_metrics(s, m)
                     history.append({"step": s, **m})

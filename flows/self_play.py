@@ -37,9 +37,11 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
     tracker = job.tracker(spec)
     try:
         agents = ray.get(actor.learners.remote())
-        start = ray.get(actor.restore_latest.remote())
+        start, covered = ray.get(actor.restore_latest.remote())
         total = spec.optimization.steps
         logger.info(f"self-play job {job_id}: agents {agents}, {'resuming at step ' + str(start) if start else 'starting'} of {total}")
+        if late := tracker.log_missing_metrics(covered):
+            logger.info(f"logged steps {late} that the checkpoint covered but MLflow missed")
         pending: list[tuple[int, dict[str, float]]] = []
         history: list[dict[str, float]] = []
         with remote_options(num_cpus=0, max_retries=0):
@@ -58,7 +60,7 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
                 metrics["step/seconds"] = time.perf_counter() - t0
                 pending.append((done, metrics))
                 if spec.checkpoints_at(done):
-                    urls = selfplay_checkpoint.submit(actor=actor, job_id=job_id, step=done).result()
+                    urls = selfplay_checkpoint.submit(actor=actor, job_id=job_id, step=done, metrics=pending).result()
                     for s, m in pending:
                         tracker.log_metrics(s, m)
                         history.append({"step": s, **m})

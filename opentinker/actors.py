@@ -42,7 +42,8 @@ class TrainerActor:
         if restored is None:
             return None
         ref, loaded = restored
-        return {"step": loaded.step, "env": loaded.state["env"], "version": self.policy.version, "url": ref.url}
+        return {"step": loaded.step, "env": loaded.state["env"], "version": self.policy.version, "url": ref.url,
+                "metrics": loaded.state.get("metrics", [])}
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         return self.policy.update(batch)
@@ -50,8 +51,8 @@ class TrainerActor:
     def weights(self) -> tuple[int, dict]:
         return self.policy.weights()
 
-    def checkpoint(self, step: int, env_state: dict[str, Any]) -> str:
-        return self.policy.save(step, self.job_id, env_state).url
+    def checkpoint(self, step: int, env_state: dict[str, Any], metrics: list = ()) -> str:
+        return self.policy.save(step, self.job_id, env_state, metrics).url
 
 
 class RolloutActor:
@@ -116,8 +117,8 @@ class ColocatedActor(TrainerActor, RolloutActor):
         self.worker.set_version(self.policy.version)
         return metrics
 
-    def checkpoint_now(self, step: int) -> str:
-        return self.checkpoint(step, self.env_state())
+    def checkpoint_now(self, step: int, metrics: list = ()) -> str:
+        return self.checkpoint(step, self.env_state(), metrics)
 
     def restore_latest(self) -> dict[str, Any] | None:
         restored = TrainerActor.restore_latest(self)
@@ -187,8 +188,8 @@ class MultiAgentActor:
     def learners(self) -> list[str]:
         return list(self.job.learners)
 
-    def restore_latest(self) -> int:
-        return self.job.restore_latest()
+    def restore_latest(self) -> tuple[int, list]:
+        return self.job.restore_latest(), self.job.restored_metrics
 
     def rollout(self, step: int) -> dict[str, float]:
         self._batches = self.job.rollout(step)
@@ -206,8 +207,8 @@ class MultiAgentActor:
     def evaluate(self, step: int) -> dict[str, float]:
         return self.job.evaluate(step)
 
-    def checkpoint(self, step: int) -> dict[str, str]:
-        return self.job.checkpoint(step)
+    def checkpoint(self, step: int, metrics: list = ()) -> dict[str, str]:
+        return self.job.checkpoint(step, metrics)
 
 
 def create_multiagent_actor(spec: JobSpec, job_id: str):

@@ -76,6 +76,7 @@ class MultiAgentJob:
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
         self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self.coordinator = Coordinator(phase_timeout_s=self.ma.phase_timeout_s)
+        self.restored_metrics: list = []  # the metrics the checkpoint restore_latest loaded covers
 
     def _refresh_snapshot(self) -> None:
         learner = self.policies[self.learners[0]].trainer
@@ -150,11 +151,12 @@ class MultiAgentJob:
     def agent_job_id(self, agent: str) -> str:
         return f"{self.job_id}.{agent}"
 
-    def checkpoint(self, step: int) -> dict[str, str]:
+    def checkpoint(self, step: int, metrics: list = ()) -> dict[str, str]:
         """One checkpoint per learning agent (its weights, optimizer, version), each with the
-        environment's position; resume takes the newest step that every agent completed."""
+        environment's position and the metrics it covers; resume takes the newest step that
+        every agent completed."""
         state = self.env.state()
-        return {agent: self.policies[agent].save(step, self.agent_job_id(agent), state).url for agent in self.learners}
+        return {agent: self.policies[agent].save(step, self.agent_job_id(agent), state, metrics).url for agent in self.learners}
 
     def restore_latest(self) -> int:
         """Restore every learner (and the snapshot) at the newest step all of them have; 0 if none."""
@@ -170,6 +172,7 @@ class MultiAgentJob:
             loaded = self.policies[agent].restore(refs[step].url)
             self.engines[agent].policy_version = self.policies[agent].version
         self.env.load_state(loaded.state["env"])
+        self.restored_metrics = loaded.state.get("metrics", [])
         if self.ma.opponent == "snapshot":
             self._refresh_snapshot()
         return step

@@ -93,6 +93,21 @@ class JobTracker:
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i : i + 500])
 
+    def log_missing_metrics(self, steps: list[tuple[int, dict[str, float]]]) -> list[int]:
+        """Log the steps (as a checkpoint carries them) that MLflow does not hold yet: a process
+        killed between committing a checkpoint and logging its steps loses nothing, and a step
+        already logged is not logged twice. Returns the steps logged now."""
+        logged = []
+        for step, metrics in steps:
+            if not metrics:
+                continue
+            key = sorted(metrics)[0]
+            if any(m.step == step for m in self.client.get_metric_history(self.run_id, key)):
+                continue
+            self.log_metrics(step, metrics)
+            logged.append(step)
+        return logged
+
     def log_transcripts(self, step: int, transcripts: list[dict[str, Any]]) -> None:
         self._log_text(json.dumps(transcripts, indent=1, default=str), f"step-{step:06d}.json", "transcripts")
         self._log_text(transcripts_html(step, transcripts), f"step-{step:06d}.html", "transcripts")

@@ -86,7 +86,10 @@ class PolicyWorker:
         """Trainable weights and their version, for a rollout engine in another process."""
         return self.trainer.version, self.trainer.trainable_state()
 
-    def save(self, step: int, job_id: str, env_state: dict[str, Any]) -> ckpt.CheckpointRef:
+    def save(self, step: int, job_id: str, env_state: dict[str, Any],
+             metrics: list[tuple[int, dict[str, float]]] = ()) -> ckpt.CheckpointRef:
+        """Commit the policy at `step`. `metrics` are the steps' metrics this checkpoint covers:
+        they travel with it so a resume can log any that a crash kept from reaching MLflow."""
         extra = {"spec.yaml": dump_spec(self.spec).encode(),
                  POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
         if isinstance(self.spec.adapter, LoraSpec):
@@ -95,7 +98,8 @@ class PolicyWorker:
             self.spec.checkpoint.base_url, job_id, step,
             weights=self.trainer.trainable_state(),
             optimizer_state=self.trainer.optimizer.state_dict(),
-            state={"policy_version": self.trainer.version, "env": env_state},
+            state={"policy_version": self.trainer.version, "env": env_state,
+                   "metrics": [[int(s), {k: float(v) for k, v in m.items()}] for s, m in metrics]},
             extra_files=extra,
             keep_last=self.spec.checkpoint.keep_last,
         )

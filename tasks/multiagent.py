@@ -31,5 +31,6 @@ def selfplay_evaluate(actor: Any, job_id: str, step: int) -> dict[str, float]:
 
 
 @task(name="selfplay-checkpoint", task_run_name="checkpoint-{job_id}-step{step}", retries=2, **_COMMON)
-def selfplay_checkpoint(actor: Any, job_id: str, step: int) -> dict[str, str]:
-    return ray.get(actor.checkpoint.remote(step))
+def selfplay_checkpoint(actor: Any, job_id: str, step: int, metrics: list | None = None) -> dict[str, str]:
+    """Every learner's checkpoint for `step`, each carrying the not yet logged `metrics`."""
+    return ray.get(actor.checkpoint.remote(step, metrics or []))

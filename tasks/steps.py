@@ -44,8 +44,9 @@ def evaluate(actors: JobActors, job_id: str, step: int) -> dict[str, Any]:
 
 
 @task(name="checkpoint", task_run_name="checkpoint-{job_id}-step{step}", retries=2, **_COMMON)
-def checkpoint(actors: JobActors, job_id: str, step: int) -> str:
-    """Commit weights, optimizer, RNG and data position for `step`; returns the checkpoint URL."""
+def checkpoint(actors: JobActors, job_id: str, step: int, metrics: list | None = None) -> str:
+    """Commit weights, optimizer, RNG, data position and the not yet logged `metrics` for `step`;
+    returns the checkpoint URL."""
     if actors.colocated:
-        return ray.get(actors.trainer.checkpoint_now.remote(step))
-    return ray.get(actors.trainer.checkpoint.remote(step, actors.rollout.env_state.remote()))
+        return ray.get(actors.trainer.checkpoint_now.remote(step, metrics or []))
+    return ray.get(actors.trainer.checkpoint.remote(step, actors.rollout.env_state.remote(), metrics or []))

@@ -109,6 +109,34 @@ def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path
     assert run.info.status == "FINISHED"
 
 
+def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_env, tmp_path):
+    """A process killed after committing step 2 but before logging it: the checkpoint carries
+    steps 1-2, so the resume logs step 2 (and not step 1 a second time)."""
+    from opentinker.actors import TrainerActor
+    from opentinker.env import environment_from_spec
+    from opentinker.tracking import JobTracker
+    from opentinker.workers import PolicyWorker
+
+    settings, _ = stack_env
+    job_id = "late-metrics"
+    spec = tiny_spec(tmp_path)
+    first = JobTracker(settings.mlflow_url, settings.project, job_id, spec)
+    first.log_metrics(1, {"rollout/reward_mean": 0.5, "update/policy_loss": 0.1})
+    covered = [(1, {"rollout/reward_mean": 0.5, "update/policy_loss": 0.1}), (2, {"rollout/reward_mean": 0.25, "update/policy_loss": 0.2})]
+    PolicyWorker(spec, job_id=job_id).save(2, job_id, environment_from_spec(spec).state(), covered)
+    # ... killed here; the resumed job finds its run and the checkpoint again
+    restored = TrainerActor(spec, job_id).restore_latest()
+    assert restored["step"] == 2 and restored["metrics"] == [[1, covered[0][1]], [2, covered[1][1]]]
+    again = JobTracker(settings.mlflow_url, settings.project, job_id, spec)
+    assert again.run_id == first.run_id
+    assert again.log_missing_metrics(restored["metrics"]) == [2]
+    assert again.log_missing_metrics(restored["metrics"]) == []  # idempotent
+    client, run = _mlflow_run(settings, job_id)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean"))
+    assert history == [(1, 0.5), (2, 0.25)]
+    assert _steps(client, run.info.run_id, "update/policy_loss") == [1, 2]
+
+
 @pytest.mark.slow  # the S3 kill-and-resume test submits through the deployment and follows it the same way
 def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
     from opentinker.submit import deploy, follow, submit_rl_job

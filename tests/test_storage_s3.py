@@ -119,7 +119,8 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
 
     settings, env = stack_env
     job_id = "s3-killed"
-    spec = _on(s3_url, tmp_path, optimization={"steps": 4}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
+    steps = 10  # tiny steps take about a second: leave the poller room to kill mid-run on a busy runner
+    spec = _on(s3_url, tmp_path, optimization={"steps": steps}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
     script = ("import sys, json; from opentinker.spec import parse_spec; from flows.rl_train import rl_train; "
               f"rl_train(parse_spec(json.loads(sys.argv[1])), job_id={job_id!r})")
     proc = subprocess.Popen([sys.executable, "-c", script, spec.model_dump_json()], cwd=ROOT, env=os.environ | env,
@@ -129,25 +130,25 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
         while (latest := ckpt.latest_checkpoint(s3_url, job_id)) is None or latest.step < 2:
             assert proc.poll() is None, "the flow ended before it could be killed"
             assert time.monotonic() < deadline, "no S3 checkpoint within 300 s"
-            time.sleep(0.5)
+            time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     killed_at = ckpt.latest_checkpoint(s3_url, job_id).step
-    assert 2 <= killed_at < 4
+    assert 2 <= killed_at < steps, f"killed after step {killed_at} of {steps}: nothing left to resume"
 
     assert deploy(settings) == deployment_names()  # every deployment of deployments/prefect.yaml
     assert {"rl-train/gpu", "rl-train/cpu", "self-play/gpu", "self-play/cpu", "sft/gpu", "sft/cpu"} <= set(deployment_names())
     flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
     final = follow(flow_run_id, job_id, settings, lambda p: None, interval=1.0)
     assert final.state == "COMPLETED", final.message
-    assert final.result["checkpoint"] == f"{s3_url}/{job_id}/step-00000004"
+    assert final.result["checkpoint"] == f"{s3_url}/{job_id}/step-{steps:08d}"
     # a restart from scratch would have logged steps 1..killed_at twice
-    assert _mlflow_steps(settings, job_id, "rollout/reward_mean") == [1, 2, 3, 4]
-    assert _mlflow_steps(settings, job_id, "eval/accuracy") == [0, 2, 4]
-    assert [c.step for c in ckpt.list_checkpoints(s3_url, job_id)] == [2, 3, 4]  # keep_last=3, on S3
+    assert _mlflow_steps(settings, job_id, "rollout/reward_mean") == list(range(1, steps + 1))
+    assert _mlflow_steps(settings, job_id, "eval/accuracy") == list(range(0, steps + 1, 2))
+    assert [c.step for c in ckpt.list_checkpoints(s3_url, job_id)] == [steps - 2, steps - 1, steps]  # keep_last=3, on S3
     last = ckpt.load_checkpoint(final.result["checkpoint"])
-    assert last.state["policy_version"] == 4
+    assert last.state["policy_version"] == steps
     model, _, info = load_policy(final.result["checkpoint"])
     assert info["base_model"] == "tiny-random" and not model.training
 

@@ -8,7 +8,10 @@ third one in a game loses it. Reward at the end: +1 win, -1 loss (forfeit includ
 unfinished (the episode stops after `--max-turns` model turns). Held-out games (opponent seeds
 never used in training) are played greedily before training and every `--every` steps: win /
 loss / unfinished rates vs random, illegal-move rate (illegal attempts / all attempts), forfeit
-rate, and game length (stones on the board at the end).
+rate, and game length (stones on the board at the end). `--eval-mode sampled` plays them at the
+training temperature instead: the greedy policy of a 135M model plays one fixed line whatever the
+board (the example's row, continued off the board), and GRPO moves the sampled distribution
+long before it moves that argmax.
 
 By default the game shows one example exchange before the game (`few_shot: 1`: two moves along
 a row, with the environment's own replies, see envs/gomoku/examples.py), as the math games do.
@@ -65,7 +68,7 @@ def _spec_data(args, tmp: str, steps: int, every: int, prompts: int, eval_n: int
         "rollout": {"prompts_per_step": prompts, "group_size": args.group, "max_new_tokens": args.max_new_tokens,
                     "temperature": 1.0, "max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens},
         "optimization": {"lr": args.lr, "steps": steps, "micro_batch_size": args.micro_batch},
-        "evaluation": {"every": every, "greedy": True, "n_samples": eval_n},
+        "evaluation": {"every": every, "greedy": args.eval_mode == "greedy", "n_samples": eval_n},
         "checkpoint": {"every": 0, "base_url": f"file://{tmp}"},
         "env": env,
         "seed": args.seed,
@@ -227,6 +230,8 @@ def main() -> int:
     parser.add_argument("--max-total-tokens", type=int, default=1280)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward; memory grows with it (peak RSS ~10 GB at 2, ~15 GB at 4)")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--eval-mode", choices=["greedy", "sampled"], default="greedy",
+                        help="held-out games played greedily, or sampled at the training temperature (the policy GRPO trains)")
     parser.add_argument("--no-example", action="store_true", help="plain envs.gomoku:GomokuGame, no example exchange")
     parser.add_argument("--no-selfplay", action="store_true", help="skip part (b)")
     parser.add_argument("--sp-steps", type=int, default=1)
@@ -251,7 +256,7 @@ def main() -> int:
     selfplay = None if args.no_selfplay else self_play(args, None if args.sp_from_scratch else state)
 
     first, last = single["curve"][0], single["curve"][-1]
-    verdict = (f"vs random, greedy on {first['games']} held-out games: "
+    verdict = (f"vs random, {args.eval_mode} on {first['games']} held-out games: "
                f"{_trend('illegal-move rate', first['illegal_move_rate'], last['illegal_move_rate'], 'lower is better')}; "
                f"{_trend('win rate', first['win_rate'], last['win_rate'], 'higher is better')} "
                f"(step {first['step']} -> step {last['step']})")
@@ -284,7 +289,8 @@ def main() -> int:
         f"moves lose), 0 draw or unfinished. "
         + ("Plain GomokuGame prompt (no example). " if args.no_example else
            "GomokuGame plus one example exchange (two moves along a row, see the JSON). ")
-        + f"Greedy evaluation on {first['games']} held-out games.",
+        + f"{args.eval_mode.capitalize()} evaluation on {first['games']} held-out games"
+        + (f" (temperature {r['temperature']})." if args.eval_mode == "sampled" else "."),
         f"Wall time {single['wall_seconds']:.0f} s (median step {single['median_step_seconds'] or 0:.0f} s, evaluations included).",
         "",
         "| step | win rate | loss rate | unfinished | illegal-move rate | forfeits | legal moves / game | game length | sampled train reward |",
@@ -303,7 +309,7 @@ def main() -> int:
             "", "## (b) Self-play against a snapshot", "",
             (f"{args.sp_steps} steps of {args.sp_prompts} openings (2 random stones) x {args.group}; X learns, O is a frozen "
              f"copy of X (both from {selfplay['initialised_from']}), refreshed every {selfplay['spec']['multiagent']['snapshot_every']} "
-             f"steps. Greedy evaluation on {args.sp_eval_n} held-out openings."),
+             f"steps. {args.eval_mode.capitalize()} evaluation on {args.sp_eval_n} held-out openings."),
             f"Wall time {selfplay['wall_seconds']:.0f} s (median step {selfplay['median_step_seconds'] or 0:.0f} s).",
             "",
             "| step | learner illegal-move rate | win rate | loss rate | draw rate | game length |",

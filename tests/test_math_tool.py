@@ -244,3 +244,62 @@ def test_tiny_model_episodes_complete(tiny):
         assert not traj.failed and traj.stop_reason in ("done", "max_turns") and 1 <= len(traj.turns) <= 3
         assert traj.info["expected"] == task["answer"] and traj.reward in (0.0, 1.0)
         _assert_masks_exact(traj)
+
+
+class TeacherForcedEngine:
+    """The real model 'samples' fixed replies: each reply's logprobs are those the model gives its
+    tokens under softmax(logits / T), conditioned on the prompt exactly as the loop passed it, so
+    the trainer must reproduce them from the finished multi-turn record (nothing re-tokenized)."""
+
+    policy_version = 0
+
+    def __init__(self, model, tok, replies, temperature):
+        self.model, self.tok, self.replies, self.temperature = model, tok, replies, temperature
+        self.prompts: list[list[int]] = []
+
+    @torch.no_grad()
+    def generate(self, prompts, params, budgets=None):
+        out = []
+        for prompt in prompts:
+            reply = self.tok(self.replies[len(self.prompts)], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            self.prompts.append(list(prompt))
+            logits = self.model(input_ids=torch.tensor([prompt + reply])).logits[0, len(prompt) - 1 : -1].float()
+            lps = torch.log_softmax(logits / self.temperature, dim=-1).gather(-1, torch.tensor(reply)[:, None]).squeeze(-1)
+            out.append(Completion(token_ids=reply, logprobs=lps.tolist(), finish_reason="stop"))
+        return out
+
+
+def test_tool_call_record_is_token_exact_and_its_logprobs_recompute(tiny):
+    """Two calculator calls, a malformed call and an answer: record = prompt + sampled + observation
+    deltas, mask 1 exactly on sampled tokens, and the trainer's recomputed logprobs match (fp32)."""
+    from opentinker.backend import PolicyTrainer
+    from opentinker.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+
+    model, tok = tiny
+    torch.manual_seed(0)
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(), temperature=0.8)
+    replies = ["<calc>17 * 23</calc>", "<calc>391 +</calc>", "<calc>391 + 5</calc>", "Answer: 396"]
+    engine = TeacherForcedEngine(trainer.model, tok, replies, temperature=0.8)
+    chat = ChatFormat(tok)
+    (traj,) = run_episodes(engine, chat, [MathToolGame()], [TASK], SamplingParams(max_new_tokens=32, temperature=0.8),
+                           EpisodeLimits(max_turns=5, max_total_tokens=1024))
+    assert traj.reward == 1.0 and traj.info == _info(True, 396, calls=3, errors=1, format_ok=True)
+    observations = [t.observation for t in traj.turns]
+    assert observations[0] == "<result>391</result>" and observations[1].startswith("<error>") and observations[2] == "<result>396</result>"
+    # rebuild the record: each generation continued it as it stood, observations are template deltas
+    expected, mask = list(traj.prompt_ids), [0] * len(traj.prompt_ids)
+    for k, (prompt, reply) in enumerate(zip(engine.prompts, replies)):
+        assert prompt == expected
+        ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        expected, mask = expected + ids, mask + [1] * len(ids)
+        if k < len(replies) - 1:
+            obs = chat.observation_ids(observations[k], policy_stopped=True)
+            expected, mask = expected + obs, mask + [0] * len(obs)
+    assert traj.token_ids == expected and traj.loss_mask == mask
+    _assert_masks_exact(traj)
+    # the record's text is the chat template of the conversation
+    assert tok.apply_chat_template(traj.messages, tokenize=False).startswith(tok.decode(traj.token_ids))
+    (recomputed,) = trainer.logprobs([traj])
+    sampled = [lp for lp, m in zip(traj.sampling_logprobs, traj.loss_mask) if m]
+    assert len(sampled) == len(recomputed) == traj.num_sampled
+    assert max(abs(a - b) for a, b in zip(sampled, recomputed)) < 1e-4

@@ -1,5 +1,6 @@
-"""Multi-agent self-play as a Prefect flow: per step, a joint rollout task, then one update task
-per agent submitted together and all awaited (the phase barrier), then evaluate/checkpoint.
+"""Multi-agent self-play as a Prefect flow: per step, the rollout phase (the matches played
+jointly, then one rollout task per agent), then the update phase (one task per agent), each
+phase's tasks submitted together and all awaited (the barrier), then evaluate/checkpoint.
 
 Same contract as rl_train: the spec is the parameter, the job resumes from the newest step every
 agent has checkpointed, deployment runs hold their pool's slots, and a step's metrics (prefixed
@@ -19,7 +20,7 @@ from flows.common import JobContext, ray_runner, scheduled_job
 from opentinker.actors import create_multiagent_actor
 from opentinker.agent.coordinator import collect_phase
 from opentinker.spec import JobSpec
-from tasks.multiagent import agent_update, selfplay_checkpoint, selfplay_evaluate, selfplay_rollout
+from tasks.multiagent import agent_rollout, agent_update, selfplay_checkpoint, selfplay_evaluate, selfplay_play
 
 
 @flow(name="self-play", task_runner=ray_runner(), persist_result=False, log_prints=True)
@@ -50,10 +51,10 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
             urls: dict[str, str] = {}
             for step in range(start, total):
                 done, t0 = step + 1, time.perf_counter()
-                metrics = collect_phase("rollout", step, {"selfplay": selfplay_rollout.submit(actor=actor, job_id=job_id, step=step)}, timeout)["selfplay"]
-                updates = collect_phase("update", step, {a: agent_update.submit(actor=actor, job_id=job_id, agent=a, step=step) for a in agents}, timeout)
-                for m in updates.values():
-                    metrics |= m
+                metrics = collect_phase("rollout", step, {"matches": selfplay_play.submit(actor=actor, job_id=job_id, step=step)}, timeout)["matches"]
+                for phase, work in (("rollout", agent_rollout), ("update", agent_update)):
+                    for m in collect_phase(phase, step, {a: work.submit(actor=actor, job_id=job_id, agent=a, step=step) for a in agents}, timeout).values():
+                        metrics |= m
                 ray.get(actor.after_updates.remote(step))
                 if spec.evaluates_at(done):
                     metrics |= selfplay_evaluate.submit(actor=actor, job_id=job_id, step=done).result()

@@ -191,14 +191,18 @@ class MultiAgentActor:
     def restore_latest(self) -> tuple[int, list]:
         return self.job.restore_latest(), self.job.restored_metrics
 
-    def rollout(self, step: int) -> dict[str, float]:
-        self._batches = self.job.rollout(step)
-        return {k: v for b in self._batches.values() for k, v in b.metrics.items()}
+    def play(self, step: int) -> dict[str, float]:
+        self._batches = {}
+        return self.job.play_step(step)
+
+    def collect(self, agent: str, step: int) -> dict[str, float]:
+        self._batches[agent] = batch = self.job.collect(agent, step)
+        return batch.metrics
 
     def update(self, agent: str, step: int) -> dict[str, float]:
-        batch = self._batches[agent]
-        if batch.step != step:
-            raise RuntimeError(f"update of {agent} for step {step}, but the last rollout was step {batch.step}")
+        batch = self._batches.get(agent)
+        if batch is None or batch.step != step:
+            raise RuntimeError(f"update of {agent} for step {step}, but its last rollout was {'none' if batch is None else f'step {batch.step}'}")
         return self.job.update(agent, batch)
 
     def after_updates(self, step: int) -> None:

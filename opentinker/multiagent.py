@@ -1,5 +1,5 @@
 """Self-play training in one process: a policy (model + adapter + optimizer) per learning agent,
-stepped by the coordinator's phases (joint rollout, then one update per agent).
+stepped by the coordinator's phases (the matches played jointly, then one rollout and one update per agent).
 
 Seats and policies (`multiagent.opponent`):
 - `agents`: every player is its own agent with its own policy, all trained on their own records;
@@ -77,6 +77,7 @@ class MultiAgentJob:
         self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self.coordinator = Coordinator(phase_timeout_s=self.ma.phase_timeout_s)
         self.restored_metrics: list = []  # the metrics the checkpoint restore_latest loaded covers
+        self._played: tuple | None = None  # (step, records, outcomes, seconds) of the last play_step
 
     def _refresh_snapshot(self) -> None:
         learner = self.policies[self.learners[0]].trainer
@@ -102,19 +103,33 @@ class MultiAgentJob:
         seats = [p for p in self.ma.players if self.seat_policy[p] == agent]
         return [t for p in seats for t in records[p] if t is not None], [o for p in seats for o in outcomes[p]]
 
-    def rollout(self, step: int) -> dict[str, RolloutBatch]:
-        """The joint rollout: every match played to its end, records split per learning agent."""
+    def play_step(self, step: int) -> dict[str, float]:
+        """The joint part of the rollout phase: every training match of the step played to its
+        end (the seats take turns, so no agent can play its side alone). Kept for `collect`."""
         t0 = time.perf_counter()
         r = self.spec.rollout
         records, outcomes = self.play(step, self.env.train_tasks(r.prompts_per_step), r.group_size, self.params)
-        batches = {}
-        for agent in self.learners:
-            trajs, seen = self._agent_view(agent, records, outcomes)
-            metrics = match_stats(trajs, seen, f"{agent}/rollout") | {f"{agent}/rollout/seconds": time.perf_counter() - t0}
-            if self.ma.credit == "turn":
-                trajs = [piece for t in trajs for piece in t.split_by_turn(self.ma.gamma)]
-            batches[agent] = RolloutBatch(step, self.engines[agent].policy_version, trajs, metrics)
-        return batches
+        seconds = time.perf_counter() - t0
+        self._played = (step, records, outcomes, seconds)
+        return {"rollout/matches": float(len(next(iter(records.values())))), "rollout/play_seconds": seconds}
+
+    def collect(self, agent: str, step: int) -> RolloutBatch:
+        """An agent's part of the rollout phase: its records of the played step (split per turn
+        under `credit: turn`), tagged with its policy version, and its metrics."""
+        if self._played is None or self._played[0] != step:
+            last = "none" if self._played is None else f"step {self._played[0]}"
+            raise RuntimeError(f"rollout of {agent} for step {step}, but the last matches played were {last}")
+        _, records, outcomes, seconds = self._played
+        trajs, seen = self._agent_view(agent, records, outcomes)
+        metrics = match_stats(trajs, seen, f"{agent}/rollout") | {f"{agent}/rollout/seconds": seconds}
+        if self.ma.credit == "turn":
+            trajs = [piece for t in trajs for piece in t.split_by_turn(self.ma.gamma)]
+        return RolloutBatch(step, self.engines[agent].policy_version, trajs, metrics)
+
+    def rollout(self, step: int) -> dict[str, RolloutBatch]:
+        """The whole rollout phase in one call: the matches, then every learner's batch."""
+        self.play_step(step)
+        return {agent: self.collect(agent, step) for agent in self.learners}
 
     def update(self, agent: str, batch: RolloutBatch) -> dict[str, float]:
         metrics = self.policies[agent].update(batch)
@@ -122,11 +137,13 @@ class MultiAgentJob:
         return {f"{agent}/{k}": v for k, v in metrics.items()}
 
     def step(self, step: int) -> dict[str, float]:
-        """rollout phase (joint) → barrier → update phase (one piece of work per agent) → barrier."""
-        batches = self.coordinator.run_phase("rollout", step, {"selfplay": lambda: self.rollout(step)})["selfplay"]
-        updates = self.coordinator.run_phase("update", step, {a: (lambda a=a: self.update(a, batches[a])) for a in self.learners})
-        metrics = {k: v for b in batches.values() for k, v in b.metrics.items()}
-        for m in updates.values():
+        """rollout phase (the matches, then each agent's batch) → barrier → update phase (one
+        piece of work per agent) → barrier: the order the self-play flow runs as Prefect tasks."""
+        phase = self.coordinator.run_phase
+        metrics = phase("rollout", step, {"matches": lambda: self.play_step(step)})["matches"]
+        batches = phase("rollout", step, {a: (lambda a=a: self.collect(a, step)) for a in self.learners})
+        updates = phase("update", step, {a: (lambda a=a: self.update(a, batches[a])) for a in self.learners})
+        for m in [b.metrics for b in batches.values()] + list(updates.values()):
             metrics |= m
         self.after_updates(step)
         return metrics

@@ -1,6 +1,8 @@
-"""Self-play steps as Prefect tasks: one joint rollout per step, one update per agent (so each
-agent's update shows in the UI on its own), evaluation and checkpoint. The flow waits for all
-tasks of a phase before it starts the next phase (the coordinator's barrier)."""
+"""Self-play steps as Prefect tasks, per agent and phase where the work is per agent: the step's
+matches are played jointly (the seats take turns), then each agent's rollout (its records,
+credit and metrics) and each agent's update are tasks of their own, so every agent shows in the
+UI in both phases; then evaluation and checkpoint. The flow waits for all tasks of a phase before
+it starts the next phase (the coordinator's barrier)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,16 @@ from prefect.cache_policies import NO_CACHE
 _COMMON = {"cache_policy": NO_CACHE, "persist_result": False, "log_prints": False}
 
 
-@task(name="selfplay-rollout", task_run_name="rollout-{job_id}-step{step}", **_COMMON)
-def selfplay_rollout(actor: Any, job_id: str, step: int) -> dict[str, float]:
+@task(name="selfplay-play", task_run_name="play-{job_id}-step{step}", **_COMMON)
+def selfplay_play(actor: Any, job_id: str, step: int) -> dict[str, float]:
     """Every match of the step played to its end by the current seats."""
-    return ray.get(actor.rollout.remote(step))
+    return ray.get(actor.play.remote(step))
+
+
+@task(name="agent-rollout", task_run_name="rollout-{job_id}-{agent}-step{step}", **_COMMON)
+def agent_rollout(actor: Any, job_id: str, agent: str, step: int) -> dict[str, float]:
+    """One agent's training batch from the played matches (its seats' records and results)."""
+    return ray.get(actor.collect.remote(agent, step))
 
 
 @task(name="agent-update", task_run_name="update-{job_id}-{agent}-step{step}", **_COMMON)

@@ -196,13 +196,23 @@ def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
     assert first["agents"] == ["X", "O"] and set(first["checkpoints"]) == {"X", "O"}
     keys = set(first["history"][-1])
     assert {"X/rollout/win_rate", "O/rollout/win_rate", "X/update/sequences", "O/update/sequences", "X/eval/win_rate"} <= keys
-    # one update task per agent and step, visible in Prefect
+    # the matches, then a rollout and an update task per agent and step, visible in Prefect
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(limit=5, sort="START_TIME_DESC")
         run = next(r for r in runs if r.name and r.flow_id and r.parameters.get("job_id") == "sp-flow")
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     names = sorted(t.name for t in tasks)
-    assert {"update-sp-flow-X-step0", "update-sp-flow-O-step0", "update-sp-flow-X-step1", "rollout-sp-flow-step1"} <= set(names)
+    assert {"play-sp-flow-step0", "rollout-sp-flow-X-step0", "rollout-sp-flow-O-step0", "update-sp-flow-X-step0",
+            "update-sp-flow-O-step0", "rollout-sp-flow-X-step1", "update-sp-flow-X-step1", "play-sp-flow-step1"} <= set(names)
+    # the barriers, as Prefect recorded them: no update before every rollout of its step ended,
+    # no match of step 1 before every update of step 0 ended
+    by_name = {t.name: t for t in tasks}
+    ends = lambda *ns: max(by_name[n].end_time for n in ns)  # noqa: E731
+    starts = lambda *ns: min(by_name[n].start_time for n in ns)  # noqa: E731
+    rollouts0 = ["play-sp-flow-step0", "rollout-sp-flow-X-step0", "rollout-sp-flow-O-step0"]
+    updates0 = ["update-sp-flow-X-step0", "update-sp-flow-O-step0"]
+    assert ends("play-sp-flow-step0") <= starts(*rollouts0[1:]) and ends(*rollouts0) <= starts(*updates0)
+    assert ends(*updates0) <= starts("play-sp-flow-step1")
     # more steps with the same job id resume after the last common checkpoint
     longer = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": 3})})
     second = self_play(longer, job_id="sp-flow")

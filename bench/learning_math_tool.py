@@ -10,9 +10,12 @@ answer, 0 otherwise (no tool bonus). Up to 3 calls (max_tool_calls), 4 turns, 32
 
 Held-out: `--eval-n` products (and their commuted twins) never drawn for training, evaluated
 greedily before training and every `--every` steps: answer accuracy, tool-call rate (episodes with
->= 1 call), tool-call success rate (calls that returned a <result> / calls), tool error rate
-(1 - success), format rate (episodes that ended with 'Answer: N'), and the share of answers that
-copy the last tool result.
+>= 1 call), tool-call success rate (tool attempts that got a <result> back / tool attempts, where
+an attempt is an assistant turn that writes a <calc> or a <result> tag: writing the calculator's
+reply tag itself is the base model's usual failed call), the share of episodes that got a result,
+tool error rate (calls the calculator refused / calls), format rate (episodes that ended with
+'Answer: N'), and the share of answers that copy the last tool result. The same tool counts are
+taken on every step's sampled training rollouts (temperature 1), a curve with a point per step.
 
 Observed in a 1-step smoke run: before training SmolLM2 greedily writes the calculator's *reply*
 tag, '<result>61 * 29</result>' or '<result>102</result>', instead of '<calc>...</calc>'; the game
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 _RESULT_RE = re.compile(r"<result>(.*?)</result>", re.DOTALL)
+_ATTEMPT_RE = re.compile(r"<calc|<result")
 
 
 def product_tasks(seed: int, n_val: int, low: int = 10, high: int = 99, phrasing: str = "plain") -> tuple[list[dict], list[dict]]:
@@ -81,9 +85,11 @@ def tool_summary(transcripts: list[dict]) -> dict:
     infos = [t["info"] for t in transcripts]
     calls = sum(int(i.get("tool_calls", 0)) for i in infos)
     errors = sum(int(i.get("tool_errors", 0)) for i in infos)
-    copied = answered_after_result = 0
+    attempts = sum(bool(_ATTEMPT_RE.search(m["content"])) for t in transcripts for m in _episode(t) if m["role"] == "assistant")
+    copied = answered_after_result = got_result = 0
     for t in transcripts:
         results = [_RESULT_RE.search(m["content"]) for m in _episode(t) if m["role"] == "user"]
+        got_result += any(results)
         results = [r.group(1).strip() for r in results if r]
         answer = t["info"].get("answer")
         if results and answer is not None:
@@ -93,10 +99,12 @@ def tool_summary(transcripts: list[dict]) -> dict:
         "accuracy": sum(bool(i.get("correct")) for i in infos) / n,
         "tool_call_rate": sum(int(i.get("tool_calls", 0)) > 0 for i in infos) / n,
         "tool_calls_per_episode": calls / n,
-        "tool_success_rate": (calls - errors) / calls if calls else None,
+        "tool_success_rate": (calls - errors) / attempts if attempts else None,
+        "episodes_with_result": got_result / n,
         "tool_error_rate": errors / calls if calls else 0.0,
         "format_rate": sum(bool(i.get("format_ok")) for i in infos) / n,
         "copies_result_rate": copied / answered_after_result if answered_after_result else None,
+        "attempts": attempts,
         "calls": calls,
         "errors": errors,
     }
@@ -114,8 +122,33 @@ def _episode(t: dict) -> list[dict]:
     return msgs[starts[-1]:] if starts else msgs
 
 
+def _as_transcripts(trajs) -> list[dict]:
+    return [{"info": t.info, "messages": t.messages, "task": t.task} for t in trajs if not t.failed]
+
+
 def _example(t: dict) -> list[str]:
     return [f"{m['role']}: {m['content'].rstrip() or repr(m['content'])}" for m in _episode(t)]
+
+
+_TABLE_HEAD = ("| step | accuracy | tool-call success | episodes with a result | tool-call rate | tool error rate | "
+               "calls / episode | format rate | answer copies last result |")
+
+
+def _row(step: int, c: dict, reward: bool = False) -> str:
+    last = f"{c['reward_mean']:.3f}" if reward else _pct(c["copies_result_rate"])
+    return (f"| {step} | {c['accuracy']:.1%} | {_pct(c['tool_success_rate'])} ({c['calls'] - c['errors']}/{c['attempts']}) | "
+            f"{c['episodes_with_result']:.1%} | {c['tool_call_rate']:.1%} | {c['tool_error_rate']:.1%} | "
+            f"{c['tool_calls_per_episode']:.2f} | {c['format_rate']:.1%} | {last} |")
+
+
+def _pooled(points: list[dict]) -> float | None:
+    """Successful calls / attempts over several steps (each step is only 32 episodes)."""
+    attempts = sum(p["attempts"] for p in points)
+    return sum(p["calls"] - p["errors"] for p in points) / attempts if attempts else None
+
+
+def _mean(points: list[dict], key: str) -> float:
+    return sum(p[key] for p in points) / len(points)
 
 
 def _trend(name: str, first: float | None, last: float | None) -> str:
@@ -170,12 +203,20 @@ def main() -> int:
         job = LocalJob(spec, job_id="bench-learning-math-tool")
         load_s = time.perf_counter() - t0
         sampled: dict[int, dict] = {}
+        rollout_step = job.rollout_step
+
+        def counted_rollout(step: int):
+            """Every step's sampled training episodes, counted like the held-out ones."""
+            batch = rollout_step(step)
+            sampled[step + 1] = tool_summary(_as_transcripts(batch.trajectories)) | {"reward_mean": batch.metrics["rollout/reward_mean"]}
+            return batch
+
+        job.rollout_step = counted_rollout
 
         def on_step(r):
             m = r.metrics
-            sampled[r.step] = {k: m.get(f"rollout/{k}") for k in ("reward_mean", "tool_call_rate", "tool_error_rate", "format_ok")}
             print(f"step {r.step:>3}: sampled reward {m['rollout/reward_mean']:.3f} tool calls {m.get('rollout/tool_call_rate', 0):.2f} "
-                  f"tool errors {m.get('rollout/tool_error_rate', 0):.2f} format {m.get('rollout/format_ok', 0):.2f} "
+                  f"tool success {_pct(sampled[r.step]['tool_success_rate'])} format {m.get('rollout/format_ok', 0):.2f} "
                   f"({m['step/seconds']:.1f}s)", flush=True)
 
         def on_eval(e):
@@ -194,14 +235,20 @@ def main() -> int:
             **s,
             "metrics_tool_call_rate": ev.metrics.get("eval/tool_call_rate"),  # the same numbers via opentinker.metrics
             "metrics_tool_error_rate": ev.metrics.get("eval/tool_error_rate"),
-            "sampled_train": sampled.get(ev.step),
+            "sampled_train": {k: v for k, v in sampled.get(ev.step, {}).items() if k == "reward_mean"} or None,
             "examples": [_example(t) for t in ev.transcripts[:3]],
         })
     first, last = curve[0], curve[-1]
+    train_curve = [{"step": s, **{k: v for k, v in m.items()}} for s, m in sorted(sampled.items())]
+    third = max(1, len(train_curve) // 3)
+    early, late = train_curve[:third], train_curve[-third:]
     verdict = (f"{_trend('tool-call success rate', first['tool_success_rate'], last['tool_success_rate'])}; "
                f"{_trend('accuracy', first['accuracy'], last['accuracy'])}; "
                f"{_trend('tool-call rate', first['tool_call_rate'], last['tool_call_rate'])} "
-               f"(step {first['step']} -> step {last['step']}, {len(val)} held-out products, greedy)")
+               f"(step {first['step']} -> step {last['step']}, {len(val)} held-out products, greedy). "
+               f"Sampled training rollouts, steps {early[0]['step']}-{early[-1]['step']} -> {late[0]['step']}-{late[-1]['step']}: "
+               f"{_trend('tool-call success rate', _pooled(early), _pooled(late))}; "
+               f"{_trend('reward', _mean(early, 'reward_mean'), _mean(late, 'reward_mean'))}")
     step_times = [h["step/seconds"] for h in result.history]
     spec_json = spec.model_dump(mode="json")
     spec_json["env"]["config"] |= {"dataset": f"<{len(train)} products of two numbers in 10..99>",
@@ -213,6 +260,7 @@ def main() -> int:
         "wall_seconds": result.seconds,
         "median_step_seconds": sorted(step_times)[len(step_times) // 2] if step_times else None,
         "curve": curve,
+        "sampled_train_curve": train_curve,
         "verdict": verdict,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -226,15 +274,18 @@ def main() -> int:
          f"Questions phrased {args.phrasing!r} (e.g. {val[0]['question']!r}). Greedy evaluation on {len(val)} held-out products."),
         f"Wall time {result.seconds:.0f} s (median step {out['median_step_seconds'] or 0:.1f} s, evaluations included in the wall time).",
         "",
-        "| step | accuracy | tool-call rate | tool-call success | tool error rate | calls / episode | format rate | answer copies last result | sampled train reward |",
+        "Greedy, held-out:",
+        "",
+        _TABLE_HEAD,
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in curve:
-        sr = "-" if not c["sampled_train"] else f"{c['sampled_train']['reward_mean']:.3f}"
-        lines.append(f"| {c['step']} | {c['accuracy']:.1%} | {c['tool_call_rate']:.1%} | {_pct(c['tool_success_rate'])} | "
-                     f"{c['tool_error_rate']:.1%} | {c['tool_calls_per_episode']:.2f} | {c['format_rate']:.1%} | "
-                     f"{_pct(c['copies_result_rate'])} | {sr} |")
-    lines += ["", f"Verdict: {verdict}", "", "Held-out examples at the last evaluation:", ""]
+    lines += [_row(c["step"], c) for c in curve]
+    lines += ["", f"Sampled training rollouts ({args.prompts} x {args.group} episodes a step, temperature {r['temperature']:g}):",
+              "", _TABLE_HEAD.replace("answer copies last result", "reward"), "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [_row(c["step"], c, reward=True) for c in train_curve]
+    lines += ["", f"Verdict: {verdict}", "", "Held-out examples at the first and the last evaluation:", ""]
+    for ex in first["examples"]:
+        lines += ["```", *ex, "```"]
     for ex in last["examples"]:
         lines += ["```", *ex, "```"]
     lines.append("")

@@ -93,7 +93,25 @@ def game_summary(transcripts: list[dict], max_illegal: int) -> dict:
         "legal_moves_per_game": moves / n,
         "game_length": sum(float(i.get("game_length", 0)) for i in infos) / n,
         "games": len(transcripts),
+        "wins": results.count("win"),
+        "illegal_moves": illegal,
+        "legal_moves": moves,
     }
+
+
+def significance(first: dict, last: dict) -> str:
+    """One-sided Fisher exact tests between two evaluations: did the win rate rise (games are
+    independent draws) and the illegal-move rate fall (moves of one game are not independent, so
+    that p-value is optimistic)?"""
+    from scipy.stats import fisher_exact
+
+    wins = [[last["wins"], last["games"] - last["wins"]], [first["wins"], first["games"] - first["wins"]]]
+    illegal = [[first["illegal_moves"], first["legal_moves"]], [last["illegal_moves"], last["legal_moves"]]]
+    return (f"wins {first['wins']}/{first['games']} -> {last['wins']}/{last['games']}, one-sided Fisher exact "
+            f"p = {fisher_exact(wins, alternative='greater').pvalue:.3g}; illegal moves "
+            f"{first['illegal_moves']}/{first['illegal_moves'] + first['legal_moves']} -> "
+            f"{last['illegal_moves']}/{last['illegal_moves'] + last['legal_moves']} attempts, "
+            f"p = {fisher_exact(illegal, alternative='greater').pvalue:.3g} (moves within a game are correlated: optimistic)")
 
 
 def _game_text(t: dict, example_len: int, turns: int = 4) -> list[str]:
@@ -259,7 +277,7 @@ def main() -> int:
     verdict = (f"vs random, {args.eval_mode} on {first['games']} held-out games: "
                f"{_trend('illegal-move rate', first['illegal_move_rate'], last['illegal_move_rate'], 'lower is better')}; "
                f"{_trend('win rate', first['win_rate'], last['win_rate'], 'higher is better')} "
-               f"(step {first['step']} -> step {last['step']})")
+               f"(step {first['step']} -> step {last['step']}); {significance(first, last)}")
     sp_verdict = None
     if selfplay and selfplay["curve"]:
         a, b = selfplay["curve"][0], selfplay["curve"][-1]
@@ -291,7 +309,8 @@ def main() -> int:
            "GomokuGame plus one example exchange (two moves along a row, see the JSON). ")
         + f"{args.eval_mode.capitalize()} evaluation on {first['games']} held-out games"
         + (f" (temperature {r['temperature']})." if args.eval_mode == "sampled" else "."),
-        f"Wall time {single['wall_seconds']:.0f} s (median step {single['median_step_seconds'] or 0:.0f} s, evaluations included).",
+        f"Wall time {single['wall_seconds']:.0f} s (median step {single['median_step_seconds'] or 0:.0f} s, evaluations included). "
+        f"Command: `python bench/learning_gomoku.py {' '.join(sys.argv[1:])}`.",
         "",
         "| step | win rate | loss rate | unfinished | illegal-move rate | forfeits | legal moves / game | game length | sampled train reward |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -118,6 +118,8 @@ class RolloutSpec(_Section):
     max_turns: int = Field(1, gt=0)
     max_total_tokens: int = Field(1024, gt=0)
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
+    prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
+                                     "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
 
 
 class OptimizationSpec(_Section):

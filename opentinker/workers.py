@@ -131,10 +131,11 @@ def _adapter_files(model) -> dict[str, bytes]:
 class RolloutWorker:
     def __init__(self, spec: JobSpec, model, tokenizer, env: GameEnvironment | None = None):
         self.spec = spec
-        self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, spec.rollout.prompts_per_step * spec.rollout.group_size))
+        r = spec.rollout
+        self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, r.prompts_per_step * r.group_size),
+                                      prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0)  # one turn: nothing to reuse
         self.chat = ChatFormat(tokenizer)
         self.env = env or environment_from_spec(spec)
-        r = spec.rollout
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
 

@@ -155,7 +155,7 @@ def test_shared_prompt_prefill_changes_nothing_but_speed(tiny):
     chat = ChatFormat(tok)
     prompts = [chat.prompt_ids([{"role": "user", "content": f"question {i // 4}"}]) for i in range(8)]
     params = SamplingParams(max_new_tokens=5, temperature=0.9)
-    assert engine._shared_prefill(prompts, *_padded(prompts, engine.pad_id)) is not None
+    assert engine._shared_prefill(prompts, *engine._left_padded(prompts)) is not None
     torch.manual_seed(7)
     shared = engine.generate(prompts, params)
     engine._shared_prefill = lambda *a: None
@@ -166,11 +166,30 @@ def test_shared_prompt_prefill_changes_nothing_but_speed(tiny):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
-def _padded(prompts, pad_id):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad_id)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
-    return ids, attn
+def test_prefix_cache_changes_nothing_but_speed(tiny):
+    """Later turns reuse the key/values of the record so far: the same tokens and logprobs as
+    prefilling the whole conversation again; a change of weights empties the cache."""
+    model, tok = tiny
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(), temperature=0.9)
+    chat = ChatFormat(tok)
+    params, limits = SamplingParams(max_new_tokens=6, temperature=0.9), EpisodeLimits(max_turns=4, max_total_tokens=512)
+    runs = {}
+    for cache_tokens in (65536, 0):
+        engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=cache_tokens)
+        torch.manual_seed(11)  # prompts of different lengths, some turns stopped early: padding in both regions
+        games, tasks = [ScriptedTurns(turns=4) for _ in range(6)], [{"id": 37**i} for i in range(6)]
+        runs[cache_tokens] = engine, run_episodes(engine, chat, games, tasks, params, limits)
+    (cached_engine, cached), (plain_engine, plain) = runs[65536], runs[0]
+    assert [t.token_ids for t in cached] == [t.token_ids for t in plain]
+    for a, b in zip(cached, plain):
+        assert max(abs(x - y) for x, y in zip(a.sampling_logprobs, b.sampling_logprobs)) < 1e-5
+    # turns 2..4 of every episode ran only their new tokens; the plain engine kept nothing
+    before_last_turn = sum(t.turns[-1].sampled_start - len(t.prompt_ids) for t in cached)
+    assert cached_engine.prefix_cache.hit_tokens >= 3 * sum(len(t.prompt_ids) for t in cached) + before_last_turn // 2
+    assert plain_engine.prefix_cache.hit_tokens == 0 and len(plain_engine.prefix_cache) == 0
+    assert len(cached_engine.prefix_cache) == 6  # one entry per episode, the latest turn's
+    assert cached_engine.prefix_cache.lookup([cached[0].token_ids + [tok.eos_token_id]])[0][0] > 0
+    with torch.no_grad():  # an optimizer step or a weight sync writes the parameters in place
+        next(p for p in trainer.model.parameters() if p.requires_grad).add_(0.01)
+    assert cached_engine.prefix_cache.lookup([cached[1].token_ids + [tok.eos_token_id]]) == [(0, None)]
+    assert len(cached_engine.prefix_cache) == 0

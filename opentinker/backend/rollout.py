@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from opentinker.backend.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,15 @@ class RolloutEngine(Protocol):
 
 
 class HFRolloutEngine:
-    """Batched `model.generate` with left padding; per-token logprobs from the raw logits."""
+    """Batched `model.generate` with left padding; per-token logprobs from the raw logits.
+    The next turn of an episode reuses the key/values of its record so far (`PrefixCache`), so
+    a turn prefills only its observation; `prefix_cache_tokens=0` turns that off."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.prefix_cache = PrefixCache(model, prefix_cache_tokens)
         self.policy_version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -87,13 +92,13 @@ class HFRolloutEngine:
         from transformers import GenerationConfig
 
         t0 = time.perf_counter()
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[row, width - len(p) :] = 1
-        cache = self._shared_prefill(prompts, input_ids, attention)
+        hits = self.prefix_cache.lookup(prompts)
+        if any(n for n, _ in hits):
+            input_ids, attention, cache = self._continue_cached(prompts, hits)
+        else:
+            input_ids, attention = self._left_padded(prompts)
+            cache = self._shared_prefill(prompts, input_ids, attention)
+        width = input_ids.shape[1]
         max_new = max(1, min(params.max_new_tokens, max(budgets)))
         config = GenerationConfig(
             max_new_tokens=max_new,
@@ -131,5 +136,54 @@ class HFRolloutEngine:
                 n, reason = min(len(ids), budgets[row]), "length"
             completions.append(Completion(ids[:n], logprobs[row, :n].tolist(), reason))
             self.generated_tokens += n
+        self._remember(prompts, completions, attention, gen.past_key_values)
         self.generate_seconds += time.perf_counter() - t0
         return completions
+
+    def _left_padded(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p) :] = 1
+        return input_ids, attention
+
+    def _continue_cached(self, prompts: list[list[int]], hits) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Inputs whose first C columns are already in the returned cache: row by row, the cached
+        prefix right-aligned in [0, C) and the rest of the prompt right-aligned in [C, C + D), with
+        padding masked out in both (positions come from the mask, so they continue the prefix)."""
+        from transformers import DynamicCache
+
+        cached = max(n for n, _ in hits)
+        rest = max(len(p) - n for p, (n, _) in zip(prompts, hits))
+        states = next(s for _, s in hits if s is not None)
+        rows = len(prompts)
+        input_ids = torch.full((rows, cached + rest), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((rows, cached + rest), dtype=torch.long)
+        layers = [(k.new_zeros((rows, k.shape[0], cached, k.shape[2])), v.new_zeros((rows, v.shape[0], cached, v.shape[2])))
+                  for k, v in states]
+        for row, (p, (n, row_states)) in enumerate(zip(prompts, hits)):
+            tail = p[n:]
+            input_ids[row, cached - n : cached] = torch.tensor(p[:n], dtype=torch.long)
+            input_ids[row, cached + rest - len(tail) :] = torch.tensor(tail, dtype=torch.long)
+            attention[row, cached - n : cached] = 1
+            attention[row, cached + rest - len(tail) :] = 1
+            for (keys, values), (k, v) in zip(layers, row_states or []):
+                keys[row, :, cached - n :] = k
+                values[row, :, cached - n :] = v
+        return input_ids, attention, DynamicCache(ddp_cache_data=layers)
+
+    def _remember(self, prompts: list[list[int]], completions: list[Completion], attention: torch.Tensor, cache) -> None:
+        """Keep each row's states (its prompt's real columns, then the sampled tokens the model
+        has run: all but the last) for the episode's next turn."""
+        from transformers import DynamicCache
+
+        if not self.prefix_cache.max_tokens or not isinstance(cache, DynamicCache) or any(layer.is_sliding for layer in cache.layers):
+            return
+        width = attention.shape[1]
+        for row, (prompt, comp) in enumerate(zip(prompts, completions)):
+            ran = max(0, len(comp.token_ids) - 1)
+            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + ran)])
+            states = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in cache.layers]
+            self.prefix_cache.store(prompt + comp.token_ids[:ran], states)

@@ -97,6 +97,8 @@ class MultiAgentJob:
             match.reset(**task)
             matches.append(match)
         records = play_matches(self.seats, matches, params, self.limits, groups)
+        for engine in self.engines.values():  # the matches are over: free their states before the updates
+            engine.prefix_cache.clear()
         outcomes = {p: [m.info_for(p) for m in matches] for p in self.ma.players}
         return records, outcomes
 

@@ -156,6 +156,7 @@ class RolloutWorker:
         groups = [step * r.prompts_per_step + i for i in range(len(tasks)) for _ in range(r.group_size)]
         tokens0, gen0 = self.engine.generated_tokens, self.engine.generate_seconds
         trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups)
+        self.engine.prefix_cache.clear()  # the episodes are over: free their states before the update
         gen_tokens = self.engine.generated_tokens - tokens0
         gen_seconds = self.engine.generate_seconds - gen0
         metrics = episode_stats(trajs, "rollout") | {
@@ -171,6 +172,7 @@ class RolloutWorker:
         tasks = self.env.validation_tasks(e.n_samples)
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
         trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits)
+        self.engine.prefix_cache.clear()
         metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
         return EvalResult(step=step, metrics=metrics, transcripts=transcripts(trajs))
 

@@ -30,9 +30,10 @@ example exchange (GomokuSelfPlay `few_shot: 1`: its first two moves of an earlie
 match showed them; `--no-example` drops it too). A sampled X that does make a legal
 move usually wins, because the snapshot O then forfeits.
 
-Cost: every turn re-reads the whole conversation (rules ~160 tokens, example ~230, a board ~90
-tokens per turn), so an episode costs ~15 s of this 2-core CPU (rollout + update) and a greedy
-held-out game ~7 s; the defaults (6 steps of 2 x 4 games, 8 held-out games, 1 self-play step)
+Cost: an episode carries the whole conversation (rules ~160 tokens, example ~230, a board ~90
+tokens per turn). Measured before the prefix cache (which now runs only the new tokens of a
+turn: 3-4x faster rollouts, bench/multiturn_rollout.py), an episode cost ~15 s of this 2-core
+CPU (rollout + update) and a greedy held-out game ~7 s; the defaults (6 steps of 2 x 4 games, 8 held-out games, 1 self-play step)
 are sized for ~15 minutes (--no-selfplay saves ~3). Scale with --steps / --prompts / --eval-n
 when more time is available. Training memory grows with the square of the sequence length
 (peak RSS ~10 GB at --micro-batch 2), hence micro-batches of one sequence.

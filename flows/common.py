@@ -103,8 +103,11 @@ def scheduled_job(spec: JobSpec, job_id: str | None, tenant: str | None) -> Iter
 
 def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tracker: JobTracker, *, kind: str,
                               spec_data: dict[str, Any], model_name: str, base_model: str,
-                              environment: str | None) -> dict[str, Any]:
-    """Register a completed job's checkpoint (opentinker/registry.py) and tag its MLflow run.
+                              environment: str | None, agent: str | None = None,
+                              eval_env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Register a completed job's checkpoint (opentinker/registry.py) and tag its MLflow run
+    (`opentinker.registered_model`, or `…_model.<agent>` for one agent of a self-play job, whose
+    exported model the run holds under `final-<agent>`).
 
     A registry failure fails the job rather than warning: registration is part of a completed
     job's contract (the evaluation trigger and `models:/…@champion` rely on it), and a COMPLETED
@@ -117,10 +120,11 @@ def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tra
             checkpoint_url=url, model_name=model_name, job_id=job.job_id, kind=kind, spec_data=spec_data,
             base_model=base_model, environment=environment,
             flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
-            tracking_uri=tracker.tracking_uri)
+            tracking_uri=tracker.tracking_uri, eval_env=eval_env, artifact_folder=f"final-{agent}" if agent else "final")
     except (RegistryError, ValueError) as err:
         raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
                             "re-running the same job id registers it without training again") from err
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_model", reg["name"])
-    tracker.client.set_tag(tracker.run_id, "opentinker.registered_version", reg["version"])
+    suffix = f".{agent}" if agent else ""
+    tracker.client.set_tag(tracker.run_id, f"opentinker.registered_model{suffix}", reg["name"])
+    tracker.client.set_tag(tracker.run_id, f"opentinker.registered_version{suffix}", reg["version"])
     return reg

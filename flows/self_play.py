@@ -16,7 +16,7 @@ import ray
 from prefect import flow, get_run_logger
 from prefect_ray.context import remote_options
 
-from flows.common import JobContext, ray_runner, scheduled_job
+from flows.common import JobContext, ray_runner, register_final_checkpoint, scheduled_job
 from opentinker.actors import create_multiagent_actor
 from opentinker.agent.coordinator import collect_phase
 from opentinker.spec import JobSpec
@@ -28,10 +28,27 @@ def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = Non
     if spec.multiagent is None:
         raise ValueError("multiagent: a self-play job needs a multiagent section")
     with scheduled_job(spec, job_id, tenant) as job:
-        return _train(spec, job)
+        return _train(spec, job, tenant)
 
 
-def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
+def _register(spec: JobSpec, job: JobContext, tenant: str | None, url: str, tracker, agent: str) -> dict[str, Any]:
+    """One learner's final checkpoint as a version of `<registry.model_name or default>-<agent>`,
+    evaluated (by promotion) in the game's single-agent form when the match class names one
+    (`evaluation_env(player, config)`, e.g. Gomoku: that side against the random opponent)."""
+    from opentinker.env.environment import import_game
+    from opentinker.registry import model_name_for
+
+    data = spec.model_dump(mode="json")
+    match_class = import_game(spec.env.game) if spec.env.game else None
+    hook = getattr(match_class, "evaluation_env", None)
+    eval_env = hook(agent, spec.env.config or {}) if hook else {}  # {}: no evaluation spec is registered
+    return register_final_checkpoint(job, tenant, url, tracker, kind="rl", spec_data=data,
+                                     model_name=f"{model_name_for(data, job.experiment, tenant)}-{agent.lower()}",
+                                     base_model=spec.model.name, environment=spec.env.game or spec.env.label,
+                                     agent=agent, eval_env=eval_env)
+
+
+def _train(spec: JobSpec, job: JobContext, tenant: str | None = None) -> dict[str, Any]:
     logger = get_run_logger()
     job_id, timeout = job.job_id, spec.multiagent.phase_timeout_s
     actor = create_multiagent_actor(spec, job_id)
@@ -67,9 +84,12 @@ def _train(spec: JobSpec, job: JobContext) -> dict[str, Any]:
                         history.append({"step": s, **m})
                     pending.clear()
                 logger.info(f"step {done}/{total}: " + ", ".join(f"{a} win {metrics.get(f'{a}/rollout/win_rate', 0):.2f}" for a in agents))
+        for agent, url in urls.items():
+            tracker.log_checkpoint(url, folder=f"final-{agent}", tag=f"opentinker.checkpoint.{agent}")
+        registered = {a: _register(spec, job, tenant, url, tracker, a) for a, url in urls.items()} if spec.registry.register else {}
         tracker.finish("FINISHED")
         return {"job_id": job_id, "steps": total, "resumed_from": start, "checkpoints": urls, "agents": agents,
-                "mlflow_run_id": tracker.run_id, "history": history}
+                "mlflow_run_id": tracker.run_id, "history": history, "registered_models": registered}
     except BaseException:
         tracker.finish("FAILED")
         raise

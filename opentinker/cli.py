@@ -323,8 +323,11 @@ def train(
     lines = {
         "Prefect run": prefect_link,
         "MLflow run": final.mlflow_run_url or "-",
-        "checkpoint": final.result.get("checkpoint") or f"{spec.checkpoint.base_url}/{job_id}",
     }
+    if per_agent := final.result.get("checkpoints"):  # a self-play job: one checkpoint per learning agent
+        lines |= {f"checkpoint {agent}": url for agent, url in per_agent.items()}
+    else:
+        lines["checkpoint"] = final.result.get("checkpoint") or f"{spec.checkpoint.base_url}/{job_id}"
     if final.accuracy is not None:
         lines["validation accuracy"] = _fmt(final.accuracy, pct=True)
     for key, value in lines.items():  # plain lines: links stay whole and clickable

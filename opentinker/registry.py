@@ -139,16 +139,18 @@ def eval_spec_from(spec_data: dict[str, Any]) -> dict[str, Any] | None:
 # -- registration ------------------------------------------------------------------------------
 
 
-def _source(client, run_id: str, checkpoint_url: str) -> str:
-    """`runs:/<run>/final` when the run holds the exported model, else a reference file
-    `runs:/<run>/checkpoint/checkpoint.json` logged now (see the module docstring)."""
-    if any(a.path == "final" for a in client.list_artifacts(run_id)):
-        return f"runs:/{run_id}/final"
+def _source(client, run_id: str, checkpoint_url: str, folder: str = "final") -> str:
+    """`runs:/<run>/<folder>` when the run holds the exported model there, else a reference file
+    `runs:/<run>/checkpoint<suffix>/checkpoint.json` logged now (see the module docstring); a
+    self-play run exports one model per agent (`final-X` -> `checkpoint-X`)."""
+    if any(a.path == folder for a in client.list_artifacts(run_id)):
+        return f"runs:/{run_id}/{folder}"
+    reference = "checkpoint" + folder.removeprefix("final")
     with tempfile.TemporaryDirectory() as tmp:
         ref = Path(tmp) / "checkpoint.json"
         ref.write_text(json.dumps({"checkpoint_url": checkpoint_url}))
-        client.log_artifact(run_id, str(ref), "checkpoint")
-    return f"runs:/{run_id}/checkpoint"
+        client.log_artifact(run_id, str(ref), reference)
+    return f"runs:/{run_id}/{reference}"
 
 
 def _registration_run(client, model_name: str, job_id: str, tags: dict[str, str]) -> str:
@@ -162,7 +164,8 @@ def _registration_run(client, model_name: str, job_id: str, tags: dict[str, str]
 
 def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str, kind: str, spec_data: dict,
                             base_model: str, environment: str | None, flow_run_id: str | None,
-                            mlflow_run_id: str | None, tracking_uri: str) -> dict:
+                            mlflow_run_id: str | None, tracking_uri: str, eval_env: dict | None = None,
+                            artifact_folder: str = "final") -> dict:
     """Register a completed job's final checkpoint as a new version of `model_name` with lineage
     tags and alias `challenger` (and `champion` when the model has none yet). Returns
     {"name", "version", "aliases"}.
@@ -170,7 +173,11 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
     Checks the checkpoint is complete first, so a registered version never points at a partial
     one. Idempotent per job and checkpoint: a re-run of a job that registered already returns the
     existing version (re-setting `challenger` only if no evaluation has judged it yet), so a job
-    retried after a registry failure never creates a second version. Raises RegistryError."""
+    retried after a registry failure never creates a second version. Raises RegistryError.
+
+    `eval_env` replaces the spec's env section in the evaluation spec (a self-play agent is
+    evaluated in its game's single-agent form); `artifact_folder` is where the job's MLflow run
+    holds this checkpoint's exported model."""
     from mlflow.exceptions import MlflowException
 
     from opentinker import checkpoint as ckpt
@@ -187,7 +194,7 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
         "environment": environment or "", "environment_version": environment_version(environment) if environment else "",
         "prefect_flow_run_id": flow_run_id or "", "mlflow_run_id": mlflow_run_id or "", CHECKPOINT_TAG: checkpoint_url,
     }
-    eval_spec = eval_spec_from(spec_data)
+    eval_spec = eval_spec_from(spec_data if eval_env is None else {**spec_data, "env": eval_env})
     if eval_spec:
         tags[EVAL_SPEC_TAG] = json.dumps(eval_spec, sort_keys=True)
     try:
@@ -208,7 +215,7 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
         else:
             run_id = mlflow_run_id or _registration_run(client, model_name, job_id, tags)
             tags["mlflow_run_id"] = run_id
-            mv = client.create_model_version(model_name, _source(client, run_id, checkpoint_url), run_id=run_id,
+            mv = client.create_model_version(model_name, _source(client, run_id, checkpoint_url, artifact_folder), run_id=run_id,
                                              tags=tags, description=f"{kind} job {job_id}: {checkpoint_url}")
             client.set_registered_model_alias(model_name, CHALLENGER, mv.version)
             if CHAMPION not in client.get_registered_model(model_name).aliases:

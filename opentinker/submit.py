@@ -122,7 +122,10 @@ def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
         progress.step, progress.reward = reward
     if acc := _latest(ml, run_id, headline_key(keys, "eval/accuracy")):
         progress.accuracy_step, progress.accuracy = acc
-    progress.result = {"checkpoint": runs[0].data.tags.get("opentinker.checkpoint")}
+    tags = runs[0].data.tags
+    progress.result = {"checkpoint": tags.get("opentinker.checkpoint")}
+    if per_agent := {k.rpartition(".")[2]: v for k, v in tags.items() if k.startswith("opentinker.checkpoint.")}:
+        progress.result["checkpoints"] = per_agent  # a self-play job: one final checkpoint per learning agent
     return progress
 
 

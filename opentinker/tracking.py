@@ -112,8 +112,9 @@ class JobTracker:
         self._log_text(json.dumps(transcripts, indent=1, default=str), f"step-{step:06d}.json", "transcripts")
         self._log_text(transcripts_html(step, transcripts), f"step-{step:06d}.html", "transcripts")
 
-    def log_checkpoint(self, checkpoint_url: str, folder: str = "final") -> None:
-        """Copy the checkpoint's exportable model (the LoRA adapter, or the full weights) as artifacts."""
+    def log_checkpoint(self, checkpoint_url: str, folder: str = "final", tag: str = "opentinker.checkpoint") -> None:
+        """Copy the checkpoint's exportable model (the LoRA adapter, or the full weights) as
+        artifacts under `folder`, and name the checkpoint in the run's `tag`."""
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(checkpoint_url)
@@ -121,7 +122,7 @@ class JobTracker:
         with tempfile.TemporaryDirectory() as tmp:
             fs.get(source.rstrip("/") + "/", tmp + "/", recursive=True)
             self.client.log_artifacts(self.run_id, tmp, folder)
-        self.client.set_tag(self.run_id, "opentinker.checkpoint", checkpoint_url)
+        self.client.set_tag(self.run_id, tag, checkpoint_url)
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)

@@ -219,3 +219,28 @@ def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
     assert second["resumed_from"] == 2 and [h["step"] for h in second["history"]] == [3]
     client_ml, ml_run = _mlflow_run(settings, "sp-flow")
     assert _steps(client_ml, ml_run.info.run_id, "X/rollout/win_rate") == [1, 2, 3]
+    _check_self_play_registration(client_ml, ml_run.info.run_id, first, second)
+
+
+def _check_self_play_registration(client, run_id, first, second):
+    """Each learner's final checkpoint is a version of its own registered model, exported under
+    final-<agent> in the job's run, with an evaluation spec in the game's single-agent form that
+    the promotion evaluation can replay."""
+    from opentinker.promotion import evaluate_checkpoint, evaluation_job_spec, plan
+
+    run = client.get_run(run_id)
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    for agent in ("X", "O"):
+        name = first["registered_models"][agent]["name"]
+        assert name.endswith(f"gomokuselfplay-{agent.lower()}") and first["registered_models"][agent]["version"] == "1"
+        assert (second["registered_models"][agent]["name"], second["registered_models"][agent]["version"]) == (name, "2")
+        assert run.data.tags[f"opentinker.checkpoint.{agent}"] == second["checkpoints"][agent]
+        assert run.data.tags[f"opentinker.registered_version.{agent}"] == "2" and f"final-{agent}" in artifacts
+        v2 = client.get_model_version(name, "2")
+        assert v2.source == f"runs:/{run_id}/final-{agent}" and v2.tags["checkpoint_url"] == second["checkpoints"][agent]
+        assert client.get_registered_model(name).aliases == {"champion": "1", "challenger": "2"}
+        pair = plan(client, name)
+        assert pair.eval_spec["env"]["game"] == "envs.gomoku:GomokuGame"
+        assert pair.eval_spec["env"]["config"]["model_plays"] == agent
+        result = evaluate_checkpoint(pair.challenger_url, evaluation_job_spec(pair))
+        assert len(result["rewards"]) == 2 and "eval/accuracy" in result["metrics"]  # the win rate vs random

@@ -28,6 +28,14 @@ class GomokuSelfPlay(GomokuMatch):
         return selfplay_example(self.board.size, self.board.win_length, self.max_illegal, player) if self.few_shot else []
 
     @classmethod
+    def evaluation_env(cls, player: str, config: dict[str, Any]) -> dict[str, Any]:
+        """The env section that evaluates one player's trained policy alone: `player` against the
+        scripted random opponent on the same board (what the registry's promotion evaluation replays)."""
+        kwargs = {**(config.get("game_kwargs") or {}), "opponent": "random"}
+        return {"game": "envs.gomoku:GomokuGame",
+                "config": {"model_plays": player, "val_size": config.get("val_size", 64), "game_kwargs": kwargs}}
+
+    @classmethod
     def generate_task(cls, rng: Any, size: int = 9, opening_stones: int = 2, **_: Any) -> dict[str, Any]:
         cells = rng.permutation(size * size)[:opening_stones]
         return {"opening": [[int(c) // size, int(c) % size] for c in cells]}

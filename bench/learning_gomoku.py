@@ -39,6 +39,7 @@ when more time is available. Training memory grows with the square of the sequen
 (peak RSS ~10 GB at --micro-batch 2), hence micro-batches of one sequence.
 
     python bench/learning_gomoku.py [--steps 6] [--every 3] [--eval-n 8] [--prompts 2] [--no-selfplay]
+    python bench/learning_gomoku.py ... --vs-greedy   # also the held-out games vs the greedy opponent, before and after
     python bench/learning_gomoku.py --model tiny-random --steps 1 --every 1 --eval-n 4 --sp-steps 1 --out /tmp/smoke
 writes bench/results/learning_gomoku.json and bench/results/learning_gomoku.md (or --out)
 """
@@ -171,8 +172,10 @@ def single_agent(args) -> tuple[dict, dict]:
                   f"illegal {s['illegal_move_rate']:.3f} forfeits {s['forfeit_rate']:.3f} length {s['game_length']:.1f} "
                   f"({e.metrics['eval/seconds']:.0f}s)", flush=True)
 
+        greedy_check = _GreedyCheck(spec, job, args) if args.vs_greedy else None
         result = job.run(on_step=on_step, on_eval=on_eval)
         state = job.policy.trainer.trainable_state()
+        vs_greedy = greedy_check.finish() if greedy_check else None
     curve = [{"step": ev.step, **game_summary(ev.transcripts, args.max_illegal),
               "metrics_illegal_move_rate": ev.metrics.get("eval/illegal_move_rate"),  # the same, via opentinker.metrics
               "sampled_train": sampled.get(ev.step),
@@ -184,7 +187,37 @@ def single_agent(args) -> tuple[dict, dict]:
     del job
     gc.collect()
     return {"spec": spec_json, "model_load_seconds": load_s, "wall_seconds": result.seconds,
-            "median_step_seconds": sorted(step_times)[len(step_times) // 2] if step_times else None, "curve": curve}, state
+            "median_step_seconds": sorted(step_times)[len(step_times) // 2] if step_times else None, "curve": curve,
+            "vs_greedy": vs_greedy}, state
+
+
+class _GreedyCheck:
+    """The same held-out games against the greedy opponent, played by the base policy now and by
+    the trained one at `finish()`, each after reseeding (identical conditions)."""
+
+    def __init__(self, spec, job, args):
+        from opentinker.workers import RolloutWorker
+
+        env = spec.env.model_dump(mode="json")
+        env["config"]["game_kwargs"]["opponent"] = "greedy"
+        self.spec = spec.model_copy(update={"env": type(spec.env).model_validate(env)})
+        self.worker = RolloutWorker(self.spec, job.policy.model, job.policy.tokenizer)
+        self.max_illegal = args.max_illegal
+        self.before = self._play("before training")
+
+    def _play(self, when: str) -> dict:
+        from opentinker.workers import seed_everything
+
+        seed_everything(self.spec.seed)
+        t0 = time.perf_counter()
+        s = game_summary(self.worker.evaluate(0).transcripts, self.max_illegal)
+        print(f"[single] vs greedy, {when}: win {s['win_rate']:.3f} loss {s['loss_rate']:.3f} illegal "
+              f"{s['illegal_move_rate']:.3f} forfeits {s['forfeit_rate']:.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        return s
+
+    def finish(self) -> dict:
+        after = self._play("after training")
+        return {"before": self.before, "after": after, "significance": significance(self.before, after)}
 
 
 def self_play(args, init_state: dict | None) -> dict:
@@ -253,6 +286,9 @@ def main() -> int:
                         help="held-out games played greedily, or sampled at the training temperature (the policy GRPO trains)")
     parser.add_argument("--no-example", action="store_true", help="plain envs.gomoku:GomokuGame, no example exchange")
     parser.add_argument("--no-selfplay", action="store_true", help="skip part (b)")
+    parser.add_argument("--vs-greedy", action="store_true",
+                        help="also play the held-out games against the scripted greedy opponent (it blocks an immediate win) "
+                             "before and after training: does the policy do more than exploit the random opponent?")
     parser.add_argument("--sp-steps", type=int, default=1)
     parser.add_argument("--sp-every", type=int, default=0, help="self-play evaluations every k steps (0: before and after)")
     parser.add_argument("--sp-prompts", type=int, default=2, help="openings per self-play step")
@@ -321,7 +357,18 @@ def main() -> int:
         lines.append(f"| {c['step']} | {c['win_rate']:.1%} | {c['loss_rate']:.1%} | {c['unfinished_rate']:.1%} | "
                      f"{c['illegal_move_rate']:.1%} | {c['forfeit_rate']:.1%} | {c['legal_moves_per_game']:.1f} | "
                      f"{c['game_length']:.1f} | {sr} |")
-    lines += ["", f"Verdict: {verdict}", "", "Held-out games at the last evaluation (first turns):", ""]
+    lines += ["", f"Verdict: {verdict}", ""]
+    if g := single["vs_greedy"]:
+        lines += ["The same held-out games against the scripted greedy opponent (it wins when it can, blocks the model's "
+                  "immediate win, else extends its own longest line), base policy before training and trained policy after, each after reseeding:", "",
+                  "| policy | win rate | loss rate | unfinished | illegal-move rate | forfeits | legal moves / game |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for when in ("before", "after"):
+            c = g[when]
+            lines.append(f"| {when} training | {c['win_rate']:.1%} | {c['loss_rate']:.1%} | {c['unfinished_rate']:.1%} | "
+                         f"{c['illegal_move_rate']:.1%} | {c['forfeit_rate']:.1%} | {c['legal_moves_per_game']:.1f} |")
+        lines += ["", f"vs greedy: {g['significance']}", ""]
+    lines += ["Held-out games at the last evaluation (first turns):", ""]
     for ex in last["examples"]:
         lines += ["```", *ex, "```"]
     if selfplay:

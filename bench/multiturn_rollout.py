@@ -50,8 +50,7 @@ def build_spec(game: str, cache_tokens: int, steps: int, eval_n: int, tmp: str):
         data = load_spec(ROOT / setting["spec"]).model_dump(mode="json")
     else:
         data = {"model": {"name": "smollm2-135m-instruct"}, "adapter": {"kind": "lora", "r": 16, "alpha": 32},
-                "algorithm": {"advantage": "grpo"}, "seed": 0} | {k: v for k, v in setting.items()}
-        data["optimization"] = dict(data["optimization"])
+                "algorithm": {"advantage": "grpo"}, "seed": 0} | setting
     data["rollout"] = dict(data["rollout"]) | {"prefix_cache_tokens": cache_tokens}
     data["optimization"] = dict(data["optimization"]) | {"steps": steps}
     data["evaluation"] = {"every": 0, "greedy": False, "n_samples": eval_n}

@@ -69,9 +69,10 @@ class PrefixCache:
         return found
 
     def store(self, tokens: list[int], states: LayerStates) -> None:
+        """Keep `states` for `tokens`. Called after the `lookup` of the same generate call, which
+        checked the weights; they cannot change in between, so each row's store skips the check."""
         if not self.max_tokens or not tokens or len(tokens) > self.max_tokens:
             return
-        self._check_weights()
         key = tuple(tokens)
         if key in self._entries:
             self._tokens -= len(key)

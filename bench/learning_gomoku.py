@@ -19,7 +19,7 @@ Without it (`--no-example`) SmolLM2-135M-Instruct almost never writes a
 readable move: it talks about the game instead, every game is lost by forfeit within 3 turns, all
 rewards are -1 and GRPO's group advantages are all zero, so nothing can be learned.
 
-(b) Self-play (skip with --no-selfplay; envs.gomoku:GomokuSelfPlay via MultiAgentJob with
+(b) Self-play (skip with --no-selfplay; envs.gomoku:GomokuSelfPlay via SelfPlayJob with
 `opponent: snapshot`): X learns against a frozen copy of itself (O) from openings of 2 random
 stones. Both start from the policy trained in (a) (`--sp-from-scratch`: from the base model),
 and the snapshot is refreshed every `--sp-snapshot-every` steps (by default never within the run,
@@ -140,8 +140,8 @@ def _trend(name: str, first: float | None, last: float | None, note: str) -> str
 
 def single_agent(args) -> tuple[dict, dict]:
     """Part (a); returns (results, the learner's final trainable state)."""
-    from opentinker.runner import LocalJob
-    from opentinker.spec import parse_spec
+    from opentinker.rl import RLJob
+    from opentinker.core.spec import parse_spec
 
     game_kwargs = {"size": args.size, "win_length": args.win_length, "opponent": "random", "max_illegal": args.max_illegal,
                    "few_shot": 0 if args.no_example else 1}
@@ -153,7 +153,7 @@ def single_agent(args) -> tuple[dict, dict]:
               f"{'no example' if args.no_example else 'one example exchange'}; {args.steps} steps of "
               f"{args.prompts} x {args.group}; model {args.model}", flush=True)
         t0 = time.perf_counter()
-        job = LocalJob(spec, job_id="bench-learning-gomoku")
+        job = RLJob(spec, job_id="bench-learning-gomoku")
         load_s = time.perf_counter() - t0
         sampled: dict[int, dict] = {}
 
@@ -196,17 +196,17 @@ class _GreedyCheck:
     the trained one at `finish()`, each after reseeding (identical conditions)."""
 
     def __init__(self, spec, job, args):
-        from opentinker.workers import RolloutWorker
+        from opentinker.rl import Sampler
 
         env = spec.env.model_dump(mode="json")
         env["config"]["game_kwargs"]["opponent"] = "greedy"
         self.spec = spec.model_copy(update={"env": type(spec.env).model_validate(env)})
-        self.worker = RolloutWorker(self.spec, job.policy.model, job.policy.tokenizer)
+        self.worker = Sampler(self.spec, job.policy.model, job.policy.tokenizer)
         self.max_illegal = args.max_illegal
         self.before = self._play("before training")
 
     def _play(self, when: str) -> dict:
-        from opentinker.workers import seed_everything
+        from opentinker.core.seeding import seed_everything
 
         seed_everything(self.spec.seed)
         t0 = time.perf_counter()
@@ -221,8 +221,8 @@ class _GreedyCheck:
 
 
 def self_play(args, init_state: dict | None) -> dict:
-    from opentinker.multiagent import MultiAgentJob
-    from opentinker.spec import parse_spec
+    from opentinker.rl.selfplay import SelfPlayJob
+    from opentinker.core.spec import parse_spec
 
     env = {"game": "envs.gomoku:GomokuSelfPlay",
            "config": {"size": args.size, "opening_stones": 2, "val_size": args.sp_eval_n,
@@ -238,16 +238,16 @@ def self_play(args, init_state: dict | None) -> dict:
         print(f"[selfplay] X learns vs a snapshot of itself (refreshed every {snapshot_every} steps), both from {start}; "
               f"{args.sp_steps} steps of {args.sp_prompts} openings x {args.group}", flush=True)
         t_start = time.perf_counter()
-        job = MultiAgentJob(spec, job_id="bench-learning-gomoku-selfplay")
+        job = SelfPlayJob(spec, job_id="bench-learning-gomoku-selfplay")
         if init_state is not None:
             job.policies["X"].trainer.load_trainable_state(init_state)
-            job._refresh_snapshot()  # the snapshot starts as the same policy
+            job.refresh_snapshot()  # the snapshot starts as the same policy
         keys = ("illegal_move_rate", "win_rate", "loss_rate", "draw_rate", "game_length")
         curve, steps_s = [], []
 
         def evaluate(step: int) -> None:
             t0 = time.perf_counter()
-            m = job.evaluate(step)
+            m = job.evaluate(step).metrics
             row = {"step": step, **{k: m.get(f"X/eval/{k}") for k in keys}, "seconds": time.perf_counter() - t0}
             curve.append(row)
             print(f"[selfplay] eval {step:>3}: learner illegal {row['illegal_move_rate']:.3f} win {row['win_rate']:.3f} "
@@ -257,7 +257,7 @@ def self_play(args, init_state: dict | None) -> dict:
         evaluate(0)
         for step in range(args.sp_steps):
             t0 = time.perf_counter()
-            m = job.step(step)
+            m = job.rollout(step) | job.update(step)
             steps_s.append(time.perf_counter() - t0)
             print(f"[selfplay] step {step + 1:>3}: learner reward {m['X/rollout/reward_mean']:+.3f} illegal "
                   f"{m['X/rollout/illegal_move_rate']:.2f} win {m['X/rollout/win_rate']:.2f} ({steps_s[-1]:.0f}s)", flush=True)
@@ -302,9 +302,9 @@ def main() -> int:
 
     import torch
 
-    from opentinker.cli import _quiet_libraries
+    from opentinker.cli.common import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
     single, state = single_agent(args)

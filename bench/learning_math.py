@@ -37,11 +37,11 @@ def main() -> int:
 
     import torch
 
-    from opentinker.cli import _quiet_libraries
-    from opentinker.runner import LocalJob
-    from opentinker.spec import load_spec
+    from opentinker.cli.common import quiet_libraries
+    from opentinker.rl import RLJob
+    from opentinker.core.spec import load_spec
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
     spec = load_spec(args.spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +51,7 @@ def main() -> int:
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
         })
         t0 = time.perf_counter()
-        job = LocalJob(spec, job_id="bench-learning")
+        job = RLJob(spec, job_id="bench-learning")
         load_s = time.perf_counter() - t0
         sampled: dict[int, float] = {}
 

@@ -176,11 +176,11 @@ def main() -> int:
 
     import torch
 
-    from opentinker.cli import _quiet_libraries
-    from opentinker.runner import LocalJob
-    from opentinker.spec import load_spec, parse_spec
+    from opentinker.cli.common import quiet_libraries
+    from opentinker.rl import RLJob
+    from opentinker.core.spec import load_spec, parse_spec
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
     train, val = product_tasks(args.seed, args.eval_n, phrasing=args.phrasing)
     base = load_spec(args.spec).model_dump(mode="json")
@@ -200,18 +200,19 @@ def main() -> int:
         print(f"{len(train)} training and {len(val)} held-out products ({args.phrasing}); {args.steps} steps of "
               f"{args.prompts} x {args.group}, model {args.model}", flush=True)
         t0 = time.perf_counter()
-        job = LocalJob(spec, job_id="bench-learning-math-tool")
+        job = RLJob(spec, job_id="bench-learning-math-tool")
         load_s = time.perf_counter() - t0
         sampled: dict[int, dict] = {}
-        rollout_step = job.rollout_step
+        rollout = job.rollout
 
         def counted_rollout(step: int):
             """Every step's sampled training episodes, counted like the held-out ones."""
-            batch = rollout_step(step)
-            sampled[step + 1] = tool_summary(_as_transcripts(batch.trajectories)) | {"reward_mean": batch.metrics["rollout/reward_mean"]}
-            return batch
+            metrics = rollout(step)
+            batch = job.sampler.batch(step)
+            sampled[step + 1] = tool_summary(_as_transcripts(batch.trajectories)) | {"reward_mean": metrics["rollout/reward_mean"]}
+            return metrics
 
-        job.rollout_step = counted_rollout
+        job.rollout = counted_rollout
 
         def on_step(r):
             m = r.metrics

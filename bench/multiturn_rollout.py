@@ -43,7 +43,7 @@ GAMES = {
 
 
 def build_spec(game: str, cache_tokens: int, steps: int, eval_n: int, tmp: str):
-    from opentinker.spec import load_spec, parse_spec
+    from opentinker.core.spec import load_spec, parse_spec
 
     setting = GAMES[game]
     if "spec" in setting:
@@ -62,27 +62,28 @@ def build_spec(game: str, cache_tokens: int, steps: int, eval_n: int, tmp: str):
 def run_side(game: str, cache_tokens: int, steps: int, eval_n: int) -> dict:
     import torch
 
-    from opentinker.runner import LocalJob
-    from opentinker.workers import seed_everything
+    from opentinker.rl import RLJob
+    from opentinker.core.seeding import seed_everything
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = build_spec(game, cache_tokens, steps, eval_n, tmp)
-        job = LocalJob(spec, job_id=f"bench-multiturn-{cache_tokens}")
-        engine = job.rollout.engine
+        job = RLJob(spec, job_id=f"bench-multiturn-{cache_tokens}")
+        engine = job.sampler.engine
         seed_everything(spec.seed)
         t0 = time.perf_counter()
         with torch.no_grad():
-            ev = job.rollout.evaluate(0)
+            ev = job.sampler.evaluate(0)
         eval_s = time.perf_counter() - t0
         rollouts, updates = [], []
         records = [t["messages"] for t in ev.transcripts]  # evaluation: the conversations; training: the token records
         for step in range(steps):
             t0 = time.perf_counter()
-            batch = job.rollout_step(step)
+            job.rollout(step)
+            batch = job.sampler.batch(step)
             rollouts.append(time.perf_counter() - t0)
             records += [t.token_ids for t in batch.trajectories]
             t0 = time.perf_counter()
-            job.update_step(batch)
+            job.update(step)
             updates.append(time.perf_counter() - t0)
         turns = sum(len(t.turns) for t in batch.trajectories) / max(1, len(batch.trajectories))
         return {"prefix_cache_tokens": cache_tokens, "eval_seconds": eval_s, "eval_turns_mean": ev.metrics.get("eval/turns_mean"),
@@ -101,9 +102,9 @@ def main() -> int:
 
     import torch
 
-    from opentinker.cli import _quiet_libraries
+    from opentinker.cli.common import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
     out_path = Path(args.out or ROOT / "bench" / "results" / f"multiturn_rollout_{args.game}")
     sides = {}

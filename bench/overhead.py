@@ -1,4 +1,4 @@
-"""What the Prefect + Ray orchestration costs: the same job run (a) by calling the step functions
+"""What the Prefect + Ray orchestration costs: the same job run (a) by the step loop calling the job
 directly in one process and (b) as the `rl-train` Prefect flow on Ray against a real local stack,
 in the same run.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def make_spec(model: str, steps: int, base_url: str):
-    from opentinker.spec import load_spec
+    from opentinker.core.spec import load_spec
 
     if model == "tiny-random":
         spec = load_spec(ROOT / "examples" / "toy_smoke.yaml")
@@ -48,25 +48,12 @@ def _medians(history: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run_direct(spec) -> tuple[float, float, dict[str, float]]:
-    """(total seconds, step-loop seconds, median phase seconds) calling the step functions here."""
-    from opentinker.runner import LocalJob
+    """(total seconds, step-loop seconds, median phase seconds): the same step loop, called here."""
+    from opentinker.rl import RLJob
 
     t0 = time.perf_counter()
-    job = LocalJob(spec, job_id="direct")
-    job.rollout.evaluate(0)
-    loop0 = time.perf_counter()
-    history = []
-    for step in range(spec.optimization.steps):
-        done = step + 1
-        batch = job.rollout_step(step)
-        metrics = batch.metrics | job.update_step(batch)
-        if spec.evaluates_at(done):
-            metrics |= job.rollout.evaluate(done).metrics
-        if spec.checkpoints_at(done):
-            job.checkpoint_step(done)
-        history.append(metrics)
-    end = time.perf_counter()
-    return end - t0, end - loop0, _medians(history)
+    result = RLJob(spec, job_id="direct").run()
+    return time.perf_counter() - t0, result.loop_seconds, _medians(result.history)
 
 
 def run_flow(spec, settings) -> tuple[float, float, dict[str, float]]:
@@ -86,12 +73,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
 
-    from opentinker.cli import _quiet_libraries
-    from opentinker.settings import Settings
-    from opentinker.stack import Stack, mlflow_env, prefect_env, settings_env
+    from opentinker.cli.common import quiet_libraries
+    from opentinker.core.settings import Settings
+    from opentinker.control.stack import Stack
+    from opentinker.core.settings import mlflow_env, prefect_env, settings_env
     from tests.stack_fixtures import free_ports
 
-    _quiet_libraries()
+    quiet_libraries()
     with tempfile.TemporaryDirectory() as tmp:
         prefect_port, mlflow_port, gateway_port = free_ports(3)
         settings = Settings(state_dir=Path(tmp) / "state", prefect_port=prefect_port, mlflow_port=mlflow_port,

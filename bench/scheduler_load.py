@@ -46,8 +46,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
 
-    from opentinker.settings import Settings
-    from opentinker.stack import Stack, mlflow_env, prefect_env, settings_env
+    from opentinker.core.settings import Settings
+    from opentinker.control.stack import Stack
+    from opentinker.core.settings import mlflow_env, prefect_env, settings_env
     from tests.stack_fixtures import free_ports
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,8 +85,8 @@ def run_load(settings, args, tmp: Path) -> dict:
     from prefect.client.orchestration import get_client
 
     from opentinker.client import SchedulerClient
-    from opentinker.gateway.tenants import TenantStore
-    from opentinker.submit import deploy
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
 
     deploy(settings)
     key = TenantStore(settings.state_dir / "tenants.json").create("bench")

@@ -28,7 +28,7 @@ PROMPTS, GROUP, NEW_TOKENS, LORA_R, LR = 8, 4, 32, 16, 2e-4
 
 
 def _spec(tmp: str):
-    from opentinker.spec import load_spec
+    from opentinker.core.spec import load_spec
 
     spec = load_spec(ROOT / "examples" / "math_grpo.yaml")
     return spec.model_copy(update={
@@ -39,17 +39,17 @@ def _spec(tmp: str):
 
 
 def time_opentinker(steps: int) -> list[float]:
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
 
     with tempfile.TemporaryDirectory() as tmp:
-        job = LocalJob(_spec(tmp), job_id="bench-step")
+        job = RLJob(_spec(tmp), job_id="bench-step")
         times = []
         for step in range(steps):
             t0 = time.perf_counter()
-            batch = job.rollout_step(step)
-            job.update_step(batch)
+            metrics = job.rollout(step)
+            job.update(step)
             times.append(time.perf_counter() - t0)
-            print(f"opentinker step {step}: {times[-1]:.1f}s reward {batch.metrics['rollout/reward_mean']:.2f}", flush=True)
+            print(f"opentinker step {step}: {times[-1]:.1f}s reward {metrics['rollout/reward_mean']:.2f}", flush=True)
     return times
 
 
@@ -61,7 +61,8 @@ def time_trl(steps: int) -> list[float]:
 
     from envs.math import MathGame, parse_answer
     from opentinker.env import GameEnvironment
-    from opentinker.models import SMOLLM2, load_model
+    from opentinker.core.model_names import SMOLLM2
+    from opentinker.model.policy import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = _spec(tmp)
@@ -112,9 +113,9 @@ def main() -> int:
 
     import torch
 
-    from opentinker.cli import _quiet_libraries
+    from opentinker.cli.common import quiet_libraries
 
-    _quiet_libraries()
+    quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
     ours = time_opentinker(args.steps)
     trl = time_trl(args.steps)

@@ -1,1 +1,1 @@
-"""Prefect flows: one per job kind (rl_train now; SFT, inference and evaluation later)."""
+"""Prefect flows, one per job kind: rl_train, self_play, sft, inference (serve-model) and evaluate (evaluate-promote)."""

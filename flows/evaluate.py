@@ -5,7 +5,7 @@ sweep over every registered model with a challenger not yet judged against its c
 a deployment trigger when an `rl-train` or `sft` flow run completes (`triggered_by` is then the
 event's resource, `prefect.flow-run.<id>`, and the flow evaluates the model that run registered).
 Each model's evaluation is a task, so the UI shows both scores; the decision rule, audit record
-and alias move are opentinker/promotion.py's.
+and alias move are opentinker/eval/promotion.py's.
 
 Run it by hand: `opentinker models evaluate <name>` (in-process), or
 `prefect deployment run evaluate-promote/cpu -p model_name=<name>`.
@@ -13,16 +13,15 @@ Run it by hand: `opentinker models evaluate <name>` (in-process), or
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
-from opentinker import promotion
-from opentinker.registry import ModelNotFoundError, _client
-from opentinker.settings import get_settings
+from opentinker.eval import promotion
+from opentinker.orchestration.job import held_slots
+from opentinker.storage.registry import ModelNotFoundError, registry_client
+from opentinker.core.settings import get_settings
 
 _COMMON = {"cache_policy": NO_CACHE, "persist_result": False}
 
@@ -37,25 +36,10 @@ def evaluate_version(name: str, version: str, checkpoint_url: str, spec) -> dict
 def decide_and_record(pair: promotion.Pair, spec, challenger: dict, champion: dict, margin: float, alpha: float,
                       min_samples: int, trigger: str) -> dict[str, Any]:
     """The paired test, the audit record and (on a win) the alias move."""
-    client = _client(get_settings().mlflow_url)
+    client = registry_client(get_settings().mlflow_url)
     decision = promotion.decide(challenger["rewards"], champion["rewards"], margin, alpha, min_samples)
     return promotion.conclude(client, pair, spec, challenger, champion, decision,
                               flow_run_id=str(runtime.flow_run.id or ""), trigger=trigger)
-
-
-@contextmanager
-def _cpu_slot() -> Iterator[None]:
-    """A deployment run holds one slot of its pool's limit while it evaluates, like any job, so
-    evaluations never overbook the machine the training jobs share."""
-    if runtime.deployment.id is None:
-        yield
-        return
-    from prefect.concurrency.sync import concurrency
-
-    from opentinker.scheduler import slot_limit
-
-    with concurrency(slot_limit("cpu"), occupy=1, strict=True, lease_duration=60):
-        yield
 
 
 @flow(name="evaluate-promote", persist_result=False, log_prints=True)
@@ -69,7 +53,7 @@ def evaluate_promote(model_name: str | None = None, triggered_by: str | None = N
     recorded environment; `force` re-evaluates a pair that was judged already."""
     logger = get_run_logger()
     settings = get_settings()
-    client = _client(settings.mlflow_url)
+    client = registry_client(settings.mlflow_url)
     trigger = "manual" if model_name else "schedule"
     asked_for = model_name is not None  # a run asked for one model fails when it cannot be evaluated
     if triggered_by:
@@ -98,7 +82,9 @@ def evaluate_promote(model_name: str | None = None, triggered_by: str | None = N
             evaluated.append(promotion.no_champion(client, pair))
             continue
         spec = promotion.evaluation_job_spec(pair, n_samples, greedy)
-        with _cpu_slot():  # only while models are loaded and played: a run with nothing to do takes no slot
+        # A deployment run holds one CPU slot while models are loaded and played, like any job, so
+        # evaluations never overbook the machine the training jobs share; one with nothing to do takes none.
+        with held_slots(0):
             champ = evaluate_version.submit(name, pair.champion, pair.champion_url, spec).result()
             chall = evaluate_version.submit(name, pair.challenger, pair.challenger_url, spec).result()
         record = decide_and_record(pair, spec, chall, champ, margin, alpha, min_samples, trigger)

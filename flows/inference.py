@@ -15,11 +15,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger, runtime
 
-from flows.common import held_slots
+from opentinker.orchestration.job import held_slots
 from opentinker.inference.launch import check_engine, launch
 from opentinker.inference.spec import InferenceSpec, endpoint_key
-from opentinker.models import resolve_checkpoint
-from opentinker.settings import get_settings
+from opentinker.storage.resolve import resolve_checkpoint
+from opentinker.core.settings import get_settings
 
 
 def _publish(job_id: str, server: Any, checkpoint: str) -> None:

@@ -16,15 +16,16 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect_ray.context import remote_options
 
-from flows.common import JobContext, ray_runner, register_final_checkpoint, scheduled_job
-from opentinker.sft import SFTSpec
+from opentinker.orchestration.job import ray_runner, register_final_checkpoint, scheduled_job
+from opentinker.sft.spec import SFTSpec
+from opentinker.storage.registry import model_name_for
 
 
 @task(name="sft", task_run_name="sft-{job_id}", cache_policy=NO_CACHE, persist_result=False, log_prints=False)
 def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str) -> dict[str, Any]:
     """Train and checkpoint; metrics go straight to the job's MLflow run (found by its job id)."""
-    from opentinker.sft import run_sft
-    from opentinker.tracking import JobTracker
+    from opentinker.sft.job import run_sft
+    from opentinker.tracking.runs import JobTracker
 
     tracker = JobTracker(tracking_uri, experiment, job_id, spec)
     result = run_sft(spec, job_id, tracker_callback=tracker.log_metrics)
@@ -35,25 +36,8 @@ def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str) ->
 @flow(name="sft", task_runner=ray_runner(), persist_result=False, log_prints=True)
 def sft(spec: SFTSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     """One SFT job. `tenant` names its MLflow experiment (the settings' project when None)."""
-    with scheduled_job(spec, job_id, tenant) as job:
-        return _train(spec, job, tenant)
-
-
-def _register(spec: SFTSpec, job: JobContext, tenant: str | None, url: str, tracker) -> dict[str, Any]:
-    """The checkpoint as a version of `registry.model_name` (default `<tenant or project>-sft`), as
-    rl_train does; a re-run of the job id (same spec) reuses the saved checkpoint and only registers."""
-    from opentinker.registry import model_name_for
-
-    named = {"registry": {"model_name": spec.registry.model_name or f"{job.experiment}-sft"}}
-    return register_final_checkpoint(job, tenant, url, tracker, kind="sft", spec_data=spec.model_dump(mode="json"),
-                                     model_name=model_name_for(named, job.experiment, tenant), base_model=spec.model.name,
-                                     environment=None)
-
-
-def _train(spec: SFTSpec, job: JobContext, tenant: str | None) -> dict[str, Any]:
     logger = get_run_logger()
-    tracker = job.tracker(spec)
-    try:
+    with scheduled_job(spec, job_id, tenant) as job, job.tracked(spec) as tracker:
         r = spec.resources
         threads = str(r.torch_threads or os.cpu_count() or 1)
         logger.info(f"SFT job {job.job_id}: {spec.model.name} ({spec.adapter.kind}) on {spec.data.path}; MLflow {tracker.run_url}")
@@ -62,12 +46,14 @@ def _train(spec: SFTSpec, job: JobContext, tenant: str | None) -> dict[str, Any]
             result = sft_train.submit(spec=spec, job_id=job.job_id, tracking_uri=tracker.tracking_uri, experiment=job.experiment).result()
         logger.info(f"SFT job {job.job_id}: {result['steps']} steps, loss {_loss_line(result)}; checkpoint {result['checkpoint']}")
         tracker.log_checkpoint(result["checkpoint"])
-        result["registered_model"] = _register(spec, job, tenant, result["checkpoint"], tracker) if spec.registry.register else None
-        tracker.finish("FINISHED")
+        result["registered_model"] = None
+        if spec.registry.register:
+            # default `<tenant or project>-sft`; a re-run of the job id (same spec) reuses the saved checkpoint and only registers
+            named = {"registry": {"model_name": spec.registry.model_name or f"{job.experiment}-sft"}}
+            result["registered_model"] = register_final_checkpoint(
+                job, tenant, result["checkpoint"], tracker, kind="sft", spec_data=spec.model_dump(mode="json"),
+                model_name=model_name_for(named, job.experiment, tenant), base_model=spec.model.name, environment=None)
         return {**result, "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url}
-    except BaseException:
-        tracker.finish("FAILED")
-        raise
 
 
 def _loss_line(result: dict[str, Any]) -> str:

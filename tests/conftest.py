@@ -13,7 +13,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    from opentinker.models import TINY, resolve_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.loading import resolve_model
 
     return resolve_model(TINY)
 
@@ -21,14 +22,15 @@ def tiny_path():
 @pytest.fixture
 def tiny(tiny_path):
     """A fresh tiny random model and the real SmolLM2 tokenizer."""
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     return load_model(TINY)
 
 
 def tiny_spec(tmp_path, **overrides):
     """A JobSpec for the tiny model on the uppercase toy game, with nested overrides."""
-    from opentinker.spec import parse_spec
+    from opentinker.core.spec import parse_spec
 
     data = {
         "model": {"name": "tiny-random"},

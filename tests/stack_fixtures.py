@@ -12,8 +12,8 @@ import socket
 
 import pytest
 
-from opentinker.settings import Settings
-from opentinker.stack import Stack
+from opentinker.core.settings import Settings
+from opentinker.control.stack import Stack
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -62,7 +62,7 @@ def stack_env(stack):
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from opentinker.stack import mlflow_env, prefect_env, settings_env
+    from opentinker.core.settings import mlflow_env, prefect_env, settings_env
 
     settings, _ = stack
     env = settings_env(settings) | prefect_env(settings) | mlflow_env(settings)

@@ -7,8 +7,8 @@ import torch
 from opentinker.agent import ChatFormat, EpisodeLimits, EpisodeState, run_episodes
 from opentinker.agent.loop import Episode
 from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams
-from opentinker.metrics import episode_stats
-from opentinker.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+from opentinker.tracking.metrics import episode_stats
+from opentinker.core.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
 from tests.games import GarbageGame, HangingGame, NanRewardGame, RaisingGame, ScriptedTurns
 
 

@@ -6,8 +6,8 @@ import fsspec
 import pytest
 import torch
 
-from opentinker import checkpoint as ckpt
-from opentinker.runner import LocalJob
+from opentinker.storage import checkpoint as ckpt
+from opentinker.rl import RLJob
 from tests.conftest import tiny_spec
 
 
@@ -20,28 +20,28 @@ def _weights(job):
 def test_resume_reproduces_straight_training(tmp_path, tiny_path, adapter):
     lr = 1e-2 if adapter["kind"] == "lora" else 1e-3
     spec4 = tiny_spec(tmp_path, adapter=adapter, optimization={"steps": 4, "lr": lr})
-    straight = LocalJob(spec4, job_id="straight")
+    straight = RLJob(spec4, job_id="straight")
     straight.run()
 
     spec2 = tiny_spec(tmp_path, adapter=adapter, optimization={"steps": 2, "lr": lr})
-    first = LocalJob(spec2, job_id="resumed")
+    first = RLJob(spec2, job_id="resumed")
     assert first.run().steps_done == 2
     del first
-    second = LocalJob(spec4, job_id="resumed")  # a fresh process would do the same: nothing shared
+    second = RLJob(spec4, job_id="resumed")  # a fresh process would do the same: nothing shared
     result = second.run()
     assert result.resumed_from == 2 and result.steps_done == 4 and len(result.history) == 2
 
     a, b = _weights(straight), _weights(second)
     assert a.keys() == b.keys()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
-    assert straight.rollout.env.state() == second.rollout.env.state()
+    assert straight.sampler.env.state() == second.sampler.env.state()
     assert straight.policy.version == second.policy.version == 4
 
 
 def test_rerun_of_a_finished_job_does_nothing(tmp_path, tiny_path):
     spec = tiny_spec(tmp_path, optimization={"steps": 2})
-    LocalJob(spec, job_id="j").run()
-    again = LocalJob(spec, job_id="j").run()
+    RLJob(spec, job_id="j").run()
+    again = RLJob(spec, job_id="j").run()
     assert again.resumed_from == 2 and again.history == []
 
 
@@ -98,10 +98,11 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 def test_lora_checkpoint_holds_a_loadable_peft_adapter(tmp_path, tiny_path):
     from peft import PeftModel
 
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     spec = tiny_spec(tmp_path, optimization={"steps": 1})
-    result = LocalJob(spec, job_id="adapter").run()
+    result = RLJob(spec, job_id="adapter").run()
     local = result.checkpoint.url.removeprefix("file://")
     base, _ = load_model(TINY)
     restored = PeftModel.from_pretrained(base, f"{local}/adapter")

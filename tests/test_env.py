@@ -9,7 +9,7 @@ from envs.math import MathGame, parse_answer
 from opentinker.env import AbstractGame, GameEnvironment, StepResult
 from opentinker.environment.base_game import AbstractGame as RefAbstractGame
 from opentinker.environment.base_game import StepResult as RefStepResult
-from opentinker.spec import parse_spec
+from opentinker.core.spec import parse_spec
 
 
 def test_reference_import_paths_are_the_same_classes():

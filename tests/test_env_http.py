@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 from envs.math import MathGame
 from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, SamplingParams
-from opentinker.cli_env import env_app
+from opentinker.cli.env import env_app
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.env.remote import UNAVAILABLE, RemoteGameClass, RemoteGameError
 from opentinker.env.server import create_app
-from opentinker.metrics import episode_stats
-from opentinker.spec import SpecError, parse_spec
+from opentinker.tracking.metrics import episode_stats
+from opentinker.core.spec import SpecError, parse_spec
 from tests.games import NanRewardGame, RaisingGame, ScriptedTurns
 
 MATH_CONFIG = {"low": 1, "high": 30, "operations": ["+", "-", "*"]}

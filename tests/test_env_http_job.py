@@ -28,15 +28,14 @@ def _serve(port: int) -> subprocess.Popen:
 
 
 def _train(spec, job_id, steps, between=None) -> list[dict[str, float]]:
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
 
-    job = LocalJob(spec, job_id=job_id)
+    job = RLJob(spec, job_id=job_id)
     history = []
     for step in range(steps):
         if between:
             between(step)
-        batch = job.rollout_step(step)
-        history.append(dict(batch.metrics) | job.update_step(batch))
+        history.append(job.rollout(step) | job.update(step))
     return history
 
 

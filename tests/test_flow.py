@@ -74,12 +74,12 @@ def test_flow_trains_on_ray_and_mlflow_holds_what_it_produced(stack_env, tmp_pat
 @pytest.mark.slow  # the default suite kills and resumes a flow on S3 (test_storage_s3), with the same checks
 def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path):
     from flows.rl_train import rl_train
-    from opentinker import checkpoint as ckpt
+    from opentinker.storage import checkpoint as ckpt
 
     settings, env = stack_env
     spec = tiny_spec(tmp_path, optimization={"steps": 5}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
     script = (
-        "import sys; from opentinker.spec import parse_spec; from flows.rl_train import rl_train; "
+        "import sys; from opentinker.core.spec import parse_spec; from flows.rl_train import rl_train; "
         "import json; rl_train(parse_spec(json.loads(sys.argv[1])), job_id='flow-killed')"
     )
     proc = subprocess.Popen([sys.executable, "-c", script, spec.model_dump_json()], cwd=ROOT, env=os.environ | env,
@@ -112,10 +112,9 @@ def test_killed_flow_resumes_and_mlflow_shows_each_step_once(stack_env, tmp_path
 def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_env, tmp_path):
     """A process killed after committing step 2 but before logging it: the checkpoint carries
     steps 1-2, so the resume logs step 2 (and not step 1 a second time)."""
-    from opentinker.actors import TrainerActor
     from opentinker.env import environment_from_spec
-    from opentinker.tracking import JobTracker
-    from opentinker.workers import PolicyWorker
+    from opentinker.rl import Policy
+    from opentinker.tracking.runs import JobTracker
 
     settings, _ = stack_env
     job_id = "late-metrics"
@@ -123,14 +122,14 @@ def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_en
     first = JobTracker(settings.mlflow_url, settings.project, job_id, spec)
     first.log_metrics(1, {"rollout/reward_mean": 0.5, "update/policy_loss": 0.1})
     covered = [(1, {"rollout/reward_mean": 0.5, "update/policy_loss": 0.1}), (2, {"rollout/reward_mean": 0.25, "update/policy_loss": 0.2})]
-    PolicyWorker(spec, job_id=job_id).save(2, job_id, environment_from_spec(spec).state(), covered)
+    Policy(spec, job_id=job_id).save(2, environment_from_spec(spec).state(), covered)
     # ... killed here; the resumed job finds its run and the checkpoint again
-    restored = TrainerActor(spec, job_id).restore_latest()
-    assert restored["step"] == 2 and restored["metrics"] == [[1, covered[0][1]], [2, covered[1][1]]]
+    restored = Policy(spec, job_id).restore_latest()
+    assert restored.step == 2 and restored.metrics == [[1, covered[0][1]], [2, covered[1][1]]]
     again = JobTracker(settings.mlflow_url, settings.project, job_id, spec)
     assert again.run_id == first.run_id
-    assert again.log_missing_metrics(restored["metrics"]) == [2]
-    assert again.log_missing_metrics(restored["metrics"]) == []  # idempotent
+    assert again.log_missing_metrics(restored.metrics) == [2]
+    assert again.log_missing_metrics(restored.metrics) == []  # idempotent
     client, run = _mlflow_run(settings, job_id)
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean"))
     assert history == [(1, 0.5), (2, 0.25)]
@@ -139,15 +138,15 @@ def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_en
 
 @pytest.mark.slow  # the S3 kill-and-resume test submits through the deployment and follows it the same way
 def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
-    from opentinker.submit import deploy, follow, submit_rl_job
+    from opentinker.control.submit import deploy, follow, submit_job
 
     settings, _ = stack_env
-    from opentinker.scheduler import deployment_names
+    from opentinker.control.scheduler import deployment_names
 
     assert deploy(settings) == deployment_names()
     assert {"rl-train/gpu", "rl-train/cpu", "self-play/gpu", "self-play/cpu", "sft/gpu", "sft/cpu"} <= set(deployment_names())
     spec = tiny_spec(tmp_path, optimization={"steps": 2}, evaluation={"every": 0, "n_samples": 8})
-    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), "flow-deployed", settings)
+    flow_run_id = submit_job(spec.model_dump(mode="json"), "flow-deployed", settings)
     seen = []
     final = follow(flow_run_id, "flow-deployed", settings, lambda p: seen.append(p.state), interval=1.0)
     assert final.state == "COMPLETED", final.message
@@ -226,7 +225,7 @@ def _check_self_play_registration(client, run_id, first, second):
     """Each learner's final checkpoint is a version of its own registered model, exported under
     final-<agent> in the job's run, with an evaluation spec in the game's single-agent form that
     the promotion evaluation can replay."""
-    from opentinker.promotion import evaluate_checkpoint, evaluation_job_spec, plan
+    from opentinker.eval.promotion import evaluate_checkpoint, evaluation_job_spec, plan
 
     run = client.get_run(run_id)
     artifacts = {a.path for a in client.list_artifacts(run_id)}

@@ -23,8 +23,8 @@ N_VAL = 32
 
 @pytest.fixture(scope="module")
 def service(stack_env):
-    from opentinker.gateway.tenants import TenantStore
-    from opentinker.submit import deploy
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
 
     settings, _ = stack_env
     deploy(settings)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server on CPU and `run_inference`, against a checkpoint of a real (short) job.
 
-The job is a LocalJob on the tiny model whose final greedy evaluation lands between 0 and 1
+The job is a RLJob on the tiny model whose final greedy evaluation lands between 0 and 1
 (seed 3, two steps at lr 0.03: 19/32 correct), so reproducing it is a sharp check: the served
 policy must give the same greedy answer to every validation prompt the job's evaluation saw.
 """
@@ -29,12 +29,12 @@ def trained(tmp_path_factory):
     from envs.toy import UppercaseGame
     from opentinker.env import GameEnvironment
     from opentinker.env.environment import save_dataset
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
 
     tmp = tmp_path_factory.mktemp("inference-job")
     spec = tiny_spec(tmp, optimization={"steps": 2, "lr": 0.03}, evaluation={"every": 0, "n_samples": N_VAL},
                      checkpoint={"every": 2}, env={"game": "envs.toy:UppercaseGame", "config": {"val_size": N_VAL}})
-    result = LocalJob(spec, job_id="served").run()
+    result = RLJob(spec, job_id="served").run()
     tasks = GameEnvironment(UppercaseGame, config=spec).validation_tasks(N_VAL)
     save_dataset(tasks, tmp / "val.jsonl")
     return spec, result.checkpoint.url, result.evaluations[-1], tmp / "val.jsonl"
@@ -130,7 +130,7 @@ def test_multi_turn_conversations_match_the_agent_loop(trained, served, tmp_path
     from opentinker.backend import HFRolloutEngine, SamplingParams
     from opentinker.env.environment import save_dataset
     from opentinker.inference import run_inference
-    from opentinker.models import load_policy
+    from opentinker.model.policy import load_policy
     from tests.games import ScriptedTurns
 
     _, url, _, _ = trained
@@ -183,7 +183,7 @@ def test_a_job_folder_serves_its_latest_step(trained):
 def _has_vllm_and_gpu() -> bool:
     import importlib.util
 
-    from opentinker.scheduler import detect_gpus
+    from opentinker.core.hardware import detect_gpus
 
     return importlib.util.find_spec("vllm") is not None and detect_gpus() > 0
 

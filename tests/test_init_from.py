@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from opentinker import checkpoint as ckpt
-from opentinker.models import load_model, load_policy, read_policy_info, resolve_checkpoint
-from opentinker.runner import LocalJob
-from opentinker.spec import SpecError, parse_spec
+from opentinker.storage import checkpoint as ckpt
+from opentinker.model.policy import load_model, load_policy, read_policy_info
+from opentinker.storage.resolve import resolve_checkpoint
+from opentinker.rl import RLJob
+from opentinker.core.spec import SpecError, parse_spec
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6]])
 
@@ -35,7 +36,7 @@ def _logits(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("adapter", ["lora", "full"])
 def test_a_checkpoint_alone_rebuilds_the_trained_policy_and_starts_the_next_job(tmp_path, adapter):
-    first = LocalJob(parse_spec(_spec(tmp_path, adapter)), job_id="first")
+    first = RLJob(parse_spec(_spec(tmp_path, adapter)), job_id="first")
     first.run()
     trained = _logits(first.policy.model)
     url = resolve_checkpoint(f"file://{tmp_path}/first")  # a job folder means its latest complete step
@@ -47,7 +48,7 @@ def test_a_checkpoint_alone_rebuilds_the_trained_policy_and_starts_the_next_job(
     assert torch.allclose(_logits(model), trained, atol=1e-5)
     assert not torch.allclose(_logits(load_model("tiny-random")[0]), trained, atol=1e-3)  # training changed it
 
-    second = LocalJob(parse_spec(_spec(tmp_path, "lora", init_from=f"file://{tmp_path}/first")), job_id="second")
+    second = RLJob(parse_spec(_spec(tmp_path, "lora", init_from=f"file://{tmp_path}/first")), job_id="second")
     assert torch.allclose(_logits(second.policy.model), trained, atol=1e-5)  # fresh LoRA (B = 0) on the trained base
     second.run()
     recorded = read_policy_info(resolve_checkpoint(f"file://{tmp_path}/second"))
@@ -57,19 +58,18 @@ def test_a_checkpoint_alone_rebuilds_the_trained_policy_and_starts_the_next_job(
 
 
 def test_a_resumed_job_keeps_the_base_it_started_from(tmp_path):
-    first = LocalJob(parse_spec(_spec(tmp_path)), job_id="first")
+    first = RLJob(parse_spec(_spec(tmp_path)), job_id="first")
     first.run()
     step2 = resolve_checkpoint(f"file://{tmp_path}/first")
     spec = _spec(tmp_path, init_from=f"file://{tmp_path}/first")
-    LocalJob(parse_spec(spec), job_id="second").run()
+    RLJob(parse_spec(spec), job_id="second").run()
     # the source job moves on: its folder now resolves to a later step ...
     spec_more = _spec(tmp_path) | {"optimization": {"steps": 3, "lr": 1e-2}}
-    more = LocalJob(parse_spec(spec_more), job_id="first")
-    more.restore_latest()
+    more = RLJob(parse_spec(spec_more), job_id="first")
     more.run()
     assert resolve_checkpoint(f"file://{tmp_path}/first") != step2
     # ... but "second", resumed, rebuilds on the step it recorded when it started
-    resumed = LocalJob(parse_spec(spec), job_id="second")
+    resumed = RLJob(parse_spec(spec), job_id="second")
     assert resumed.policy.init_from == step2
 
 
@@ -77,8 +77,8 @@ def test_bad_init_from_fails_clearly(tmp_path):
     with pytest.raises(SpecError, match="model.init_from: a registry URI looks like"):
         parse_spec(_spec(tmp_path, init_from="models:/only-a-name"))
     with pytest.raises(FileNotFoundError, match="neither a complete checkpoint nor a job folder"):
-        LocalJob(parse_spec(_spec(tmp_path, init_from=str(tmp_path / "nothing-here"))))
-    LocalJob(parse_spec(_spec(tmp_path)), job_id="tiny").run()
+        RLJob(parse_spec(_spec(tmp_path, init_from=str(tmp_path / "nothing-here"))))
+    RLJob(parse_spec(_spec(tmp_path)), job_id="tiny").run()
     url = resolve_checkpoint(f"file://{tmp_path}/tiny")
     path = url.removeprefix("file://")
     info = json.loads(open(f"{path}/policy.json").read())
@@ -89,5 +89,5 @@ def test_bad_init_from_fails_clearly(tmp_path):
     with open(f"{path}/policy.json", "w") as f:
         f.write("{not json" + " " * (len(json.dumps(info)) - 9))
     with pytest.raises(ValueError, match="corrupt checkpoint: unreadable policy.json"):
-        LocalJob(parse_spec(_spec(tmp_path, init_from=url)))
+        RLJob(parse_spec(_spec(tmp_path, init_from=url)))
     assert ckpt.list_checkpoints(f"file://{tmp_path}", "tiny")[-1].url == url  # nothing was changed or pruned

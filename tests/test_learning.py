@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from opentinker.runner import LocalJob
+from opentinker.rl import RLJob
 from tests.conftest import tiny_spec
 
 
@@ -17,7 +17,7 @@ def test_tiny_model_learns_the_uppercase_task(tmp_path, tiny_path):
         optimization={"steps": 16, "lr": 1e-3},
         checkpoint={"every": 0},
     )
-    result = LocalJob(spec, job_id="learn").run()
+    result = RLJob(spec, job_id="learn").run()
     rewards = [h["rollout/reward_mean"] for h in result.history]
     early, late = statistics.fmean(rewards[:4]), statistics.fmean(rewards[-4:])
     assert late >= early + 0.2, rewards
@@ -27,11 +27,11 @@ def test_tiny_model_learns_the_uppercase_task(tmp_path, tiny_path):
 
 @pytest.mark.slow
 def test_smollm2_learns_addition(tmp_path):
-    from opentinker.spec import load_spec
+    from opentinker.core.spec import load_spec
 
     spec = load_spec("examples/math_grpo.yaml")
     spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"base_url": f"file://{tmp_path}"})})
-    result = LocalJob(spec, job_id="smollm2-add").run()
+    result = RLJob(spec, job_id="smollm2-add").run()
     first, last = result.evaluations[0].metrics, result.evaluations[-1].metrics
     assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.1
     assert last["eval/distinct_answer_share"] >= 0.5 * first["eval/distinct_answer_share"]  # no collapse onto one answer

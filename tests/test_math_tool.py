@@ -11,7 +11,7 @@ from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.rollout import Completion
 from opentinker.env import GameEnvironment
 from opentinker.env.environment import import_game
-from opentinker.spec import load_spec
+from opentinker.core.spec import load_spec
 
 TASK = {"question": "What is 17 * 23 + 5?", "answer": 396}
 
@@ -273,7 +273,7 @@ def test_tool_call_record_is_token_exact_and_its_logprobs_recompute(tiny):
     """Two calculator calls, a malformed call and an answer: record = prompt + sampled + observation
     deltas, mask 1 exactly on sampled tokens, and the trainer's recomputed logprobs match (fp32)."""
     from opentinker.backend import PolicyTrainer
-    from opentinker.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+    from opentinker.core.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
 
     model, tok = tiny
     torch.manual_seed(0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from opentinker.metrics import episode_stats
-from opentinker.trajectory import Trajectory, Turn
+from opentinker.tracking.metrics import episode_stats
+from opentinker.core.trajectory import Trajectory, Turn
 
 
 def _traj(reward: float = 0.0, failed: bool = False, **info) -> Trajectory:

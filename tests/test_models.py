@@ -2,7 +2,9 @@
 
 import pytest
 
-from opentinker.models import SMOLLM2, TINY, is_resolvable, load_model, resolve_model
+from opentinker.core.model_names import SMOLLM2, TINY, is_resolvable
+from opentinker.model.loading import resolve_model
+from opentinker.model.policy import load_model
 
 
 def test_unknown_model_is_refused():

@@ -13,8 +13,8 @@ from opentinker.agent import ChatFormat, EpisodeLimits
 from opentinker.agent.coordinator import Coordinator, PhaseError
 from opentinker.agent.selfplay import Seat, play_matches
 from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams
-from opentinker.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
-from opentinker.trajectory import Trajectory, Turn
+from opentinker.core.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+from opentinker.core.trajectory import Trajectory, Turn
 
 # --- barriers ---------------------------------------------------------------------------------
 
@@ -110,7 +110,8 @@ class ScriptedMatch:
 
 @pytest.fixture
 def two_seats(tiny_path):
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     seats, trainers = {}, {}
     for name, seed in (("X", 0), ("O", 1)):  # each player its own model and adapter
@@ -210,13 +211,13 @@ def _gomoku_spec(tmp_path, opponent, credit="episode"):
 
 @pytest.mark.parametrize("opponent,credit", [("agents", "episode"), ("self", "turn"), ("snapshot", "episode")])
 def test_selfplay_job_trains_its_learners_through_the_phases(tmp_path, opponent, credit):
-    from opentinker.multiagent import MultiAgentJob
+    from opentinker.rl.selfplay import SelfPlayJob
 
-    job = MultiAgentJob(_gomoku_spec(tmp_path, opponent, credit), job_id="sp")
+    job = SelfPlayJob(_gomoku_spec(tmp_path, opponent, credit), job_id="sp")
     expected = {"agents": ["X", "O"], "self": ["X"], "snapshot": ["X"]}[opponent]
     assert job.learners == expected
     for step in range(2):
-        metrics = job.step(step)
+        metrics = job.rollout(step) | job.update(step)
         for agent in expected:
             assert {f"{agent}/rollout/win_rate", f"{agent}/rollout/illegal_move_rate", f"{agent}/rollout/game_length",
                     f"{agent}/update/sequences"} <= set(metrics)
@@ -232,4 +233,4 @@ def test_selfplay_job_trains_its_learners_through_the_phases(tmp_path, opponent,
     if opponent == "snapshot":
         assert job.policies["snapshot"].trainer.version == job.policies["X"].version
     evaluation = job.evaluate(2)
-    assert f"{expected[0]}/eval/win_rate" in evaluation
+    assert f"{expected[0]}/eval/win_rate" in evaluation.metrics

@@ -21,7 +21,7 @@ from tests.test_registry import make_checkpoint, register, snapshot, toy_spec
 
 
 def test_sign_test_p_values_by_hand():
-    from opentinker.promotion import sign_test_p
+    from opentinker.eval.promotion import sign_test_p
 
     assert sign_test_p(8, 1) == pytest.approx((9 + 1) / 2**9)  # C(9,8)+C(9,9) of 512 = 0.01953
     assert sign_test_p(5, 0) == pytest.approx(1 / 32)
@@ -31,7 +31,7 @@ def test_sign_test_p_values_by_hand():
 
 
 def test_decision_needs_samples_margin_and_significance():
-    from opentinker.promotion import decide
+    from opentinker.eval.promotion import decide
 
     champion = [0.0] * 10 + [1.0] * 30
     # 9 problems better, 1 worse, 30 ties: mean diff 8/40 = 0.2, p = C(10,9)+C(10,10) / 1024 = 11/1024
@@ -72,8 +72,8 @@ def _as(spec, name: str, job_id: str):
 def test_champion_moves_only_when_the_margin_holds_and_a_loser_changes_nothing(stack_env, checkpoints):
     from mlflow.tracking import MlflowClient
 
-    from opentinker.promotion import evaluate_and_promote
-    from opentinker.registry import resolve_model_uri
+    from opentinker.eval.promotion import evaluate_and_promote
+    from opentinker.storage.registry import resolve_model_uri
 
     settings, _ = stack_env
     client = MlflowClient(tracking_uri=settings.mlflow_url)
@@ -116,8 +116,8 @@ def test_champion_moves_only_when_the_margin_holds_and_a_loser_changes_nothing(s
 def test_evaluating_a_missing_model_fails_clearly_and_changes_nothing(stack_env, checkpoints):
     from mlflow.tracking import MlflowClient
 
-    from opentinker.promotion import evaluate_and_promote
-    from opentinker.registry import ModelNotFoundError
+    from opentinker.eval.promotion import evaluate_and_promote
+    from opentinker.storage.registry import ModelNotFoundError
 
     settings, _ = stack_env
     client = MlflowClient(tracking_uri=settings.mlflow_url)
@@ -154,7 +154,7 @@ def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
 
-    from opentinker.submit import deploy, follow, submit_rl_job
+    from opentinker.control.submit import deploy, follow, submit_job
 
     settings, _ = stack_env
     client = MlflowClient(tracking_uri=settings.mlflow_url)
@@ -167,7 +167,7 @@ def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env
     u_spec, u_url = checkpoints["untrained"]
     register(settings, _as(u_spec, name, "promo-t-1"), u_url)  # champion v1: the untrained policy
     spec = toy_spec(tmp_path, "promo-t-train", name, steps=8)
-    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), spec.job_id, settings)
+    flow_run_id = submit_job(spec.model_dump(mode="json"), spec.job_id, settings)
     final = follow(flow_run_id, spec.job_id, settings, lambda p: None, interval=2.0)
     assert final.state == "COMPLETED", final.message
     assert client.get_registered_model(name).aliases == {"champion": "1", "challenger": "2"}
@@ -214,7 +214,7 @@ def test_cli_lists_promotes_by_hand_and_names_what_is_missing(stack_env, checkpo
 
     from typer.testing import CliRunner
 
-    from opentinker.cli import app
+    from opentinker.cli.main import app
 
     def _cli(*args: str):
         result = CliRunner().invoke(app, list(args), env={"COLUMNS": "200"})
@@ -247,8 +247,8 @@ def test_a_model_without_a_recorded_environment_needs_one_named(stack_env, check
     from mlflow.tracking import MlflowClient
 
     from flows.evaluate import evaluate_promote
-    from opentinker.promotion import evaluate_and_promote
-    from opentinker.registry import register_job_checkpoint
+    from opentinker.eval.promotion import evaluate_and_promote
+    from opentinker.storage.registry import register_job_checkpoint
 
     settings, _ = stack_env
     client = MlflowClient(tracking_uri=settings.mlflow_url)

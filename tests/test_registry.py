@@ -22,21 +22,22 @@ def toy_spec(tmp_path, job_id: str, model_name: str, steps: int = 1, **overrides
 def make_checkpoint(spec, trained: bool) -> str:
     """A real committed checkpoint: after `optimization.steps` RL steps, or of the untrained policy
     (a fresh LoRA adapter is the identity: the base model itself)."""
-    from opentinker.runner import LocalJob
-    from opentinker.workers import PolicyWorker, seed_everything
+    from opentinker.rl import RLJob
+    from opentinker.core.seeding import seed_everything
+    from opentinker.rl import Policy
 
     if trained:
-        return LocalJob(spec, job_id=spec.job_id).run().checkpoint.url
+        return RLJob(spec, job_id=spec.job_id).run().checkpoint.url
     seed_everything(spec.seed)
     from opentinker.env import environment_from_spec
 
-    return PolicyWorker(spec, job_id=spec.job_id).save(0, spec.job_id, environment_from_spec(spec).state()).url
+    return Policy(spec, job_id=spec.job_id).save(0, environment_from_spec(spec).state()).url
 
 
 def register(settings, spec, url: str, with_run: bool = True) -> dict:
     """What a job does when it completes: its MLflow run logs the checkpoint, then it registers."""
-    from opentinker.registry import register_job_checkpoint
-    from opentinker.tracking import JobTracker
+    from opentinker.storage.registry import register_job_checkpoint
+    from opentinker.tracking.runs import JobTracker
 
     run_id = None
     if with_run:
@@ -75,7 +76,7 @@ def registered(stack_env, tmp_path_factory):
 
 
 def test_registration_records_lineage_and_sets_aliases(registered):
-    from opentinker.registry import environment_version
+    from opentinker.storage.registry import environment_version
 
     client, name = registered["client"], registered["name"]
     (r1, r2), (s1, s2), (_, u2) = registered["results"], registered["specs"], registered["urls"]
@@ -102,9 +103,10 @@ def test_registration_records_lineage_and_sets_aliases(registered):
 def test_registry_uris_resolve_to_checkpoints_that_load(registered):
     import torch
 
-    from opentinker import checkpoint as ckpt
-    from opentinker.models import load_policy, resolve_checkpoint
-    from opentinker.registry import resolve_model_uri
+    from opentinker.storage import checkpoint as ckpt
+    from opentinker.model.policy import load_policy
+    from opentinker.storage.resolve import resolve_checkpoint
+    from opentinker.storage.registry import resolve_model_uri
 
     name, (u1, u2) = registered["name"], registered["urls"]
     assert resolve_model_uri(f"models:/{name}@champion") == u1
@@ -145,7 +147,7 @@ def test_mlflow_refuses_a_local_checkpoint_path_as_source(registered):
 
 
 def test_missing_alias_version_or_model_fail_clearly_and_change_nothing(registered, tmp_path):
-    from opentinker.registry import ModelNotFoundError, RegistryError, resolve_model_uri
+    from opentinker.storage.registry import ModelNotFoundError, RegistryError, resolve_model_uri
 
     client, name, settings = registered["client"], registered["name"], registered["settings"]
     before = snapshot(client, name)
@@ -168,10 +170,10 @@ def test_missing_alias_version_or_model_fail_clearly_and_change_nothing(register
 
 
 def test_a_job_starting_from_a_missing_alias_fails_before_training(registered, tmp_path):
-    from opentinker.registry import ModelNotFoundError
-    from opentinker.runner import LocalJob
+    from opentinker.storage.registry import ModelNotFoundError
+    from opentinker.rl import RLJob
 
     spec = tiny_spec(tmp_path, model={"name": "tiny-random", "init_from": f"models:/{registered['name']}@nope"})
     with pytest.raises(ModelNotFoundError, match="has no alias 'nope'"):
-        LocalJob(spec, job_id="reg-init-missing")
+        RLJob(spec, job_id="reg-init-missing")
     assert not (tmp_path / "runs" / "reg-init-missing").exists()

@@ -19,8 +19,8 @@ from tests.conftest import tiny_spec
 @pytest.fixture(scope="module")
 def service(stack_env):
     """The stack with deployments registered and two tenants; yields (settings, key_a, key_b)."""
-    from opentinker.gateway.tenants import TenantStore
-    from opentinker.submit import deploy
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
 
     settings, _ = stack_env
     deploy(settings)
@@ -117,7 +117,7 @@ def test_bad_submissions_fail_with_the_field_and_numbers(service, tmp_path):
 
 
 def test_two_slots_bound_running_jobs_and_cancel_frees_them(service, tmp_path):
-    from opentinker import checkpoint as ckpt
+    from opentinker.storage import checkpoint as ckpt
     from opentinker.client import SchedulerClient
 
     settings, key, _ = service
@@ -166,7 +166,7 @@ def test_tenant_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip().splitlines()[-1]
     assert key.startswith("otk_") and key not in (tmp_path / "tenants.json").read_text()
-    from opentinker.gateway.tenants import TenantStore
+    from opentinker.control.gateway.tenants import TenantStore
 
     assert TenantStore(tmp_path / "tenants.json").authenticate(key) == "initech"
 
@@ -178,7 +178,7 @@ def test_job_state_reads_a_cancelled_run_as_cancelled_even_if_its_process_crashe
 
     from prefect.states import Cancelled, Crashed, Running
 
-    from opentinker.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, job_state
+    from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, job_state
 
     def run(state, *tags):
         return SimpleNamespace(state=state, tags=list(tags))

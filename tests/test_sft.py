@@ -9,10 +9,13 @@ import json
 import pytest
 import torch
 
-from opentinker.models import load_model, load_policy, read_policy_info
-from opentinker.sft import SFT_SPEC_FILE, SFTDataError, SFTJob, load_chats, parse_sft_spec, training_chat_template
-from opentinker.sft_data import math_chats, write_jsonl
-from opentinker.spec import SpecError, parse_spec
+from opentinker.model.policy import load_model, load_policy, read_policy_info
+from opentinker.sft.data import load_chats
+from opentinker.sft.job import SFTJob
+from opentinker.sft.spec import SFT_SPEC_FILE, SFTDataError, parse_sft_spec
+from opentinker.sft.template import training_chat_template
+from opentinker.sft.game_chats import math_chats, write_jsonl
+from opentinker.core.spec import SpecError, parse_spec
 
 IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
 LR = {"lora": 2e-2, "full": 2e-3}
@@ -170,7 +173,7 @@ def test_the_checkpoint_is_the_trained_policy(trained):
 
 
 def test_an_rl_job_starts_from_the_sft_checkpoint(trained):
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
 
     adapter, _, result, _, tmp = trained
     spec = parse_spec({
@@ -182,7 +185,7 @@ def test_an_rl_job_starts_from_the_sft_checkpoint(trained):
         "evaluation": {"every": 0, "n_samples": 2},
         "storage": {"base_url": f"file://{tmp}/runs"},
     })
-    rl = LocalJob(spec, job_id=f"rl-from-sft-{adapter}")
+    rl = RLJob(spec, job_id=f"rl-from-sft-{adapter}")
     sft_policy, _, _ = load_policy(result["checkpoint"])
     torch.testing.assert_close(_logits(rl.policy.model), _logits(sft_policy), atol=1e-5, rtol=1e-5)  # step 0 = SFT policy
     done = rl.run()
@@ -206,7 +209,7 @@ def test_sft_flow_tracks_in_mlflow_checkpoints_and_registers(stack_env, tmp_path
     from mlflow.tracking import MlflowClient
 
     from flows.sft import sft
-    from opentinker.scheduler import flow_for
+    from opentinker.control.scheduler import flow_for
 
     settings, _ = stack_env
     spec_data = _sft(tmp_path, data, registry={"model_name": "test-sft-math"})

@@ -2,7 +2,7 @@
 
 import pytest
 
-from opentinker.spec import SpecError, dump_spec, load_spec, parse_spec
+from opentinker.core.spec import SpecError, dump_spec, load_spec, parse_spec
 
 BASE = {"model": {"name": "tiny-random"}, "env": {"game": "envs.math:MathGame"}}
 
@@ -66,7 +66,7 @@ def test_example_specs_are_valid():
 
     import yaml
 
-    from opentinker.sft import is_sft_spec, load_sft_spec
+    from opentinker.sft.spec import is_sft_spec, load_sft_spec
 
     paths = sorted(Path(__file__).parents[1].glob("examples/*.yaml"))
     assert paths

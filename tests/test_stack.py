@@ -12,8 +12,9 @@ import time
 import psutil
 import pytest
 
-from opentinker.settings import Settings
-from opentinker.stack import SERVICES, Stack, StackError, mlflow_env, prefect_env
+from opentinker.core.settings import Settings
+from opentinker.control.stack import SERVICES, Stack, StackError
+from opentinker.core.settings import mlflow_env, prefect_env
 from tests.stack_fixtures import free_ports
 
 

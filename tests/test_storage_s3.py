@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opentinker import checkpoint as ckpt
-from opentinker.spec import JobSpec, parse_spec
-from opentinker.storage import StorageError, check_storage
+from opentinker.storage import checkpoint as ckpt
+from opentinker.core.spec import JobSpec, parse_spec
+from opentinker.storage.preflight import StorageError, check_storage
 from tests.conftest import tiny_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,20 +81,20 @@ def test_a_checkpoint_never_creates_a_missing_bucket(s3_server, s3_url):
 
 
 def test_resume_from_s3_reproduces_straight_training(s3_url, tmp_path, tiny_path):
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
 
-    straight = LocalJob(_on(s3_url, tmp_path, optimization={"steps": 3}), job_id="straight")
+    straight = RLJob(_on(s3_url, tmp_path, optimization={"steps": 3}), job_id="straight")
     straight.run()
-    first = LocalJob(_on(s3_url, tmp_path, optimization={"steps": 2}), job_id="resumed")
+    first = RLJob(_on(s3_url, tmp_path, optimization={"steps": 2}), job_id="resumed")
     assert first.run().steps_done == 2
     del first
-    second = LocalJob(_on(s3_url, tmp_path, optimization={"steps": 3}), job_id="resumed")
+    second = RLJob(_on(s3_url, tmp_path, optimization={"steps": 3}), job_id="resumed")
     result = second.run()
     assert result.resumed_from == 2 and result.steps_done == 3
     assert result.checkpoint.url == f"{s3_url}/resumed/step-00000003"
     a, b = straight.policy.trainer.trainable_state(), second.policy.trainer.trainable_state()
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
-    assert straight.rollout.env.state() == second.rollout.env.state()
+    assert straight.sampler.env.state() == second.sampler.env.state()
 
 
 # --- a job killed mid-run resumes from S3 --------------------------------------------------------
@@ -113,15 +113,15 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
     """SIGKILL the process running the flow once an S3 checkpoint exists; the same job id, run
     again by the stack's worker (which got the S3 variables when the stack started), resumes from
     the newest complete S3 checkpoint: MLflow holds every step once and the final policy loads."""
-    from opentinker.models import load_policy
-    from opentinker.scheduler import deployment_names
-    from opentinker.submit import deploy, follow, submit_rl_job
+    from opentinker.model.policy import load_policy
+    from opentinker.control.scheduler import deployment_names
+    from opentinker.control.submit import deploy, follow, submit_job
 
     settings, env = stack_env
     job_id = "s3-killed"
     steps = 10  # tiny steps take about a second: leave the poller room to kill mid-run on a busy runner
     spec = _on(s3_url, tmp_path, optimization={"steps": steps}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
-    script = ("import sys, json; from opentinker.spec import parse_spec; from flows.rl_train import rl_train; "
+    script = ("import sys, json; from opentinker.core.spec import parse_spec; from flows.rl_train import rl_train; "
               f"rl_train(parse_spec(json.loads(sys.argv[1])), job_id={job_id!r})")
     proc = subprocess.Popen([sys.executable, "-c", script, spec.model_dump_json()], cwd=ROOT, env=os.environ | env,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -139,7 +139,7 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
 
     assert deploy(settings) == deployment_names()  # every deployment of deployments/prefect.yaml
     assert {"rl-train/gpu", "rl-train/cpu", "self-play/gpu", "self-play/cpu", "sft/gpu", "sft/cpu"} <= set(deployment_names())
-    flow_run_id = submit_rl_job(spec.model_dump(mode="json"), job_id, settings)
+    flow_run_id = submit_job(spec.model_dump(mode="json"), job_id, settings)
     final = follow(flow_run_id, job_id, settings, lambda p: None, interval=1.0)
     assert final.state == "COMPLETED", final.message
     assert final.result["checkpoint"] == f"{s3_url}/{job_id}/step-{steps:08d}"
@@ -157,14 +157,14 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
 
 
 def test_unreachable_endpoint_missing_bucket_or_credentials_fail_in_one_line(s3_server, s3_url, monkeypatch, tmp_path):
-    from opentinker.runner import LocalJob
+    from opentinker.rl import RLJob
     from tests.stack_fixtures import free_ports
 
     check_storage(s3_url)  # the good case passes and leaves no probe behind
     assert s3_server.objects(s3_url) == {}
     missing = f"s3://no-such-bucket/{tmp_path.name}"
     with pytest.raises(StorageError, match=f"^storage.base_url {missing}: bucket or folder does not exist") as err:
-        LocalJob(_on(missing, tmp_path))  # fails before the model loads
+        RLJob(_on(missing, tmp_path))  # fails before the model loads
     assert "\n" not in str(err.value)
 
     with monkeypatch.context() as m:
@@ -202,11 +202,11 @@ def test_flow_with_a_missing_bucket_fails_before_training(stack_env, s3_url, tmp
 
 
 def test_corrupt_checkpoint_on_s3_fails_clearly_and_changes_nothing(s3_server, s3_url, tmp_path, tiny_path):
-    from opentinker.models import load_policy
-    from opentinker.runner import LocalJob
+    from opentinker.model.policy import load_policy
+    from opentinker.rl import RLJob
 
     spec = _on(s3_url, tmp_path, optimization={"steps": 2}, checkpoint={"every": 1})
-    LocalJob(spec, job_id="corrupt").run()
+    RLJob(spec, job_id="corrupt").run()
     step2 = f"{s3_url}/corrupt/step-00000002"
     bucket, prefix = step2.removeprefix("s3://").split("/", 1)
     client = s3_server.client()
@@ -220,16 +220,16 @@ def test_corrupt_checkpoint_on_s3_fails_clearly_and_changes_nothing(s3_server, s
     with pytest.raises(FileNotFoundError, match=match):
         load_policy(step2)
     with pytest.raises(FileNotFoundError, match=match):  # resume refuses it rather than training on garbage
-        LocalJob(_on(s3_url, tmp_path, optimization={"steps": 4}, checkpoint={"every": 1}), job_id="corrupt").run()
+        RLJob(_on(s3_url, tmp_path, optimization={"steps": 4}, checkpoint={"every": 1}), job_id="corrupt").run()
     assert s3_server.objects(s3_url) == before
 
 
 def test_checkpoint_without_policy_or_spec_fails_clearly_and_changes_nothing(s3_server, s3_url, tmp_path, tiny_path):
     """The weights alone do not say which base model they belong to: loading names the URL and stops."""
-    from opentinker.models import load_policy
-    from opentinker.runner import LocalJob
+    from opentinker.model.policy import load_policy
+    from opentinker.rl import RLJob
 
-    LocalJob(_on(s3_url, tmp_path, optimization={"steps": 1}), job_id="bare").run()
+    RLJob(_on(s3_url, tmp_path, optimization={"steps": 1}), job_id="bare").run()
     step1 = f"{s3_url}/bare/step-00000001"
     bucket, prefix = step1.removeprefix("s3://").split("/", 1)
     client = s3_server.client()
@@ -248,7 +248,7 @@ def test_checkpoint_without_policy_or_spec_fails_clearly_and_changes_nothing(s3_
 
 
 def test_settings_keep_local_artifacts_unless_storage_is_remote(tmp_path):
-    from opentinker.settings import Settings
+    from opentinker.core.settings import Settings
 
     assert Settings(state_dir=tmp_path).mlflow_artifacts_destination == str(tmp_path / "mlflow" / "artifacts")
     assert Settings(state_dir=tmp_path, storage_url="s3://b/p").mlflow_artifacts_destination == "s3://b/p/mlflow"
@@ -256,8 +256,8 @@ def test_settings_keep_local_artifacts_unless_storage_is_remote(tmp_path):
 
 
 def test_stack_refuses_to_start_with_an_unusable_artifact_bucket(s3_url, tmp_path):
-    from opentinker.settings import Settings
-    from opentinker.stack import Stack, StackError
+    from opentinker.core.settings import Settings
+    from opentinker.control.stack import Stack, StackError
     from tests.stack_fixtures import free_ports
 
     prefect_port, mlflow_port, gateway_port = free_ports(3)
@@ -273,8 +273,8 @@ def test_mlflow_server_stores_artifacts_in_s3(s3_server, s3_url, tmp_path):
     (clients need no S3 access) lands in the bucket under <storage_url>/mlflow/."""
     from mlflow.tracking import MlflowClient
 
-    from opentinker.settings import Settings
-    from opentinker.stack import Stack
+    from opentinker.core.settings import Settings
+    from opentinker.control.stack import Stack
     from tests.stack_fixtures import free_ports
 
     (mlflow_port,) = free_ports(1)

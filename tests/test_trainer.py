@@ -5,7 +5,7 @@ import torch
 
 from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams, StalePolicyError
-from opentinker.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
+from opentinker.core.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
 from envs.toy import UppercaseGame
 
 
@@ -40,7 +40,8 @@ def test_stale_rollouts_are_refused_unless_allowed(tiny):
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])
 def test_gradient_accumulation_matches_one_big_batch(tiny_path, aggregation):
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     results = []
     for mb in (8, 3):
@@ -58,7 +59,8 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_path, aggregation):
 
 
 def test_lora_trains_only_the_adapter_and_full_trains_everything(tiny_path):
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     model, tok = load_model(TINY)
     lora = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(lr=1e-2))
@@ -78,7 +80,8 @@ def test_lora_trains_only_the_adapter_and_full_trains_everything(tiny_path):
 
 
 def test_lora_reference_is_the_base_without_a_second_copy(tiny_path):
-    from opentinker.models import TINY, load_model
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
 
     model, tok = load_model(TINY)
     algo = AlgorithmSpec(kl=KLSpec(coef=0.5, estimator="k3"))

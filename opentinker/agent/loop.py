@@ -2,7 +2,7 @@
 
 Many episodes advance together: all GENERATING episodes share one batched generation call, then
 all INTERACTING episodes step their environments concurrently. The token record of each episode
-is append-only (see `opentinker.trajectory`). Environment failures end one episode, never the batch.
+is append-only (see `opentinker.core.trajectory`). Environment failures end one episode, never the batch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from opentinker.agent.guard import call_many_with_timeout, check_step_result
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.env.base import AbstractGame
 from opentinker.env.messages import initial_messages
-from opentinker.trajectory import Trajectory
+from opentinker.core.trajectory import Trajectory
 
 
 class EpisodeState(enum.Enum):

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from opentinker.agent.chat import ChatFormat
 from opentinker.agent.loop import EpisodeLimits
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
-from opentinker.trajectory import Trajectory
+from opentinker.core.trajectory import Trajectory
 
 
 class Match(Protocol):

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
-from opentinker.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
-from opentinker.trajectory import Trajectory
+from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
+from opentinker.core.trajectory import Trajectory
+from opentinker.model.adapters import wrap_model
 
 
 class StalePolicyError(RuntimeError):
@@ -44,24 +45,6 @@ def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
         mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
     return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:])
-
-
-def wrap_model(model, adapter: LoraSpec | FullSpec):
-    """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable."""
-    if isinstance(adapter, LoraSpec):
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=adapter.r,
-            lora_alpha=adapter.alpha,
-            lora_dropout=adapter.dropout,
-            target_modules=list(adapter.target_modules),
-            task_type="CAUSAL_LM",
-        )
-        return get_peft_model(model, config)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
 
 
 class PolicyTrainer:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from opentinker.client._http import Gateway
-from opentinker.client.config import config_to_dict
-
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+from opentinker.client.http import Gateway, JobFailed
+from opentinker.core.polling import wait_for
+from opentinker.core.spec_input import config_to_dict
+from opentinker.core.states import TERMINAL
 
 
 class SchedulerClient:
@@ -37,14 +36,11 @@ class SchedulerClient:
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 2.0) -> dict[str, Any]:
         """Poll until the job ends; returns its last status (TimeoutError past `timeout`)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while True:
+        def ended() -> dict[str, Any] | None:
             status = self.job_status(job_id)
-            if status["state"] in TERMINAL:
-                return status
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"job {job_id} still {status['state']} after {timeout:g}s")
-            time.sleep(poll)
+            return status if status["state"] in TERMINAL else None
+
+        return wait_for(ended, interval=poll, timeout=timeout, what=f"job {job_id} to end")
 
     def close(self) -> None:
         self._gateway.close()
@@ -68,15 +64,19 @@ class InferenceSchedulerClient(SchedulerClient):
         status = self._gateway.request("POST", "/v1/inference", json=body)
         if not wait:
             return status
-        from opentinker.client.service import JobFailed
+        job_id = status["job_id"]
 
-        end = None if timeout is None else time.monotonic() + timeout
-        while not status.get("vllm_server_url"):
+        def serving() -> dict[str, Any] | None:
+            nonlocal status
+            if status.get("vllm_server_url"):
+                return status
             if status["state"] in TERMINAL:
                 raise JobFailed(status)
-            if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"inference job {status['job_id']} not serving after {timeout:g}s "
-                                   f"({status['state']}: {status.get('reason') or ''})")
-            time.sleep(poll)
-            status = self.job_status(status["job_id"])
-        return status
+            status = self.job_status(job_id)
+            return None
+
+        try:
+            return wait_for(serving, interval=poll, timeout=timeout, what=f"inference job {job_id} to serve")
+        except TimeoutError:
+            raise TimeoutError(f"inference job {job_id} not serving after {timeout:g}s "
+                               f"({status['state']}: {status.get('reason') or ''})") from None

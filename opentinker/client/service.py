@@ -4,21 +4,14 @@ live metrics, as the reference design's `client.set_config(args, env); client.fi
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
-from opentinker.client._http import Gateway, GatewayError
-from opentinker.client.config import config_to_dict, env_section
-from opentinker.client.scheduler import TERMINAL
-from opentinker.tracking import headline_key
-
-
-class JobFailed(RuntimeError):
-    """The job ended FAILED or CANCELLED; `status` holds the gateway's last answer."""
-
-    def __init__(self, status: dict[str, Any]):
-        super().__init__(f"job {status['job_id']} {status['state']}: {status.get('reason') or 'no reason given'}")
-        self.status = status
+from opentinker.client.environment import env_section
+from opentinker.client.http import Gateway, GatewayError, JobFailed
+from opentinker.core.polling import wait_for
+from opentinker.core.spec_input import config_to_dict
+from opentinker.core.states import TERMINAL
+from opentinker.tracking.metrics import headline_key
 
 
 class ServiceClient:
@@ -75,23 +68,24 @@ class ServiceClient:
                    TextColumn("{task.fields[summary]}"), TimeElapsedColumn(), TimeRemainingColumn()]
         with Progress(*columns, disable=not progress, transient=False) as bar:
             task = bar.add_task(self.job_id, total=None, state="QUEUED", summary="")
-            while True:
+
+            def look() -> dict[str, Any] | None:
+                """One look at the job, shown on the bar; the final status once it ended."""
                 try:
                     status = self.status()
                 except GatewayError as err:
                     if err.status:  # the gateway answered: a real error
                         raise
-                    time.sleep(poll)  # a blip: keep following
-                    continue
+                    return None  # a blip: keep following
                 metrics = status.get("metrics") or {}
                 summary = " · ".join(f"{label} {metrics[key]:.3f}" for key, label in
                                      ((headline_key(metrics, "rollout/reward_mean"), "reward"), (headline_key(metrics, "eval/accuracy"), "val acc"))
                                      if key in metrics)
                 bar.update(task, total=status.get("total_steps"), completed=status.get("step") or 0,
                            state=status["state"], summary=summary)
-                if status["state"] in TERMINAL:
-                    break
-                time.sleep(poll)
+                return status if status["state"] in TERMINAL else None
+
+            status = wait_for(look, interval=poll, what=f"job {self.job_id} to end")
         if status["state"] != "COMPLETED":
             raise JobFailed(status)
         return status

@@ -18,7 +18,7 @@ _OWN_KEYS = {"dataset", "data_path", "val_dataset", "val_data_path", "val_fracti
 
 def _env_config(config: Any) -> tuple[dict[str, Any], int]:
     """Accept a JobSpec, a plain dict, or an argparse-style namespace, as the reference client does."""
-    from opentinker.spec import JobSpec
+    from opentinker.core.spec import JobSpec
 
     if isinstance(config, JobSpec):
         return dict(config.env.config), config.seed

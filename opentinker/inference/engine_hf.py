@@ -68,7 +68,8 @@ class HFEngine:
     def from_checkpoint(cls, uri: str, dtype: str | None = None, max_model_len: int | None = None) -> HFEngine:
         """Load a checkpoint (step folder, job folder or registry URI); every failure becomes one
         ModelLoadError naming the checkpoint and the cause."""
-        from opentinker.models import load_policy, resolve_checkpoint
+        from opentinker.model.policy import load_policy
+        from opentinker.storage.resolve import resolve_checkpoint
 
         try:
             url = resolve_checkpoint(uri)

@@ -32,7 +32,7 @@ class VLLMUnavailable(RuntimeError):
 
 
 def check_available() -> None:
-    from opentinker.scheduler import detect_gpus
+    from opentinker.core.hardware import detect_gpus
 
     if importlib.util.find_spec("vllm") is None:
         raise VLLMUnavailable("engine 'vllm' needs the vllm package on the worker (pip install 'opentinker[vllm]', "
@@ -53,7 +53,8 @@ def model_args(checkpoint_url: str, workdir: Path, name: str) -> list[str]:
     """`vllm serve` arguments that serve the checkpoint under `name` (files are made local in `workdir`)."""
     import fsspec
 
-    from opentinker.models import load_policy, read_policy_info, resolve_model
+    from opentinker.model.loading import resolve_model
+    from opentinker.model.policy import load_policy, read_policy_info
 
     info = read_policy_info(checkpoint_url)
     adapter = info.get("adapter") or {}

@@ -33,7 +33,7 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
     if spec.engine_kind == "vllm":
         from opentinker.inference.engine_hf import ModelLoadError
         from opentinker.inference.engine_vllm import VLLMServer
-        from opentinker.models import resolve_checkpoint
+        from opentinker.storage.resolve import resolve_checkpoint
 
         try:
             checkpoint_url = resolve_checkpoint(checkpoint_url)

@@ -8,7 +8,7 @@ the game says done, `max_turns` is reached, or the conversation has used `max_to
 prompt the job's evaluation saw, rendered by the same chat template; greedy (`temperature=0`)
 by default, as evaluation is.
 
-Metrics are training's own (`opentinker.metrics.episode_stats`, prefix `inference/`): reward,
+Metrics are training's own (`opentinker.tracking.metrics.episode_stats`, prefix `inference/`): reward,
 accuracy (episodes whose game reported `correct`; a failed episode counts as wrong), turns and
 completion tokens per episode. Results go to `<output_path>/transcripts.jsonl` (one episode per
 line) and `<output_path>/summary.json` (default folder `./runs/inference/<job_id>`) through
@@ -180,7 +180,7 @@ def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServ
 def _config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
-    from opentinker.client.config import config_to_dict
+    from opentinker.core.spec_input import config_to_dict
 
     return config_to_dict(config)
 
@@ -230,41 +230,12 @@ def _write(url: str, data: bytes) -> None:
     fs.mv(tmp, path)
 
 
-def _log_to_mlflow(tracking_uri: str, experiment: str, params: dict[str, Any], metrics: dict[str, float],
-                   files: dict[str, bytes], tags: dict[str, str]) -> tuple[str, str]:
-    """(run id, run URL) of a new finished run holding params, metrics and `files` as artifacts."""
-    import tempfile
-
-    from mlflow.entities import Metric, Param
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-    run = client.create_run(experiment_id, run_name=f"run_inference-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags)
-    run_id = run.info.run_id
-    try:
-        now = int(time.time() * 1000)
-        client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()],
-                         metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
-        with tempfile.TemporaryDirectory() as tmp:
-            for name, data in files.items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(data)
-            client.log_artifacts(run_id, tmp)
-        client.set_terminated(run_id, "FINISHED")
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    return run_id, f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
 def _tracking_uri(explicit: str | None) -> str:
     if explicit:
         return explicit
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    from opentinker.settings import get_settings
+    from opentinker.core.settings import get_settings
 
     return get_settings().mlflow_url
 
@@ -317,7 +288,7 @@ def run_inference(
     transcripts_url, summary_url = _output_urls(output_path, job_id)
     tracking_uri = _tracking_uri(mlflow_tracking_uri) if log_to_mlflow else None
     if tracking_uri:
-        from opentinker.submit import check_mlflow
+        from opentinker.tracking.runs import check_mlflow
 
         check_mlflow(tracking_uri)  # fail before the work, not after it
 
@@ -334,8 +305,8 @@ def run_inference(
     if all(r.failed for r in records) and all(r.failure and r.failure.startswith("InferenceError") for r in records):
         raise InferenceError(f"every request to {server.base} failed, e.g. {records[0].failure}")
 
-    from opentinker.metrics import episode_stats
-    from opentinker.tracking import transcripts_html
+    from opentinker.tracking.metrics import episode_stats
+    from opentinker.tracking.transcripts import transcripts_html
 
     metrics = episode_stats(records, "inference") | {"inference/seconds": seconds}  # type: ignore[arg-type]
     lines = "".join(json.dumps(r.to_json(), default=str) + "\n" for r in records).encode()
@@ -353,11 +324,20 @@ def run_inference(
         experiment = f"inference/{job_id or 'adhoc'}"
         params = {"server_url": server.base, "model": server.model, "game": game_name, "data_path": data_path,
                   "game_kwargs": json.dumps(kwargs), **{f"sampling.{k}": v for k, v in summary["sampling"].items()}}
-        html = transcripts_html(0, [r.to_json() for r in records]).encode()
-        summary["mlflow_run_id"], summary["mlflow_run_url"] = _log_to_mlflow(
-            tracking_uri, experiment, params, metrics,
-            {"transcripts.jsonl": lines, "summary.json": json.dumps(summary, indent=1).encode(), "transcripts.html": html},
-            {"opentinker.job_id": job_id or "", "opentinker.kind": "inference"})
+        from opentinker.tracking.runs import Run
+
+        run = Run.start(experiment, f"run_inference-{time.strftime('%Y%m%d-%H%M%S')}", tracking_uri=tracking_uri,
+                        tags={"opentinker.job_id": job_id or "", "opentinker.kind": "inference"})
+        summary["mlflow_run_id"], summary["mlflow_run_url"] = run.run_id, run.run_url
+        try:
+            run.log_params(params)
+            run.log_metrics(0, metrics)
+            run.log_files({"transcripts.jsonl": lines, "summary.json": json.dumps(summary, indent=1),
+                           "transcripts.html": transcripts_html(0, [r.to_json() for r in records])})
+        except BaseException:
+            run.finish("FAILED")
+            raise
+        run.finish()
     _write(summary_url, json.dumps(summary, indent=1).encode())
     log.info("run_inference: %d episodes, reward %.3f, accuracy %s -> %s", len(records), summary["reward_mean"], summary["accuracy"], summary_url)
     return summary

@@ -1,0 +1,1 @@
+"""The `opentinker` command line (typer + rich)."""

@@ -1,0 +1,125 @@
+"""What the CLI's commands share: the console, quiet libraries, spec loading that exits with the
+problems listed, the progress bar, and bringing the stack up before a job is submitted."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from opentinker.core.spec import JobSpec, SpecError, load_spec
+
+console = Console()
+
+
+def quiet_libraries() -> None:
+    """No tokenizer fork warnings, FutureWarnings or transformers progress bars on the terminal."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def exit_invalid(kind: str, path: Path, err: SpecError) -> None:
+    """Print `invalid <kind> <path>:` and one `field: reason` line per problem, then exit 2."""
+    console.print(f"invalid {kind} {path}:", style="red", markup=False)
+    for line in str(err).splitlines():
+        console.print(f"  {line}", markup=False)
+    raise typer.Exit(2)
+
+
+def load_job_spec(path: Path, steps: Optional[int] = None) -> JobSpec:
+    """The RL spec at `path` (`steps` overrides optimization.steps), or exit 2 with its problems."""
+    try:
+        spec = load_spec(path)
+    except FileNotFoundError:
+        console.print(f"spec not found: {path}", style="red", markup=False)
+        raise typer.Exit(2)
+    except SpecError as err:
+        exit_invalid("spec", path, err)
+    if steps is not None:
+        spec = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": steps})})
+    return spec
+
+
+def fmt(value: Optional[float], pct: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.0f}%" if pct else f"{value:.2f}"
+
+
+def step_progress(label: str) -> Progress:
+    """step n/N, bar, reward/accuracy summary, elapsed and ETA."""
+    return Progress(
+        TextColumn(label), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+    )
+
+
+def settings_and_env():
+    """Settings, exported for the Prefect/MLflow clients before either library is imported."""
+    from opentinker.core.settings import get_settings, mlflow_env, prefect_env
+
+    settings = get_settings()
+    os.environ.update(prefect_env(settings) | mlflow_env(settings))
+    return settings
+
+
+def status_table(status) -> Table:
+    table = Table(title="OpenTinker stack")
+    for col in ("service", "running", "healthy", "pid", "url"):
+        table.add_column(col)
+    for s in status.values():
+        table.add_row(s.name, "yes" if s.running else "no", "yes" if s.healthy else "no", str(s.pid or "-"), s.url or "-")
+    return table
+
+
+def bring_up(settings, deploy: bool):
+    """Start (or reuse) the stack and register the deployments (always with `deploy`, else only
+    when some are missing); exit 1 with the reason when the stack cannot start."""
+    from opentinker.control.stack import Stack, StackError
+    from opentinker.control.submit import deploy as deploy_all
+    from opentinker.control.submit import deployed
+
+    try:
+        with console.status("starting the stack (Prefect server + worker, MLflow) on loopback"):
+            status = Stack(settings).up()
+    except StackError as err:
+        console.print(f"stack: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    if deploy or not deployed(settings):
+        with console.status("registering pools, slot limits and deployments"):
+            deploy_all(settings)
+    return status
+
+
+def stack_for_a_job(settings) -> None:
+    """Before submitting: the Ray cluster the settings name must answer, then the stack is up."""
+    from opentinker.control.submit import check_ray_address
+
+    try:
+        check_ray_address(settings.ray_address)
+    except ConnectionError as err:
+        console.print(f"ray: {err}", style="red", markup=False)
+        raise typer.Exit(1)
+    bring_up(settings, deploy=False)
+
+
+def submit_to_pool(spec, job_id: str, settings) -> str:
+    """Queue the job on its deployment (routed by the spec's kind); its flow-run id, or exit 2."""
+    from opentinker.control.scheduler import SchedulingError
+    from opentinker.control.submit import submit_job
+
+    try:
+        return submit_job(spec.model_dump(mode="json"), job_id, settings)
+    except SchedulingError as err:
+        console.print(f"cannot schedule: {err}", style="red", markup=False)
+        raise typer.Exit(2)

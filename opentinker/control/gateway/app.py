@@ -1,0 +1,126 @@
+"""The authenticated job gateway: the one URL clients use (`SchedulerClient(url=…)`).
+
+Prefect OSS and MLflow have no per-user auth, so they stay on the private side (loopback in the
+embedded stack) and this thin FastAPI app is the trust boundary: it maps an API key to a tenant
+and answers only about that tenant's jobs (another tenant's job is a 404, not a 403, so job ids
+do not leak). API keys travel in the `Authorization: Bearer` header only; they are never put in
+specs, flow parameters, MLflow params or logs.
+
+    uvicorn --factory opentinker.control.gateway.app:create_app   (the embedded stack starts it)
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+
+from opentinker.control.gateway.jobs import JobConflict, JobNotFound, TenantJobs
+from opentinker.control.gateway.tenants import TenantStore
+from opentinker.control.scheduler import SchedulingError
+from opentinker.core.settings import Settings, get_settings
+from opentinker.core.spec import SpecError
+
+
+class SubmitRequest(BaseModel):
+    config: dict[str, Any] = Field(description="a job spec (env may be left out until fit())")
+    num_gpus: float | None = Field(None, ge=0, description="overrides resources.num_gpus")
+
+
+class StartRequest(BaseModel):
+    env: dict[str, Any] = Field(description="the spec's env section: {game: 'module:Class'} or {url: …}, plus config")
+    steps: int | None = Field(None, gt=0)
+
+
+class InferenceRequest(BaseModel):
+    model_path: str = Field(description="a checkpoint in your storage (job id, job/step path or URL) or models:/<name>@<alias>")
+    num_gpus: float = Field(0, ge=0)
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    max_model_len: int | None = Field(None, gt=0)
+    ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    store = TenantStore(settings.state_dir / "tenants.json")
+    app = FastAPI(title="OpenTinker gateway", version="1")
+
+    def tenant_jobs(request: Request) -> TenantJobs:
+        header = request.headers.get("authorization", "")
+        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
+        tenant = store.authenticate(key)
+        if tenant is None:
+            raise HTTPException(401, "missing or unknown API key", headers={"WWW-Authenticate": "Bearer"})
+        return TenantJobs(settings, tenant)
+
+    def guarded(fn, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except JobNotFound as err:
+            raise HTTPException(404, f"no job {err.args[0]!r}") from None
+        except (SpecError, SchedulingError) as err:
+            raise HTTPException(422, str(err)) from None
+        except JobConflict as err:
+            raise HTTPException(409, str(err)) from None
+
+    @app.get("/v1/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/v1/whoami")
+    def whoami(jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return {"tenant": jobs.tenant, "storage": jobs.storage_url, "experiment": jobs.tenant}
+
+    @app.post("/v1/jobs", status_code=201)
+    def submit(body: SubmitRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.submit, body.config, body.num_gpus)
+
+    @app.get("/v1/jobs")
+    def list_jobs(jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:
+        return jobs.list()
+
+    @app.get("/v1/jobs/{job_id}")
+    def status(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.status, job_id)
+
+    @app.post("/v1/jobs/{job_id}/start")
+    def start(job_id: str, body: StartRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.start, job_id, body.env, body.steps)
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.cancel, job_id)
+
+    @app.get("/v1/jobs/{job_id}/metrics")
+    def metrics(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.metrics, job_id)
+
+    @app.get("/v1/jobs/{job_id}/artifacts")
+    def artifacts(job_id: str, path: str | None = None, jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:
+        return guarded(jobs.artifacts, job_id, path)
+
+    @app.get("/v1/jobs/{job_id}/artifacts/{path:path}")
+    def artifact(job_id: str, path: str, jobs: TenantJobs = Depends(tenant_jobs)) -> FileResponse:
+        if ".." in Path(path).parts:
+            raise HTTPException(400, "artifact path must stay inside the run")
+        tmp = tempfile.TemporaryDirectory()
+        local = guarded(jobs.download_artifact, job_id, path, tmp.name)
+        if Path(local).is_dir():
+            tmp.cleanup()
+            raise HTTPException(400, f"{path} is a folder: list it with ?path={path}")
+        return FileResponse(local, filename=Path(local).name, background=BackgroundTask(tmp.cleanup))
+
+    @app.post("/v1/inference", status_code=201)
+    def submit_inference(body: InferenceRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        """Serve a checkpoint behind an OpenAI-compatible API; the job's status gives its URL once it serves."""
+        from opentinker.control.gateway import inference
+
+        return guarded(lambda: inference.submit(jobs, body.model_path, body.num_gpus, engine=body.engine,
+                                                max_model_len=body.max_model_len, ttl_s=body.ttl_s))
+
+    return app

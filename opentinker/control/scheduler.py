@@ -1,0 +1,246 @@
+"""The scheduler is Prefect: this module only names and configures Prefect's own parts.
+
+- Work pools per hardware class (`gpu`, `cpu`), process type, whose concurrency limit bounds how
+  many job processes exist at once (the slots plus one warming up).
+- A global concurrency limit per pool, `slots-<pool>`, with one slot per GPU (or per concurrent
+  CPU job): a job asking for N GPUs holds N slots for its whole life (see opentinker/orchestration/job.py).
+  Slots are leases: released on completion, failure or cancellation, and expired by the server
+  when a crashed job stops renewing them.
+- Deployments per job kind and pool, declared in `deployments/prefect.yaml`, and the flow (job
+  kind) a spec runs as.
+- The job states users see, mapped from Prefect states.
+
+Client-safe: imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from opentinker.core.hardware import detect_gpus
+from opentinker.core.settings import Settings
+from opentinker.sft.spec import is_sft_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYMENTS_FILE = ROOT / "deployments" / "prefect.yaml"
+POOLS = ("gpu", "cpu")
+SLOTS_HELD_TAG = "opentinker:slots-held"
+# Set by a user's cancel: a run stopped by it ends CANCELLED even if Prefect records the killed
+# process as crashed (SIGTERM before the engine installs its handler, e.g. while importing).
+CANCEL_REQUESTED_TAG = "opentinker:cancel-requested"
+AWAITING_ENV = "AwaitingEnvironment"
+# A run waiting for its environment is parked far in the future, out of every worker's reach.
+_PARKED = timedelta(days=3650)
+WARM_JOBS = 1
+
+
+class SchedulingError(ValueError):
+    """A job the pools cannot take; the message has the numbers."""
+
+
+def prefect_client():
+    """A synchronous Prefect client for the API the environment names (PREFECT_API_URL)."""
+    from prefect.client.orchestration import get_client
+
+    return get_client(sync_client=True)
+
+
+def job_tags(tenant: str | None, job_id: str) -> list[str]:
+    """The tags a job's flow runs carry: how the gateway finds a tenant's jobs."""
+    return ["opentinker", *([f"tenant:{tenant}"] if tenant else []), f"job:{job_id}"]
+
+
+def pool_for(num_gpus: float) -> str:
+    return "gpu" if num_gpus > 0 else "cpu"
+
+
+def slots_for(num_gpus: float) -> int:
+    """Slots a job holds: one per (started) GPU, or one CPU slot for a CPU job."""
+    return max(1, math.ceil(num_gpus))
+
+
+def slot_limit(pool: str) -> str:
+    return f"slots-{pool}"
+
+
+def capacity(settings: Settings, pool: str) -> int:
+    if pool == "gpu":
+        return settings.gpu_slots if settings.gpu_slots is not None else detect_gpus()
+    return settings.cpu_slots
+
+
+def check_fits(settings: Settings, num_gpus: float) -> str:
+    """The pool for a job; SchedulingError when the job could never be placed."""
+    pool = pool_for(num_gpus)
+    have, need = capacity(settings, pool), slots_for(num_gpus)
+    if need > have:
+        what = f"{num_gpus:g} GPUs" if num_gpus else "a CPU slot"
+        raise SchedulingError(f"resources.num_gpus: the job asks for {what}; pool {pool!r} has {have} slot(s)")
+    return pool
+
+
+def ensure_pools(settings: Settings) -> None:
+    """Create or resize both process pools and their slot limits to the configured capacity."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    with get_client(sync_client=True) as client:
+        for pool in POOLS:
+            slots = capacity(settings, pool)
+            # One job more than slots may start: it loads (imports, Ray) while the others run,
+            # then waits for a slot, so a finished job's slot is refilled in seconds, not after
+            # a whole process start-up (bench/scheduler_load.py). The slots bound what runs.
+            limit = slots + WARM_JOBS if slots else 0
+            try:
+                existing = client.read_work_pool(pool)
+            except ObjectNotFound:
+                client.create_work_pool(WorkPoolCreate(
+                    name=pool, type="process", concurrency_limit=limit,
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description=f"OpenTinker {pool} jobs: {slots} slots",
+                ))
+            else:
+                if existing.type != "process":
+                    raise SchedulingError(f"work pool {pool!r} has type {existing.type!r}, not 'process'")
+                if existing.concurrency_limit != limit:
+                    client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
+            client.upsert_global_concurrency_limit_by_name(slot_limit(pool), slots)
+
+
+def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[dict[str, Any]]:
+    return list(yaml.safe_load(path.read_text())["deployments"])
+
+
+def deployment_names(path: Path = DEPLOYMENTS_FILE) -> list[str]:
+    """`<flow>/<name>` of every deployment in the YAML (flow names are the function names with
+    dashes: `flows.rl_train:rl_train` is the flow `rl-train`), without importing the flows."""
+    return [f"{e['entrypoint'].partition(':')[2].replace('_', '-')}/{e['name']}" for e in load_deployments(path)]
+
+
+def deployment_name(kind: str, pool: str) -> str:
+    return f"{kind}/{pool}"
+
+
+def flow_for(spec_data: dict[str, Any]) -> str:
+    """The flow (job kind) that runs a spec: sft for a `data` section without `env`, self-play
+    when it has a multiagent section."""
+    if is_sft_spec(spec_data):
+        return "sft"
+    return "self-play" if spec_data.get("multiagent") else "rl-train"
+
+
+def apply_deployments(settings: Settings, path: Path = DEPLOYMENTS_FILE) -> list[str]:
+    """Register every deployment of `deployments/prefect.yaml`; returns their names.
+
+    Entrypoints are module paths (`flows.rl_train:rl_train`), not file paths: Ray workers
+    unpickle task context by module name, and `flows` is a package of this project.
+    """
+    import importlib
+
+    from prefect.deployments.runner import EntrypointType
+
+    names = []
+    for entry in load_deployments(path):
+        module, _, attr = entry["entrypoint"].partition(":")
+        flow = getattr(importlib.import_module(module), attr)
+        with contextlib.redirect_stdout(io.StringIO()):  # deploy() prints a table meant for its CLI
+            flow.deploy(
+                name=entry["name"], work_pool_name=entry["work_pool"]["name"], build=False, push=False,
+                print_next_steps=False, ignore_warnings=True, description=entry.get("description"),
+                tags=entry.get("tags"), entrypoint_type=EntrypointType.MODULE_PATH,
+                # The gateway validates specs itself, and a run parked for its environment
+                # carries an incomplete spec until fit() completes it.
+                enforce_parameter_schema=False,
+                schedules=_schedules(entry), triggers=_triggers(entry),
+                concurrency_limit=entry.get("concurrency_limit"), parameters=entry.get("parameters"),
+            )
+        names.append(f"{flow.name}/{entry['name']}")
+    return names
+
+
+def _schedules(entry: dict[str, Any]) -> list[Any] | None:
+    """prefect.yaml `schedules:` entries (cron or interval, timezone, active, parameters, slug) as
+    Prefect schedules; None when the deployment has none (re-applying then keeps no schedule)."""
+    from prefect.schedules import Cron, Interval
+
+    out = []
+    for item in entry.get("schedules") or []:
+        extra = {k: item[k] for k in ("timezone", "active", "parameters", "slug") if k in item}
+        if "cron" in item:
+            out.append(Cron(item["cron"], **extra))
+        elif "interval" in item:
+            out.append(Interval(item["interval"], **extra))
+        else:
+            raise ValueError(f"deployment {entry['name']!r}: a schedule needs `cron` or `interval`, got {item}")
+    return out or None
+
+
+def _triggers(entry: dict[str, Any]) -> list[Any] | None:
+    """prefect.yaml `triggers:` entries, validated the way `prefect deploy` does (each becomes an
+    automation owned by the deployment, replaced whenever the deployment is applied again)."""
+    from pydantic import TypeAdapter
+    from prefect.events import DeploymentTriggerTypes
+
+    adapter = TypeAdapter(DeploymentTriggerTypes)
+    specs = entry.get("triggers") or []
+    prefix = f"{entry['entrypoint'].partition(':')[2].replace('_', '-')}/{entry['name']}"
+    return [adapter.validate_python({"name": f"{prefix} trigger {i}", **t}) for i, t in enumerate(specs, 1)] or None
+
+
+def deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
+
+
+def parked_state():
+    """The Prefect state of a submitted job whose environment is not known yet."""
+    from prefect.states import Scheduled
+
+    return Scheduled(scheduled_time=datetime.now(timezone.utc) + _PARKED, name=AWAITING_ENV)
+
+
+# --- job states --------------------------------------------------------------------------------
+
+def job_state(flow_run: Any) -> tuple[str, str | None]:
+    """(user-facing state, reason) of a job's flow run.
+
+    QUEUED: scheduled, pending, parked for its environment, or started but still waiting for
+    its slots; RUNNING: holding its slots (or cancelling); the rest are terminal.
+    """
+    state = flow_run.state
+    if state is None:
+        return "QUEUED", None
+    kind, name, message = state.type.value, state.name, state.message
+    if kind == "SCHEDULED" and name == AWAITING_ENV:
+        return "QUEUED", "waiting for the environment: call ServiceClient.fit()"
+    if kind in ("SCHEDULED", "PENDING", "PAUSED"):
+        return "QUEUED", message or "waiting for a worker"
+    if kind == "RUNNING":
+        if SLOTS_HELD_TAG in (flow_run.tags or []):
+            return "RUNNING", None
+        return "QUEUED", "waiting for slots"
+    if kind == "CANCELLING":
+        return "RUNNING", "cancelling"
+    if kind == "COMPLETED":
+        return "COMPLETED", None
+    if kind == "CANCELLED":
+        return "CANCELLED", message
+    if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
+        return "CANCELLED", f"cancelled; the run ended as {name}: {message}"
+    return "FAILED", message or name  # FAILED, CRASHED

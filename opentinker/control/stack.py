@@ -1,0 +1,265 @@
+"""The embedded local stack: a Prefect server, a Prefect process worker, an MLflow server and
+the job gateway.
+
+All four run on one machine, bound to `settings.host` (loopback by default), as detached
+processes in their own sessions, so they outlive the command that started them and `down()`
+can stop each one with its children by signalling its process group. Each writes its output to
+`<state_dir>/logs/<name>.log` and its pid to `<state_dir>/pids/<name>.pid`; the pid files are
+the only record of what this stack owns: `up()` reuses a live, healthy service found there and
+refuses (before starting anything) a port that some other program holds.
+
+Services inherit the environment `up()` runs in (minus OPENTINKER_*, which come from the settings),
+so storage credentials and endpoints (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE,
+AWS_ENDPOINT_URL_S3, MLFLOW_S3_ENDPOINT_URL) reach the MLflow server and every job the worker runs
+without ever being written into settings or specs. With remote artifacts (settings.artifacts_url, or
+an s3:// storage_url) `up()` first checks that the bucket answers, and refuses to start otherwise.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
+from opentinker.control.services import SERVICES, SPECS
+from opentinker.core.polling import wait_for
+from opentinker.core.settings import Settings, get_settings
+
+_POLL = 0.25  # seconds between health probes while waiting
+
+
+class StackError(RuntimeError):
+    """A stack operation failed for a reason the user can act on; the message says which."""
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    running: bool
+    pid: int | None
+    url: str | None
+    healthy: bool
+    log: Path
+
+
+class Stack:
+    """Start, stop and inspect the embedded stack described by `settings`."""
+
+    def __init__(self, settings: Settings | None = None):
+        self.settings = settings or get_settings()
+        self.state_dir = self.settings.state_dir
+
+    # paths
+    def pid_file(self, name: str) -> Path:
+        return self.state_dir / "pids" / f"{name}.pid"
+
+    def log_file(self, name: str) -> Path:
+        return self.state_dir / "logs" / f"{name}.log"
+
+    def _recorded_pid(self, name: str) -> int | None:
+        try:
+            return int(self.pid_file(name).read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def pid(self, name: str) -> int | None:
+        """The pid of our live service `name`, or None."""
+        pid = self._recorded_pid(name)
+        return pid if pid is not None and alive(pid, SPECS[name].keywords) else None
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One up()/down() at a time per state dir (two shells racing would start twins)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "stack.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    # inspection
+    def service_status(self, name: str) -> ServiceStatus:
+        spec, pid = SPECS[name], self.pid(name)
+        healthy = pid is not None and spec.healthy(self.settings, pid)
+        return ServiceStatus(name, pid is not None, pid, spec.url(self.settings), healthy,
+                             self.log_file(name))
+
+    def status(self) -> dict[str, ServiceStatus]:
+        """Per service: running (our process is alive), pid, url, healthy (answers its probe)."""
+        return {name: self.service_status(name) for name in SERVICES}
+
+    # start-up
+    def up(self, timeout: float = 120.0) -> dict[str, ServiceStatus]:
+        """Start what is not running, reuse what is, and wait until all are healthy.
+
+        Raises StackError, before starting anything, if a port we need is held by another
+        program; and if a service exits or stays unhealthy past `timeout` (services started by
+        this call are then stopped again, so a failed `up()` leaves nothing behind).
+        """
+        with self._locked():
+            return self._up(time.monotonic() + timeout)
+
+    def _up(self, deadline: float) -> dict[str, ServiceStatus]:
+        s = self.settings
+        for sub in ("pids", "logs", "prefect", "mlflow/artifacts"):
+            (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        pids = {name: self.pid(name) for name in SERVICES}
+        # A dead service may have left children holding its port: clear them and its pid file.
+        self._stop([name for name, pid in pids.items() if pid is None], timeout=5.0)
+        for name in ("prefect", "mlflow", "gateway"):
+            port = SPECS[name].port(s)
+            if pids[name] is None and not self._port_free(port):
+                raise StackError(
+                    f"{name} port {port} on {s.host} is in use by another program; "
+                    f"set OPENTINKER_{name.upper()}_PORT"
+                )
+        if pids["mlflow"] is None:
+            _check_remote_storage(s)
+        started: list[str] = []
+        try:
+            for name in ("prefect", "mlflow"):
+                if pids[name] is None:
+                    pids[name] = self._spawn(name)
+                    started.append(name)
+            self._wait("prefect", pids["prefect"], deadline)
+            if pids["worker"] is None:
+                self._ensure_work_pool(deadline)
+                pids["worker"] = self._spawn("worker")
+                started.append("worker")
+            self._wait("worker", pids["worker"], deadline)
+            self._wait("mlflow", pids["mlflow"], deadline)
+            if pids["gateway"] is None:
+                pids["gateway"] = self._spawn("gateway")
+                started.append("gateway")
+            self._wait("gateway", pids["gateway"], deadline)
+        except BaseException:
+            for name in started:
+                self._stop([name])
+            raise
+        return self.status()
+
+    def start(self, name: str, timeout: float = 120.0) -> ServiceStatus:
+        """Start (or reuse) one service on its own and wait until it is healthy, e.g. only MLflow
+        for a tool or test that needs no scheduler. `down()` stops it like the others."""
+        with self._locked():
+            for sub in ("pids", "logs", "mlflow/artifacts"):
+                (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+            pid = self.pid(name)
+            if pid is None:
+                if name == "mlflow":
+                    _check_remote_storage(self.settings)
+                pid = self._spawn(name)
+            try:
+                self._wait(name, pid, time.monotonic() + timeout)
+            except BaseException:
+                self._stop([name])
+                raise
+        return self.service_status(name)
+
+    def _spawn(self, name: str) -> int:
+        spec = SPECS[name]
+        # Drop inherited OPENTINKER_* so a field left unset here is unset there too.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
+        env = {**inherited, **spec.env(self.settings)}
+        with open(self.log_file(name), "ab") as log:
+            log.write(f"\n=== opentinker: starting {name} at {time.ctime()} ===\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                spec.command(self.settings), env=env, cwd=spec.cwd(self.settings),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.pid_file(name).write_text(f"{proc.pid}\n")
+        return proc.pid
+
+    def _port_free(self, port: int) -> bool:
+        try:
+            return port_free(self.settings.host, port)
+        except PortError as err:
+            raise StackError(str(err)) from None
+
+    def _wait(self, name: str, pid: int, deadline: float) -> None:
+        """Until `name` answers its health probe; StackError with its log's end if it exits or
+        stays unhealthy past `deadline`."""
+        spec = SPECS[name]
+
+        def healthy() -> bool | None:
+            # No keyword check here: right after fork the child still shows our command line.
+            if not alive(pid, ()):
+                raise StackError(f"{name} exited during start-up; last lines of {self.log_file(name)}:\n" + tail(self.log_file(name)))
+            return True if spec.healthy(self.settings, pid) else None
+
+        try:
+            wait_for(healthy, interval=_POLL, timeout=max(0.0, deadline - time.monotonic()), what=name)
+        except TimeoutError:
+            raise StackError(f"{name} not healthy before the timeout; last lines of {self.log_file(name)}:\n"
+                             + tail(self.log_file(name))) from None
+
+    def _ensure_work_pool(self, deadline: float) -> None:
+        """Create or resize the `gpu` and `cpu` pools and their slot limits (scheduler.py)."""
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from opentinker.control.scheduler import SchedulingError, ensure_pools
+
+        with temporary_settings({PREFECT_API_URL: self.settings.prefect_api_url}):
+            try:
+                ensure_pools(self.settings)
+            except SchedulingError as err:
+                raise StackError(f"{err}; set OPENTINKER_WORK_POOL or remove that pool") from None
+
+    # shut-down
+    def down(self, timeout: float = 15.0) -> None:
+        """Stop every service (worker first): SIGTERM its process group, wait up to
+        `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
+        with self._locked():
+            self._stop(["gateway", "worker", "prefect", "mlflow"], timeout)
+
+    def _stop(self, names: list[str], timeout: float = 15.0) -> None:
+        groups = {}
+        for name in names:
+            pgid = self._recorded_pid(name)  # = process group id (own session)
+            if pgid is not None and group_members(pgid, SPECS[name].keywords[0]):
+                groups[name] = pgid
+                signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while groups and time.monotonic() < deadline:
+            time.sleep(_POLL)
+            groups = {n: g for n, g in groups.items() if group_members(g)}
+        for pgid in groups.values():
+            signal_group(pgid, signal.SIGKILL)
+        for name in names:
+            pid = self._recorded_pid(name)
+            if pid is not None:
+                reap(pid)  # an exited child of ours stays a zombie until reaped
+            self.pid_file(name).unlink(missing_ok=True)
+
+
+def _check_remote_storage(s: Settings) -> None:
+    """MLflow would start fine and fail only at the first artifact upload: check a remote
+    artifact destination (and a remote storage_url, where the gateway puts jobs) up front."""
+    from opentinker.storage.preflight import StorageError, check_storage
+
+    urls = {s.storage_url: "OPENTINKER_STORAGE_URL", s.mlflow_artifacts_destination: "MLflow --artifacts-destination"}
+    for url, name in urls.items():
+        if "://" in url and not url.startswith("file://"):
+            try:
+                check_storage(url, name)
+            except StorageError as err:
+                raise StackError(str(err)) from None
+
+
+def up(settings: Settings | None = None, timeout: float = 120.0) -> dict[str, ServiceStatus]:
+    return Stack(settings).up(timeout)
+
+
+def down(settings: Settings | None = None) -> None:
+    Stack(settings).down()
+
+
+def status(settings: Settings | None = None) -> dict[str, ServiceStatus]:
+    return Stack(settings).status()

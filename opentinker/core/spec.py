@@ -1,0 +1,348 @@
+"""The job spec: one validated, serialisable description of an RL job.
+
+Every section forbids unknown keys so a typo fails before any work starts, and
+`load_spec` turns pydantic's errors into one line per problem: `field.path: reason`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from opentinker.core.model_names import is_resolvable
+
+
+def storage_url(v: str) -> str:
+    """An fsspec URL; a local path is made absolute (pinned to the submitter's directory, so a
+    worker with another working directory writes where the user looks). Credentials never go in
+    a URL: they come from the environment (AWS_* variables, instance roles)."""
+    if "://" not in v:
+        v = f"file://{v}"
+    scheme, rest = v.split("://", 1)
+    if scheme != "file" and "@" in rest.split("/", 1)[0]:
+        raise ValueError("credentials do not belong in a URL: set them in the environment (e.g. AWS_ACCESS_KEY_ID)")
+    if scheme == "file" and not rest.startswith("/"):
+        v = "file://" + str(Path(rest).resolve())
+    return v.rstrip("/")
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _finite(v: float) -> float:
+    if not math.isfinite(v):
+        raise ValueError("must be finite")
+    return v
+
+
+LearningRate = Annotated[float, Field(gt=0), AfterValidator(_finite)]
+
+
+class Section(BaseModel):
+    """A spec section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    """Which base model to start from: a known name (see `opentinker.core.model_names`) or a local path."""
+
+    name: str = Field(min_length=1, description="known model name or a local model folder")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    init_from: str | None = Field(
+        None, description="start from a trained policy instead of the bare base model: a checkpoint URL "
+        "(a step folder, or a job folder for its latest complete step) or a registry URI models:/<name>@<alias> | models:/<name>/<version>; "
+        "its weights (adapter merged) become this job's base and KL reference")
+
+    @field_validator("init_from")
+    @classmethod
+    def _checkpoint_or_registry(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("models:/"):
+            if not re.fullmatch(r"models:/[^/@]+(@[A-Za-z0-9_-]+|/\d+)", v):
+                raise ValueError("a registry URI looks like models:/<name>@<alias> or models:/<name>/<version>")
+            return v
+        return storage_url(v)
+
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, name: str) -> str:
+        if not is_resolvable(name):
+            raise ValueError(f"unknown model {name!r}: not a known name nor an existing local folder")
+        return name
+
+
+class LoraSpec(Section):
+    kind: Literal["lora"] = "lora"
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+    )
+
+
+class FullSpec(Section):
+    kind: Literal["full"] = "full"
+
+
+AdapterSpec = Annotated[Union[LoraSpec, FullSpec], Field(discriminator="kind")]
+
+
+class KLSpec(Section):
+    coef: float = Field(0.0, ge=0)
+    estimator: Literal["k1", "k3"] = "k3"
+
+
+class AlgorithmSpec(Section):
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    kl: KLSpec = Field(default_factory=KLSpec)
+    loss_aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    max_staleness: int = Field(0, ge=0, description="policy versions a rollout may lag behind the trainer")
+
+
+class RolloutSpec(Section):
+    prompts_per_step: int = Field(8, gt=0)
+    group_size: int = Field(4, gt=0)
+    max_new_tokens: int = Field(24, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_turns: int = Field(1, gt=0)
+    max_total_tokens: int = Field(1024, gt=0)
+    step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
+    prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
+                                     "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
+
+
+class OptimizationSpec(Section):
+    lr: LearningRate = 1e-4
+    steps: int = Field(10, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class EvaluationSpec(Section):
+    every: int = Field(5, ge=0, description="evaluate every k steps (0: only before and after training)")
+    greedy: bool = True
+    n_samples: int = Field(64, gt=0, description="validation problems per evaluation")
+
+
+class CheckpointLocation(Section):
+    base_url: str = Field("file://./runs", description="fsspec URL; checkpoints go to <base_url>/<job_id>/ (default: storage.base_url)")
+
+    @field_validator("base_url")
+    @classmethod
+    def _absolute_local(cls, v: str) -> str:
+        return storage_url(v)
+
+
+class CheckpointSpec(CheckpointLocation):
+    every: int = Field(1, ge=0, description="checkpoint every k steps (0: only at the end); flows log a step's metrics once it is checkpointed")
+    keep_last: int = Field(2, gt=0)
+
+
+class StorageSpec(Section):
+    """Where a job's files go: checkpoints (unless checkpoint.base_url says otherwise),
+    transcripts and inference outputs, under <base_url>/<job_id>/. `file://…` or `s3://bucket/prefix`."""
+
+    base_url: str = Field("file://./runs", validate_default=True, description="fsspec URL (file://, s3://); credentials come from the environment")
+
+    @field_validator("base_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return storage_url(v)
+
+
+class MultiAgentSpec(Section):
+    """Self-play for games with several players (the env's game is a match, e.g. GomokuMatch)."""
+
+    players: list[str] = Field(default_factory=lambda: ["X", "O"], min_length=2, description="the match's player names, in turn order")
+    opponent: Literal["agents", "self", "snapshot"] = Field(
+        "agents", description="agents: every player its own policy, all trained; self: one policy plays and learns every seat; "
+        "snapshot: the first player learns against a frozen copy of itself, refreshed every snapshot_every steps")
+    snapshot_every: int = Field(5, gt=0)
+    credit: Literal["episode", "turn"] = Field("episode", description="turn: each turn is its own sample with its return from that turn on")
+    gamma: float = Field(1.0, ge=0, le=1)
+    phase_timeout_s: float = Field(3600.0, gt=0, description="a phase (rollout or update) that runs longer fails with the agent named")
+
+
+class ResourcesSpec(Section):
+    """What the job's actors ask the Ray cluster for."""
+
+    num_gpus: float = Field(0, ge=0, description="GPUs for the trainer (and the rollout engine when colocated)")
+    num_cpus: float = Field(1, gt=0, description="logical CPUs reserved per actor; torch threads are set separately")
+    torch_threads: int = Field(0, ge=0, description="torch threads per actor (0: all cores of the node)")
+    colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
+
+
+# `register` is the field's name in the interface other modules use; it shadows only the ABC
+# metaclass's `register`, which nothing calls on a spec section.
+warnings.filterwarnings("ignore", message='Field name "register" in "RegistrySpec" shadows', category=UserWarning)
+
+
+class RegistrySpec(Section):
+    """Where a completed job's final checkpoint is registered (MLflow model registry, see
+    opentinker/storage/registry.py): a new version of `model_name` with lineage tags and alias `challenger`."""
+
+    model_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$",
+        description="registered model name; None: '<tenant or project>-<game class in lower case>' "
+        "(e.g. default-uppercasegame; 'env' for a served environment)")
+    register: bool = Field(True, description="register the final checkpoint when the job completes")
+
+
+class EnvSpec(Section):
+    """Where episodes are played: a game class imported in-process (`game`) or a served
+    environment (`url`, see `opentinker env serve`). Exactly one of the two."""
+
+    game: str | None = Field(None, description="import path of an AbstractGame subclass, 'package.module:ClassName'")
+    url: str | list[str] | None = Field(None, description="base URL of a served environment, or a list of shards")
+    timeout_s: float = Field(30.0, gt=0, description="env.url: seconds per HTTP request")
+    retries: int = Field(2, ge=0, description="env.url: retries of a request that did not get through (a step that was sent is never re-sent)")
+    config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
+
+    @field_validator("game")
+    @classmethod
+    def _import_path(cls, v: str | None) -> str | None:
+        if v is not None and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError("must look like 'package.module:ClassName'")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v == []:
+            raise ValueError("give at least one URL")
+        for url in [v] if isinstance(v, str) else v or []:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} must start with http:// or https://")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvSpec:
+        if (self.game is None) == (self.url is None):
+            raise ValueError("give exactly one of env.game (a class run in-process) or env.url (a served environment)")
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        """The shards of a served environment (empty for an in-process game)."""
+        return [self.url] if isinstance(self.url, str) else list(self.url or [])
+
+    @property
+    def label(self) -> str:
+        """What to show for this environment: the import path or the URL(s)."""
+        return self.game or ", ".join(self.urls)
+
+
+class BaseJobSpec(Section):
+    """The sections every job kind shares (RL here, SFT in opentinker.sft.spec): who it is, which
+    model and adapter it trains, where its files go, what it asks the cluster for, and how its
+    final checkpoint is registered."""
+
+    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    model: ModelSpec
+    adapter: AdapterSpec = Field(default_factory=LoraSpec)
+    checkpoint: CheckpointLocation = Field(default_factory=CheckpointLocation)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    registry: RegistrySpec = Field(default_factory=RegistrySpec)
+
+    @model_validator(mode="after")
+    def _checkpoints_follow_storage(self) -> "BaseJobSpec":
+        """checkpoint.base_url defaults to storage.base_url: one setting moves a job to S3."""
+        if "base_url" not in self.checkpoint.model_fields_set and self.checkpoint.base_url != self.storage.base_url:
+            self.checkpoint = self.checkpoint.model_copy(update={"base_url": self.storage.base_url})
+        return self
+
+
+class JobSpec(BaseJobSpec):
+    """An RL job: the shared sections plus the algorithm, rollouts, optimisation, evaluation and
+    environment (and `multiagent` for self-play)."""
+
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    env: EnvSpec
+    multiagent: MultiAgentSpec | None = None
+    seed: int = 0
+
+    def evaluates_at(self, done: int) -> bool:
+        """Evaluate after `done` steps: every k steps and always after the last one."""
+        every = self.evaluation.every
+        return done == self.optimization.steps or (every > 0 and done % every == 0)
+
+    def checkpoints_at(self, done: int) -> bool:
+        """Checkpoint after `done` steps: every k steps and always after the last one."""
+        every = self.checkpoint.every
+        return done == self.optimization.steps or (every > 0 and done % every == 0)
+
+    @model_validator(mode="after")
+    def _group_baseline_needs_a_group(self) -> "JobSpec":
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
+                f"so group_size must be at least 2 (got {self.rollout.group_size})"
+            )
+        return self
+
+
+class SpecError(ValueError):
+    """A job spec that cannot run; the message lists `field.path: reason` per problem."""
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full")))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{path or '<spec>'}: {msg}")
+    return "\n".join(lines)
+
+
+def validate_spec(model: type[_M], data: Any) -> _M:
+    """Validate a plain dict (e.g. from YAML or a client) into `model` (JobSpec, SFTSpec), or
+    raise SpecError with one `field.path: reason` line per problem."""
+    if not isinstance(data, dict):
+        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_errors(err)) from None
+
+
+def read_spec_yaml(path: str | Path) -> Any:
+    """A spec file's YAML (a mapping for a valid spec), or SpecError if it does not parse."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        raise SpecError(f"<spec>: not valid YAML: {err}") from None
+
+
+def parse_spec(data: dict[str, Any]) -> JobSpec:
+    """Validate a plain dict (e.g. from YAML or a client) into a JobSpec, or raise SpecError."""
+    return validate_spec(JobSpec, data)
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a YAML job spec from disk and validate it."""
+    return parse_spec(read_spec_yaml(path))
+
+
+def dump_spec(spec: BaseModel) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

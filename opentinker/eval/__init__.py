@@ -1,0 +1,1 @@
+"""Evaluation of trained models: challenger against champion, and promotion."""

@@ -1,0 +1,34 @@
+"""Which weights a job trains: a LoRA adapter (peft) on a frozen base, or the whole model."""
+
+from __future__ import annotations
+
+from opentinker.core.spec import FullSpec, LoraSpec
+
+
+def wrap_model(model, adapter: LoraSpec | FullSpec):
+    """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable."""
+    if isinstance(adapter, LoraSpec):
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=adapter.r,
+            lora_alpha=adapter.alpha,
+            lora_dropout=adapter.dropout,
+            target_modules=list(adapter.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, config)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def adapter_files(model) -> dict[str, bytes]:
+    """The LoRA adapter in peft's own layout (`adapter/…`), so a checkpoint loads with
+    PeftModel.from_pretrained and vLLM serves it."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return {f"adapter/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}

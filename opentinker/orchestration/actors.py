@@ -1,0 +1,95 @@
+"""The job's state in long-lived Ray actors, for the whole job; Prefect tasks call them by handle.
+
+The actors are the runtime's own classes, hosted by Ray, with no wrapper in between:
+- colocated (`resources.colocate: true`, the default): one `RLJob` actor, the policy and the
+  sampler sharing one model copy (on a GPU: one copy in device memory); weight sync is the
+  version handshake;
+- split (`colocate: false`): a `Policy` actor and a `Sampler` actor with their own model copies;
+  after every update the policy's trainable weights go to the sampler, tagged with their version;
+- self-play: one `SelfPlayJob` actor holding every agent's policy.
+Trajectories travel actor to actor through Ray's object store, never through Prefect.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.core.spec import JobSpec
+
+
+@dataclass
+class JobActors:
+    """Handles of one RL job's actors: `job` (colocated), or `policy` and `sampler` (split)."""
+
+    job: Any = None
+    policy: Any = None
+    sampler: Any = None
+
+    @property
+    def colocated(self) -> bool:
+        return self.job is not None
+
+    @property
+    def samples(self) -> Any:
+        """The actor that plays episodes (rollout, evaluate)."""
+        return self.job if self.colocated else self.sampler
+
+    def kill(self) -> None:
+        import ray
+
+        for handle in (self.job, self.policy, self.sampler):
+            if handle is not None:
+                ray.kill(handle)
+
+
+def _options(spec: JobSpec, name: str) -> dict[str, Any]:
+    """Ray options from the spec's resources; torch threads through OMP_NUM_THREADS (Ray would set
+    1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine)."""
+    r = spec.resources
+    threads = str(r.torch_threads or os.cpu_count() or 1)
+    return {"name": name, "num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "max_restarts": 0,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}}
+
+
+def create_actors(spec: JobSpec, job_id: str) -> JobActors:
+    """Start the job's actors with the resources the spec asks for, and wait until they are up."""
+    import ray
+
+    from opentinker.rl import Policy, RLJob, Sampler
+
+    if spec.resources.colocate:
+        job = ray.remote(RLJob).options(**_options(spec, f"{job_id}-colocated")).remote(spec, job_id)
+        ray.get(job.__ray_ready__.remote())
+        return JobActors(job=job)
+    policy = ray.remote(Policy).options(**_options(spec, f"{job_id}-policy")).remote(spec, job_id)
+    sampler = ray.remote(Sampler).options(**_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id)
+    ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
+    ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
+    return JobActors(policy=policy, sampler=sampler)
+
+
+def create_selfplay_actor(spec: JobSpec, job_id: str) -> Any:
+    """A self-play job's agents in one actor (on CPU they share the cores anyway)."""
+    import ray
+
+    from opentinker.rl.selfplay import SelfPlayJob
+
+    handle = ray.remote(SelfPlayJob).options(**_options(spec, f"{job_id}-agents")).remote(spec, job_id)
+    ray.get(handle.__ray_ready__.remote())
+    return handle
+
+
+def check_placeable(spec: JobSpec) -> None:
+    """Fail now, with the numbers, when the cluster can never place the job's actors (Ray would wait forever)."""
+    import ray
+
+    total = ray.cluster_resources()
+    r = spec.resources
+    need_cpu = r.num_cpus * (1 if r.colocate else 2)
+    need_gpu = r.num_gpus * (1 if r.colocate else 2)
+    if need_gpu > total.get("GPU", 0):
+        raise RuntimeError(f"resources.num_gpus: the job needs {need_gpu:g} GPU(s), the Ray cluster has {total.get('GPU', 0):g}")
+    if need_cpu > total.get("CPU", 0):
+        raise RuntimeError(f"resources.num_cpus: the job needs {need_cpu:g} CPU(s), the Ray cluster has {total.get('CPU', 0):g}")

@@ -1,0 +1,58 @@
+"""An RL job in one process: the policy and the sampler share one model.
+
+This is the colocated layout, the default everywhere: no second copy of the weights, and weight
+sync is only the version handshake. The same object runs a job in this process (`run`: the CLI's
+`opentinker run`, tests, benchmarks, notebooks) and, hosted in a Ray actor, the steps of a flow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from opentinker.core.ids import new_job_id
+from opentinker.core.seeding import seed_everything
+from opentinker.core.spec import JobSpec
+from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
+from opentinker.rl.policy import Policy, Restored
+from opentinker.rl.sampler import Evaluation, Sampler
+from opentinker.storage import checkpoint as ckpt
+from opentinker.storage.preflight import check_job_storage
+
+
+class RLJob:
+    """A `StepRunner` (see opentinker.rl.loop) over a policy and a sampler sharing one model."""
+
+    def __init__(self, spec: JobSpec, job_id: str | None = None):
+        check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
+        self.spec = spec
+        self.job_id = job_id or new_job_id(spec)
+        seed_everything(spec.seed)
+        self.policy = Policy(spec, job_id=self.job_id)
+        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer)
+
+    def restore(self) -> Restored | None:
+        restored = self.policy.restore_latest()
+        if restored is not None:
+            self.sampler.load_env_state(restored.env_state)
+            self.sampler.sync(self.policy.version)
+        return restored
+
+    def rollout(self, step: int) -> dict[str, float]:
+        return self.sampler.rollout(step)
+
+    def update(self, step: int) -> dict[str, float]:
+        metrics = self.policy.update(self.sampler.batch(step))
+        self.sampler.sync(self.policy.version)  # shared model: the handshake is the version
+        return metrics
+
+    def evaluate(self, step: int) -> Evaluation:
+        return self.sampler.evaluate(step)
+
+    def checkpoint(self, step: int, metrics: StepMetrics = ()) -> ckpt.CheckpointRef:
+        return self.policy.save(step, self.sampler.env_state(), metrics)
+
+    def run(self, on_step: Callable[[StepReport], Any] | None = None,
+            on_eval: Callable[[Evaluation], Any] | None = None) -> LoopResult:
+        """Train to `optimization.steps` in this process, resuming from the latest checkpoint."""
+        return run_steps(self.spec, self, LoopHooks(on_step=on_step, on_eval=on_eval))

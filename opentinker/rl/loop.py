@@ -1,0 +1,118 @@
+"""The RL step loop, the one place that says what a training step is.
+
+    restore → evaluate (step 0) → for each step: rollout → update → evaluate (every k)
+                                                → checkpoint (every k, with the metrics it covers)
+
+The job's state lives behind a `StepRunner`: an `RLJob` or `SelfPlayJob` in this process (the
+CLI's `run`, tests, benchmarks, notebooks), or the same objects in Ray actors reached through
+Prefect tasks (the flows). What the caller does with progress (print it, log it to MLflow) comes
+in through `LoopHooks`. A step's metrics are "committed" once a checkpoint covers them: a flow
+logs them to MLflow then, so after a crash and resume each step reaches MLflow exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from opentinker.core.spec import JobSpec
+from opentinker.rl.policy import Restored
+from opentinker.rl.sampler import Evaluation
+
+StepMetrics = list[tuple[int, dict[str, float]]]
+
+
+class StepRunner(Protocol):
+    def restore(self) -> Restored | None:
+        """Continue from the job's latest complete checkpoint, if any."""
+
+    def rollout(self, step: int) -> dict[str, float]:
+        """Play the step's episodes; the batch stays with the runner."""
+
+    def update(self, step: int) -> dict[str, float]:
+        """One policy update on the step's batch, then the weight-sync handshake."""
+
+    def evaluate(self, step: int) -> Evaluation:
+        """The validation episodes."""
+
+    def checkpoint(self, step: int, metrics: StepMetrics) -> Any:
+        """Commit the job's state at `step`, carrying `metrics`; returns what was written."""
+
+
+@dataclass
+class StepReport:
+    step: int
+    total_steps: int
+    metrics: dict[str, float]
+    evaluation: Evaluation | None = None
+    checkpoint: Any = None
+
+
+@dataclass
+class LoopHooks:
+    """What the caller does as the loop goes; every hook is optional."""
+
+    on_restore: Callable[[Restored], Any] | None = None
+    on_eval: Callable[[Evaluation], Any] | None = None
+    on_commit: Callable[[StepMetrics], Any] | None = None
+    on_step: Callable[[StepReport], Any] | None = None
+
+
+@dataclass
+class LoopResult:
+    resumed_from: int
+    steps_done: int
+    history: list[dict[str, float]] = field(default_factory=list)  # one entry per trained step, as committed
+    evaluations: list[Evaluation] = field(default_factory=list)
+    checkpoint: Any = None  # the newest checkpoint written or restored
+    seconds: float = 0.0  # everything, restore and the first evaluation included
+    loop_seconds: float = 0.0  # the steps alone
+
+
+def _call(hook: Callable | None, *args: Any) -> None:
+    if hook is not None:
+        hook(*args)
+
+
+def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None) -> LoopResult:
+    """Train `spec.optimization.steps` steps (resuming where the runner's checkpoints stop)."""
+    hooks = hooks or LoopHooks()
+    t_start = time.perf_counter()
+    restored = runner.restore()
+    start = restored.step if restored else 0
+    if restored:
+        _call(hooks.on_restore, restored)
+    result = LoopResult(resumed_from=start, steps_done=start, checkpoint=restored.checkpoint if restored else None)
+    total = spec.optimization.steps
+    pending: StepMetrics = []  # metrics no checkpoint covers yet
+
+    def evaluate(done: int) -> Evaluation:
+        evaluation = runner.evaluate(done)
+        result.evaluations.append(evaluation)
+        _call(hooks.on_eval, evaluation)
+        return evaluation
+
+    if start == 0 and total > 0:
+        pending.append((0, evaluate(0).metrics))
+    loop_start = time.perf_counter()
+    for step in range(start, total):
+        done, t0 = step + 1, time.perf_counter()
+        metrics = runner.rollout(step) | runner.update(step)
+        evaluation = evaluate(done) if spec.evaluates_at(done) else None
+        if evaluation is not None:
+            metrics |= evaluation.metrics
+        metrics["step/seconds"] = time.perf_counter() - t0
+        pending.append((done, metrics))
+        written = None
+        if spec.checkpoints_at(done):
+            written = result.checkpoint = runner.checkpoint(done, list(pending))
+            _call(hooks.on_commit, list(pending))
+            result.history.extend({"step": float(s), **m} for s, m in pending if s > 0)
+            pending.clear()
+        result.steps_done = done
+        _call(hooks.on_step, StepReport(done, total, metrics, evaluation, written))
+    end = time.perf_counter()
+    result.seconds, result.loop_seconds = end - t_start, end - loop_start
+    return result

@@ -1,0 +1,102 @@
+"""The policy a job trains: the model with its adapter and optimizer (a `PolicyTrainer`), and its
+checkpoints (save, restore)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opentinker.backend import PolicyTrainer
+from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
+from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, read_policy_info
+from opentinker.storage import checkpoint as ckpt
+from opentinker.storage.resolve import resolve_checkpoint
+
+
+@dataclass
+class Restored:
+    """What a job got back from its latest complete checkpoint."""
+
+    step: int
+    checkpoint: Any  # a CheckpointRef (per agent for self-play: {agent: CheckpointRef})
+    env_state: dict[str, Any]
+    metrics: list = field(default_factory=list)  # the (step, metrics) the checkpoint covers
+
+
+def pinned_init_from(spec: JobSpec, job_id: str | None) -> str | None:
+    """The checkpoint `model.init_from` means for this job, resolved once: a resumed job reuses
+    what its latest checkpoint recorded, so a registry alias that moved since cannot change the
+    base under trained weights."""
+    if not spec.model.init_from:
+        return None
+    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id) if job_id else None
+    if latest is not None:
+        recorded = read_policy_info(latest.url).get("init_from")
+        if recorded:
+            return recorded
+    return resolve_checkpoint(spec.model.init_from)
+
+
+class Policy:
+    """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
+    `<checkpoint.base_url>/<job_id>/`. Loads its model unless one is given."""
+
+    def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None):
+        self.spec, self.job_id = spec, job_id
+        self.init_from = pinned_init_from(spec, job_id)
+        if model is None:
+            model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
+        self.tokenizer = tokenizer
+        self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature)
+
+    @property
+    def model(self):
+        return self.trainer.model
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def update(self, batch) -> dict[str, float]:
+        """One optimizer step on a RolloutBatch."""
+        return self.trainer.update(batch.trajectories)
+
+    def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """Trainable weights and their version, for a sampler in another process."""
+        return self.trainer.version, self.trainer.trainable_state()
+
+    def save(self, step: int, env_state: dict[str, Any], metrics: list = ()) -> ckpt.CheckpointRef:
+        """Commit the policy at `step`. `metrics` are the steps' metrics this checkpoint covers:
+        they travel with it so a resume can log any that a crash kept from reaching MLflow."""
+        extra = {"spec.yaml": dump_spec(self.spec).encode(),
+                 POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
+        if isinstance(self.spec.adapter, LoraSpec):
+            extra |= adapter_files(self.trainer.model)
+        return ckpt.save_checkpoint(
+            self.spec.checkpoint.base_url, self.job_id, step,
+            weights=self.trainer.trainable_state(),
+            optimizer_state=self.trainer.optimizer.state_dict(),
+            state={"policy_version": self.trainer.version, "env": env_state,
+                   "metrics": [[int(s), {k: float(v) for k, v in m.items()}] for s, m in metrics]},
+            extra_files=extra,
+            keep_last=self.spec.checkpoint.keep_last,
+        )
+
+    def restore_latest(self) -> Restored | None:
+        """Load the job's latest complete checkpoint (weights, optimizer, version, RNG), if any."""
+        ref = ckpt.latest_checkpoint(self.spec.checkpoint.base_url, self.job_id)
+        if ref is None:
+            return None
+        loaded = self.restore(ref.url)
+        return Restored(step=loaded.step, checkpoint=ref, env_state=loaded.state["env"], metrics=loaded.state.get("metrics", []))
+
+    def restore(self, url: str) -> ckpt.LoadedCheckpoint:
+        loaded = ckpt.load_checkpoint(url)
+        self.trainer.load_trainable_state(loaded.weights)
+        self.trainer.optimizer.load_state_dict(loaded.optimizer_state)
+        self.trainer.version = int(loaded.state["policy_version"])
+        ckpt.set_rng_state(loaded.rng)
+        return loaded

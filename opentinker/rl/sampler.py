@@ -1,0 +1,128 @@
+"""The sampler: the job's environment played by an inference engine on the policy's model.
+
+It draws a step's tasks, runs the agent loop over them (training rollouts, or greedy validation
+episodes) and keeps the step's batch for the update. Beside the policy in one process it shares
+its model, and weight sync is only the version handshake; in a process of its own it loads its
+model and takes the policy's trainable weights after each update.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
+from opentinker.backend import HFRolloutEngine, SamplingParams
+from opentinker.core.spec import JobSpec
+from opentinker.core.trajectory import Trajectory
+from opentinker.env import GameEnvironment, environment_from_spec
+from opentinker.tracking.metrics import episode_stats
+from opentinker.tracking.transcripts import transcripts
+
+
+@dataclass
+class RolloutBatch:
+    step: int
+    policy_version: int
+    trajectories: list[Trajectory]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Evaluation:
+    step: int
+    metrics: dict[str, float]
+    transcripts: list[dict[str, Any]] = field(default_factory=list)
+
+
+def own_model(spec: JobSpec, job_id: str | None):
+    """(model, tokenizer) for a sampler in a process of its own: the job's base (its pinned
+    `init_from`) with the same adapter layout, so parameter names match the policy's."""
+    from opentinker.model import load_model, wrap_model
+    from opentinker.rl.policy import pinned_init_from
+
+    model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=pinned_init_from(spec, job_id))
+    return (wrap_model(model, spec.adapter) if spec.adapter.kind == "lora" else model), tokenizer
+
+
+class Sampler:
+    def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None):
+        if model is None:
+            model, tokenizer = own_model(spec, job_id)
+        self.spec = spec
+        r = spec.rollout
+        self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, r.prompts_per_step * r.group_size),
+                                      prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0)  # one turn: nothing to reuse
+        self.chat = ChatFormat(tokenizer)
+        self.env = env or environment_from_spec(spec)
+        self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
+        self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
+        self._batch: RolloutBatch | None = None
+
+    @property
+    def version(self) -> int:
+        return self.engine.policy_version
+
+    def sync(self, version: int | tuple[int, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor] | None = None) -> int:
+        """Weight-sync handshake: adopt the policy's version (and its trainable weights, when the
+        model is not shared; `(version, weights)` as `Policy.weights` returns them). Versions
+        only go up."""
+        if isinstance(version, tuple):
+            version, weights = version
+        if weights is not None:
+            if version < self.engine.policy_version:
+                raise ValueError(f"refusing policy version {version}: engine already at {self.engine.policy_version}")
+            named = dict(self.engine.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    named[name].copy_(tensor)
+        self.engine.policy_version = version
+        return version
+
+    def rollout(self, step: int) -> dict[str, float]:
+        """Play the step's training episodes (prompts × group size); the batch stays here for
+        `batch(step)`, the metrics are returned."""
+        t0 = time.perf_counter()
+        r = self.spec.rollout
+        tasks = self.env.train_tasks(r.prompts_per_step)
+        expanded = [t for t in tasks for _ in range(r.group_size)]
+        groups = [step * r.prompts_per_step + i for i in range(len(tasks)) for _ in range(r.group_size)]
+        tokens0, gen0 = self.engine.generated_tokens, self.engine.generate_seconds
+        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups)
+        self.engine.prefix_cache.clear()  # the episodes are over: free their states before the update
+        gen_tokens = self.engine.generated_tokens - tokens0
+        gen_seconds = self.engine.generate_seconds - gen0
+        metrics = episode_stats(trajs, "rollout") | {
+            "rollout/generated_tokens": float(gen_tokens),
+            "rollout/tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0,
+            "rollout/seconds": time.perf_counter() - t0,
+            "rollout/policy_version": float(self.engine.policy_version),
+        }
+        self._batch = RolloutBatch(step=step, policy_version=self.engine.policy_version, trajectories=trajs, metrics=metrics)
+        return metrics
+
+    def batch(self, step: int) -> RolloutBatch:
+        """The batch `rollout(step)` played (only the newest is kept)."""
+        if self._batch is None or self._batch.step != step:
+            raise KeyError(f"no rollout batch for step {step} (have {'none' if self._batch is None else self._batch.step})")
+        return self._batch
+
+    def evaluate(self, step: int) -> Evaluation:
+        """The validation episodes (greedy by default): metrics and readable transcripts."""
+        t0 = time.perf_counter()
+        e, r = self.spec.evaluation, self.spec.rollout
+        tasks = self.env.validation_tasks(e.n_samples)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
+        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits)
+        self.engine.prefix_cache.clear()
+        metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
+        return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs))
+
+    def env_state(self) -> dict[str, Any]:
+        return self.env.state()
+
+    def load_env_state(self, state: dict[str, Any]) -> None:
+        self.env.load_state(state)

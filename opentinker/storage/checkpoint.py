@@ -1,0 +1,219 @@
+"""Checkpoints through fsspec, committed by a manifest written last.
+
+A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the trainable weights, the
+optimizer state, RNG states and a JSON state (step, policy version, data position). It counts
+only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
+point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
+COMMIT.json also records each file's sha256, so a file changed after the commit (same size, other
+bytes) makes loading fail with the URL and the file named instead of restoring garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+COMMIT = "COMMIT.json"
+_STEP_DIR = re.compile(r"step-(\d{8})$")
+# Stores without folders: s3fs's makedirs would create a missing *bucket* instead of failing.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az"}
+
+
+class CheckpointError(FileNotFoundError):
+    """No usable checkpoint at a URL: none there, uncommitted (no COMMIT.json, a size differs) or
+    corrupt (bytes differ from the recorded sha256, or do not parse). A FileNotFoundError, so
+    callers asking "is there a checkpoint here" treat all of them alike; the message says which."""
+
+
+@dataclass
+class CheckpointRef:
+    url: str
+    step: int
+
+
+def url_to_fs(url: str):
+    """(filesystem, path without a trailing slash) for an fsspec URL."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def _makedirs(fs, path: str) -> None:
+    if not _OBJECT_STORES & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        fs.makedirs(path, exist_ok=True)
+
+
+def job_url(base_url: str, job_id: str) -> str:
+    return _join(base_url, job_id)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(
+    base_url: str,
+    job_id: str,
+    step: int,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    state: dict[str, Any],
+    extra_files: dict[str, bytes] | None = None,
+    keep_last: int | None = None,
+) -> CheckpointRef:
+    """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
+    url = _join(job_url(base_url, job_id), f"step-{step:08d}")
+    fs, path = url_to_fs(url)
+    fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
+    if fs.exists(path):
+        fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
+    _makedirs(fs, path)
+    opt_buf, rng_buf = io.BytesIO(), io.BytesIO()
+    torch.save(optimizer_state, opt_buf)
+    torch.save(rng_state(), rng_buf)
+    files = {
+        "weights.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
+        "optimizer.pt": opt_buf.getvalue(),
+        "rng.pt": rng_buf.getvalue(),
+        "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
+        **(extra_files or {}),
+    }
+    for name, data in files.items():
+        if "/" in name:
+            _makedirs(fs, _join(path, name.rsplit("/", 1)[0]))
+        with fs.open(_join(path, name), "wb") as f:
+            f.write(data)
+    manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()},
+                "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
+    with fs.open(_join(path, COMMIT), "wb") as f:
+        f.write(json.dumps(manifest).encode())
+    if keep_last:
+        prune(base_url, job_id, keep_last)
+    return CheckpointRef(url=url, step=step)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in checkpoint state")
+
+
+def _manifest(fs, path: str) -> dict[str, Any] | None:
+    """COMMIT.json of a complete checkpoint (every listed file has its size), else None."""
+    fs.invalidate_cache(path)  # sizes from the store: a cached listing may predate a rewrite
+    try:
+        manifest = json.loads(fs.cat_file(_join(path, COMMIT)))
+        complete = all(fs.size(_join(path, name)) == size for name, size in manifest["files"].items())
+    except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
+        return None
+    return manifest if complete else None
+
+
+def is_complete(fs, path: str) -> bool:
+    """Does `path` hold a committed checkpoint (COMMIT.json, every listed file at its size)?"""
+    return _manifest(fs, path) is not None
+
+
+def _verified(fs, path: str, url: str, manifest: dict[str, Any], name: str) -> bytes:
+    data = fs.cat_file(_join(path, name))
+    expected = manifest.get("sha256", {}).get(name)  # absent in checkpoints written before hashes
+    if expected is not None and hashlib.sha256(data).hexdigest() != expected:
+        raise CheckpointError(f"{url} is not a complete checkpoint: {name} differs from the sha256 in {COMMIT} "
+                              "(corrupt, or changed after the commit)")
+    return data
+
+
+def read_file(url: str, name: str, missing_ok: bool = False) -> bytes | None:
+    """One file of a complete checkpoint, verified against COMMIT.json; None when the checkpoint
+    has no such file and `missing_ok` (e.g. policy.json in checkpoints older than it)."""
+    fs, path = url_to_fs(url)
+    manifest = _manifest(fs, path)
+    if manifest is None:
+        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+    if name not in manifest["files"]:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{url} is not a complete checkpoint: it has no {name}")
+    return _verified(fs, path, url, manifest, name)
+
+
+def list_checkpoints(base_url: str, job_id: str) -> list[CheckpointRef]:
+    """Complete checkpoints of a job, oldest first."""
+    root_url = job_url(base_url, job_id)
+    fs, root = url_to_fs(root_url)
+    fs.invalidate_cache(root)  # before exists(): s3fs answers it from a cached parent listing
+    if not fs.exists(root):
+        return []
+    out = []
+    for entry in fs.ls(root, detail=False):
+        m = _STEP_DIR.search(entry.rstrip("/"))
+        if m and is_complete(fs, entry.rstrip("/")):
+            out.append(CheckpointRef(url=_join(root_url, m.group(0)), step=int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_checkpoint(base_url: str, job_id: str) -> CheckpointRef | None:
+    found = list_checkpoints(base_url, job_id)
+    return found[-1] if found else None
+
+
+def prune(base_url: str, job_id: str, keep_last: int) -> None:
+    complete = list_checkpoints(base_url, job_id)
+    for ref in complete[:-keep_last]:
+        fs, path = url_to_fs(ref.url)
+        fs.rm(_join(path, COMMIT))  # uncommit first: a half-deleted folder is never trusted
+        fs.rm(path, recursive=True)
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    weights: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]
+
+
+def load_checkpoint(url: str) -> LoadedCheckpoint:
+    """Read a complete checkpoint; CheckpointError names the URL and the file when it is not usable."""
+    fs, path = url_to_fs(url)
+    manifest = _manifest(fs, path)
+    if manifest is None:
+        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+
+    def parsed(name: str, parse):
+        data = _verified(fs, path, url, manifest, name)
+        try:
+            return parse(data)
+        except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt file
+            reason = (str(err).splitlines() or [""])[0]
+            raise CheckpointError(f"{url} is not a complete checkpoint: {name} is corrupt ({type(err).__name__}: {reason})") from err
+
+    weights = parsed("weights.safetensors", load_safetensors)
+    optimizer_state = parsed("optimizer.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
+    rng = parsed("rng.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
+    state = parsed("state.json", json.loads)
+    return LoadedCheckpoint(step=int(state["step"]), weights=weights, optimizer_state=optimizer_state, rng=rng, state=state)

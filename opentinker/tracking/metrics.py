@@ -1,0 +1,88 @@
+"""Batch statistics over trajectories: what a person watching a run needs to see.
+
+Beside reward, every boolean or numeric `info` key an environment reports is averaged (e.g.
+`correct`, `format_ok`), and the share of distinct `answer`s is reported, so that a policy
+collapsing onto one answer in the right format (reward hacking a format bonus) is visible.
+Tool-using games (`tool_calls`, `tool_errors` in info) also get `tool_call_rate` and
+`tool_error_rate`; move-based games (`illegal_moves`, `moves`) get `illegal_move_rate`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from opentinker.core.trajectory import Trajectory
+
+
+def _info_means(trajs: list[Trajectory]) -> dict[str, float]:
+    sums: dict[str, list[float]] = {}
+    for t in trajs:
+        for key, value in t.info.items():
+            if isinstance(value, (bool, int, float)) and not isinstance(value, str):
+                sums.setdefault(key, []).append(float(value))
+    return {key: sum(v) / len(v) for key, v in sums.items()}
+
+
+def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+    ok = [t for t in trajs if not t.failed]
+    rewards = [t.reward for t in ok] or [0.0]
+    out = {
+        f"{prefix}/episodes": float(len(trajs)),
+        f"{prefix}/failed_episodes": float(len(trajs) - len(ok)),
+        f"{prefix}/reward_mean": statistics.fmean(rewards),
+        f"{prefix}/reward_std": statistics.pstdev(rewards),
+        f"{prefix}/reward_min": min(rewards),
+        f"{prefix}/reward_max": max(rewards),
+        f"{prefix}/response_tokens_mean": statistics.fmean([t.num_sampled for t in ok]) if ok else 0.0,
+        f"{prefix}/turns_mean": statistics.fmean([len(t.turns) for t in ok]) if ok else 0.0,
+    }
+    for key, mean in _info_means(ok).items():  # booleans become rates, e.g. rollout/format_ok
+        if key not in ("answer", "expected"):
+            out[f"{prefix}/{key}"] = mean
+    answers = [t.info["answer"] for t in ok if "answer" in t.info]
+    if answers:
+        out[f"{prefix}/distinct_answer_share"] = len({repr(a) for a in answers}) / len(answers)
+    if "correct" in {k for t in ok for k in t.info}:
+        out[f"{prefix}/accuracy"] = sum(bool(t.info.get("correct")) for t in trajs) / max(len(trajs), 1)
+    out |= _tool_stats(ok, prefix) | _move_stats(ok, prefix)
+    return out
+
+
+def _count(t: Trajectory, key: str) -> float:
+    """A count an environment reported; anything not a finite number counts as 0."""
+    value = t.info.get(key, 0)
+    return float(value) if isinstance(value, (bool, int, float)) and math.isfinite(value) else 0.0
+
+
+def _tool_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Tool use (games reporting `tool_calls`, optionally `tool_errors`): the share of episodes
+    with at least one call, and the share of all calls that failed (0 when there were none)."""
+    users = [t for t in trajs if "tool_calls" in t.info]
+    if not users:
+        return {}
+    calls = sum(_count(t, "tool_calls") for t in users)
+    errors = sum(_count(t, "tool_errors") for t in users)
+    return {
+        f"{prefix}/tool_call_rate": sum(_count(t, "tool_calls") > 0 for t in users) / len(users),
+        f"{prefix}/tool_error_rate": errors / calls if calls else 0.0,
+    }
+
+
+def _move_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Games reporting `illegal_moves` and (legal) `moves`: the share of all move attempts that
+    were illegal, Σ illegal / (Σ illegal + Σ moves) (0 when nothing was attempted)."""
+    players = [t for t in trajs if "illegal_moves" in t.info and "moves" in t.info]
+    if not players:
+        return {}
+    illegal = sum(_count(t, "illegal_moves") for t in players)
+    attempts = illegal + sum(_count(t, "moves") for t in players)
+    return {f"{prefix}/illegal_move_rate": illegal / attempts if attempts else 0.0}
+
+
+def headline_key(metric_keys, name: str) -> str:
+    """The key to show for `name` (e.g. "rollout/reward_mean"): itself, or for a self-play job
+    an agent's (`O/rollout/reward_mean`, the first in sorted order)."""
+    keys = sorted(metric_keys)
+    return name if name in keys else next((k for k in keys if k.endswith("/" + name)), name)

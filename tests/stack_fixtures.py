@@ -30,6 +30,14 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def local_settings(state_dir, **overrides) -> Settings:
+    """Settings of a stack in `state_dir` whose every port is a free one (unless overridden): a
+    test never depends on a default port being free (a developer's `make demo` stack holds them)."""
+    prefect_port, mlflow_port, gateway_port = free_ports(3)
+    return Settings(**{"state_dir": state_dir, "prefect_port": prefect_port, "mlflow_port": mlflow_port,
+                       "gateway_port": gateway_port, **overrides})
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, s3_server):
     """Yields `(settings, status)` of a running, healthy stack; stops it at the end. Started (and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,6 +153,31 @@ def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path)
     assert final.state == "COMPLETED", final.message
     assert final.step == 2 and final.result["checkpoint"].endswith("step-00000002")
     assert "RUNNING" in seen
+
+
+def test_a_failed_job_reads_as_one_line_with_its_cause_and_where_it_arose(stack_env, tmp_path):
+    """The actor cannot import the job's game: users see the exception's message and where it
+    arose, not Ray's colour-coded wrapper with pid, ip and actor id; the traceback is in the logs."""
+    from opentinker.control.submit import deploy, follow, submit_job
+
+    settings, _ = stack_env
+    deploy(settings)
+    spec = tiny_spec(tmp_path, env={"game": "no_such_module:Game"}).model_dump(mode="json")
+    final = follow(submit_job(spec, "flow-bad-game", settings), "flow-bad-game", settings, lambda p: None, interval=1.0)
+    assert final.state == "FAILED"
+    assert re.fullmatch(r"job flow-bad-game: ValueError: env\.game: cannot import module 'no_such_module': "
+                        r"No module named 'no_such_module' \(at environment\.import_game:\d+\)", final.message), final.message
+
+
+def test_job_runs_open_in_mlflows_model_training_view(stack_env, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from opentinker.tracking.runs import JobTracker
+
+    settings, _ = stack_env
+    JobTracker(settings.mlflow_url, "kind-check", "kind-job", tiny_spec(tmp_path))
+    experiment = MlflowClient(tracking_uri=settings.mlflow_url).get_experiment_by_name("kind-check")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI "Evaluation runs" view
 
 
 def test_missing_mlflow_server_fails_the_flow_in_one_clear_line(stack_env, tmp_path, monkeypatch):

@@ -12,10 +12,10 @@ import time
 import psutil
 import pytest
 
-from opentinker.core.settings import Settings
-from opentinker.control.stack import SERVICES, Stack, StackError
+from opentinker.control.services import SERVICES
+from opentinker.control.stack import Stack, StackError
 from opentinker.core.settings import mlflow_env, prefect_env
-from tests.stack_fixtures import free_ports
+from tests.stack_fixtures import free_ports, local_settings
 
 
 def test_up_brings_all_services_healthy_on_loopback(stack):
@@ -93,7 +93,7 @@ def test_port_held_by_another_program_is_refused_before_starting(tmp_path, servi
         listener.bind(("127.0.0.1", held))
         listener.listen()
         with pytest.raises(StackError) as error:
-            Stack(Settings(state_dir=tmp_path, **ports)).up(timeout=30)
+            Stack(local_settings(tmp_path, **ports)).up(timeout=30)
     message = str(error.value)
     assert f"{service} port {held} on 127.0.0.1 is in use" in message
     assert f"OPENTINKER_{service.upper()}_PORT" in message and "\n" not in message
@@ -102,23 +102,20 @@ def test_port_held_by_another_program_is_refused_before_starting(tmp_path, servi
 
 def test_our_server_from_another_state_dir_is_not_adopted(stack, tmp_path):
     settings, _ = stack
-    other = Settings(state_dir=tmp_path, prefect_port=settings.prefect_port,
-                     mlflow_port=free_ports(1)[0])
+    other = local_settings(tmp_path, prefect_port=settings.prefect_port)
     with pytest.raises(StackError, match=f"prefect port {settings.prefect_port}"):
         Stack(other).up(timeout=30)
 
 
 def test_unbindable_host_is_one_clear_line(tmp_path):
     with pytest.raises(StackError, match=r"^cannot bind 192\.0\.2\.1:\d+: .*OPENTINKER_HOST$"):
-        Stack(Settings(state_dir=tmp_path, host="192.0.2.1")).up(timeout=10)
+        Stack(local_settings(tmp_path, host="192.0.2.1")).up(timeout=10)
 
 
 def test_service_that_dies_at_start_up_is_named_with_its_log(tmp_path):
     (tmp_path / "prefect").mkdir()
     (tmp_path / "prefect" / "prefect.db").write_bytes(b"not a database" * 100)
-    prefect_port, mlflow_port = free_ports(2)
-    services = Stack(Settings(state_dir=tmp_path, prefect_port=prefect_port,
-                              mlflow_port=mlflow_port))
+    services = Stack(local_settings(tmp_path))
     with pytest.raises(StackError) as error:
         services.up(timeout=90)
     message = str(error.value)

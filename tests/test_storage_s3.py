@@ -256,13 +256,10 @@ def test_settings_keep_local_artifacts_unless_storage_is_remote(tmp_path):
 
 
 def test_stack_refuses_to_start_with_an_unusable_artifact_bucket(s3_url, tmp_path):
-    from opentinker.core.settings import Settings
     from opentinker.control.stack import Stack, StackError
-    from tests.stack_fixtures import free_ports
+    from tests.stack_fixtures import local_settings
 
-    prefect_port, mlflow_port, gateway_port = free_ports(3)
-    settings = Settings(state_dir=tmp_path / "state", prefect_port=prefect_port, mlflow_port=mlflow_port,
-                        gateway_port=gateway_port, storage_url="s3://no-such-bucket/stack")
+    settings = local_settings(tmp_path / "state", storage_url="s3://no-such-bucket/stack")
     with pytest.raises(StackError, match="OPENTINKER_STORAGE_URL s3://no-such-bucket/stack: bucket or folder does not exist"):
         Stack(settings).up(timeout=30)
     assert not any(s.running for s in Stack(settings).status().values())  # nothing was started
@@ -273,12 +270,10 @@ def test_mlflow_server_stores_artifacts_in_s3(s3_server, s3_url, tmp_path):
     (clients need no S3 access) lands in the bucket under <storage_url>/mlflow/."""
     from mlflow.tracking import MlflowClient
 
-    from opentinker.core.settings import Settings
     from opentinker.control.stack import Stack
-    from tests.stack_fixtures import free_ports
+    from tests.stack_fixtures import local_settings
 
-    (mlflow_port,) = free_ports(1)
-    settings = Settings(state_dir=tmp_path / "state", mlflow_port=mlflow_port, storage_url=s3_url)
+    settings = local_settings(tmp_path / "state", storage_url=s3_url)
     services = Stack(settings)
     try:
         assert services.start("mlflow", timeout=90).healthy

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from opentinker.core.errors import reason_line
 from opentinker.core.hardware import detect_gpus
 from opentinker.core.settings import Settings
 from opentinker.sft.spec import is_sft_spec
@@ -242,5 +243,5 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
     if kind == "CANCELLED":
         return "CANCELLED", message
     if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
-        return "CANCELLED", f"cancelled; the run ended as {name}: {message}"
-    return "FAILED", message or name  # FAILED, CRASHED
+        return "CANCELLED", f"cancelled; the run ended as {name}: {reason_line(message)}"
+    return "FAILED", reason_line(message) or name  # FAILED, CRASHED

@@ -16,11 +16,11 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
+from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
 
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
@@ -110,19 +110,20 @@ class VLLMServer:
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool | None:
             if self._process.poll() is not None:
                 tail = self.log.read_text(errors="replace")[-2000:]
                 raise ModelLoadError(f"vllm serve exited with code {self._process.returncode}:\n{tail}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success:
-                    return
+                return True if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success else None
             except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ModelLoadError(f"vllm serve did not become healthy within {timeout:g}s (log: {self.log})")
+                return None
+
+        try:
+            wait_for(healthy, interval=1.0, timeout=timeout, what="vllm serve")
+        except TimeoutError:
+            self.stop()
+            raise ModelLoadError(f"vllm serve did not become healthy within {timeout:g}s (log: {self.log})") from None
 
     def alive(self) -> bool:
         return self._process.poll() is None

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.backend.rollout import Completion, SamplingParams
+from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 
 _UNSUPPORTED = ("tools", "functions", "logit_bias", "response_format", "logprobs", "top_logprobs", "echo", "best_of", "suffix")
@@ -278,11 +279,16 @@ def serve_in_thread(app: FastAPI, host: str, port: int = 0, model: str = "", eng
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="inference-server", daemon=True)
     thread.start()
-    deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the inference server on {host}:{sock.getsockname()[1]} did not start")
-        time.sleep(0.05)
+
+    def started() -> bool | None:
+        if not thread.is_alive():
+            raise RuntimeError(f"the inference server on {host}:{sock.getsockname()[1]} stopped while starting")
+        return True if server.started else None
+
+    try:
+        wait_for(started, interval=0.05, timeout=timeout, what="the inference server")
+    except TimeoutError:
+        raise RuntimeError(f"the inference server on {host}:{sock.getsockname()[1]} did not start") from None
     bound = sock.getsockname()[1]
     name = advertised_host(host)
     url = f"http://[{name}]:{bound}" if ":" in name else f"http://{name}:{bound}"

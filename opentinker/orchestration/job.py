@@ -19,7 +19,7 @@ from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, slot_limit, slots_for
-from opentinker.core.errors import one_line, plain
+from opentinker.core.errors import one_line
 from opentinker.core.settings import get_settings
 from opentinker.orchestration.actors import check_placeable
 from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner
@@ -110,9 +110,7 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
         try:
             yield context
         except Exception as err:
-            remote = getattr(err, "traceback_str", None)  # a Ray task's own traceback, as text
-            get_run_logger().error(f"job {context.job_id} failed" + (f"; in the Ray worker:\n{plain(remote)}" if remote else ""),
-                                   exc_info=True)
+            get_run_logger().error(f"job {context.job_id} failed", exc_info=True)  # with a Ray worker's traceback, if any
             raise JobError(f"job {context.job_id}: {one_line(err)}") from err
 
 

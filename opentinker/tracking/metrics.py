@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any
 
 from opentinker.core.trajectory import Trajectory
 

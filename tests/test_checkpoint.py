@@ -107,3 +107,39 @@ def test_lora_checkpoint_holds_a_loadable_peft_adapter(tmp_path, tiny_path):
     base, _ = load_model(TINY)
     restored = PeftModel.from_pretrained(base, f"{local}/adapter")
     assert any("lora_" in n for n, _ in restored.named_parameters())
+
+
+class _Payload:
+    """What a hostile checkpoint would carry: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_runs_nothing(tmp_path):
+    import hashlib
+    import io
+    import json
+
+    import torch
+
+    ref = ckpt.save_checkpoint(f"file://{tmp_path}", "evil", 1, weights={"w": torch.zeros(2)}, optimizer_state={"state": {}},
+                               state={"policy_version": 1, "env": {}})
+    folder = tmp_path / "evil" / "step-00000001"
+    marker = tmp_path / "pwned"
+    buffer = io.BytesIO()
+    torch.save({"state": {}, "x": _Payload(marker)}, buffer)
+    (folder / "optimizer.pt").write_bytes(buffer.getvalue())
+    manifest = json.loads((folder / "COMMIT.json").read_text())  # re-committed, as an attacker with write access would
+    manifest["files"]["optimizer.pt"] = len(buffer.getvalue())
+    manifest["sha256"]["optimizer.pt"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (folder / "COMMIT.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match="refused: optimizer.pt holds more than tensors and numbers"):
+        ckpt.load_checkpoint(ref.url)
+    assert not marker.exists()
+    assert not list(folder.glob("*.pt")) or all(p.name == "optimizer.pt" for p in folder.glob("*.pt"))  # RNG state is JSON

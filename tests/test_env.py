@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from envs.math import MathGame, parse_answer
+from envs.toy import UppercaseGame
 from opentinker.env import AbstractGame, GameEnvironment, StepResult
 from opentinker.environment.base_game import AbstractGame as RefAbstractGame
 from opentinker.environment.base_game import StepResult as RefStepResult
@@ -111,3 +112,72 @@ def test_math_generation_operations_and_few_shot():
     assert MathGame(few_shot=0).get_example_turns() == []
     with pytest.raises(ValueError):
         MathGame.generate_task(rng, operations=["^"])
+
+
+# --- the reference environment API in full: data-free games, generate_initial_state, job args ---
+
+
+class GuessGame(AbstractGame):
+    """Data-free, as in the reference design: reset draws its own start (no dataset, no generator)."""
+
+    def get_system_prompt(self) -> str:
+        return "Guess the number."
+
+    def reset(self, **kwargs) -> str:
+        import random
+
+        self.target = random.randint(1, 1000)
+        return f"I think of a number ({self.target % 7} mod 7)."
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(observation="", reward=float(action.strip() == str(self.target)), done=True)
+
+
+class StartStateGame(GuessGame):
+    """Its start comes from generate_initial_state(), drawn with the seeded generators."""
+
+    def generate_initial_state(self) -> dict:
+        import numpy as np
+
+        return {"target": int(np.random.randint(1, 1000))}
+
+    def reset(self, target: int = 0, **_) -> str:
+        self.target = target
+        return f"target {target}"
+
+
+def test_a_data_free_game_trains_from_seed_tasks_and_validates_reproducibly():
+    from opentinker.env.hosting import start_episode
+
+    env = GameEnvironment(GuessGame, {"val_size": 8})
+    val = env.validation_tasks()
+    assert len({t["__seed__"] for t in val}) == 8 and all(set(t) == {"__seed__"} for t in val)
+    train = env.train_tasks(50)
+    assert not {t["__seed__"] for t in train} & {t["__seed__"] for t in val}  # never a validation episode
+    first = [start_episode(env.make_game(), t) for t in val]
+    again = [start_episode(GameEnvironment(GuessGame, {"val_size": 8}).make_game(), t) for t in val]
+    assert first == again and len(set(first)) > 1  # the same validation episodes every time
+    assert env.epoch_size == 8
+
+
+def test_generate_initial_state_is_honoured():
+    from opentinker.env.hosting import start_episode
+
+    env = GameEnvironment(StartStateGame, {"val_size": 4})
+    starts = [start_episode(env.make_game(), t) for t in env.validation_tasks()]
+    assert starts == [start_episode(StartStateGame(), t) for t in env.validation_tasks()]
+    assert all(s.startswith("target ") and s != "target 0" for s in starts)
+
+
+def test_config_may_be_the_jobs_own_args():
+    import argparse
+
+    from opentinker.core.spec import parse_spec
+
+    args = {"model": {"name": "tiny-random"}, "rollout": {"group_size": 2}, "seed": 5,
+            "env": {"game": "envs.toy:UppercaseGame", "config": {"val_size": 3}}}
+    for config in (args, argparse.Namespace(**args), parse_spec(args)):
+        env = GameEnvironment(UppercaseGame, config=config, job_id="j")
+        assert len(env.validation_tasks()) == 3 and env.seed == 5 and env.generator_config == {}
+    bare = GameEnvironment(GuessGame, config={"model": {"name": "tiny-random"}, "seed": 1})  # job args, no env part
+    assert bare.generator_config == {} and len(bare.validation_tasks()) == 64

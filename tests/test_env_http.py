@@ -205,8 +205,8 @@ def test_game_errors_are_http_errors_and_the_server_lives_on():
         assert failed.status_code == 500 and failed.json() == {"detail": "RuntimeError: environment bug"}
         bad_kwargs = httpx.post(f"{url}/sessions", json={"game_kwargs": {"colour": 1}})
         assert bad_kwargs.status_code == 500 and bad_kwargs.json()["detail"].startswith("TypeError:")
-        no_generator = httpx.post(f"{url}/generate_task", json={"seed": 1})
-        assert no_generator.status_code == 501 and "has no task generator" in no_generator.json()["detail"]
+        no_generator = httpx.post(f"{url}/generate_task", json={"seed": 1})  # a data-free game: a seed task
+        assert no_generator.status_code == 200 and set(no_generator.json()["task"]) == {"__seed__"}
         assert httpx.post(f"{url}/generate_task", json={"config": {}}).status_code == 422  # neither seed nor rng_state
         assert httpx.get(f"{url}/health").json() == {"ok": True, "game": "RaisingGame", "sessions": 1}
 
@@ -214,8 +214,8 @@ def test_game_errors_are_http_errors_and_the_server_lives_on():
         game.reset()
         with pytest.raises(RemoteGameError, match=r"HTTP 500: RuntimeError: environment bug"):
             game.step("x")
-        with pytest.raises(RemoteGameError, match=r"HTTP 501: NotImplementedError"):
-            GameEnvironment(RemoteGameClass(url), {"val_size": 2})  # the job cannot start: said at once
+        served_env = GameEnvironment(RemoteGameClass(url), {"val_size": 2})  # data-free: seed tasks drawn by the server
+        assert len({t["__seed__"] for t in served_env.validation_tasks()}) == 2
     finally:
         served.stop()
     nan = Served(NanRewardGame)

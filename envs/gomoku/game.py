@@ -16,7 +16,7 @@ import numpy as np
 from envs.gomoku.board import BLACK, SYMBOLS, WHITE, Board
 from envs.gomoku.examples import game_example
 from envs.gomoku.opponents import OPPONENTS
-from opentinker.env import AbstractGame, StepResult
+from opentinker.env import AbstractGame, AbstractMatch, StepResult
 
 # Two integers of at most 4 digits (no int() of a huge number) joined by a comma or spaces, not
 # part of a longer word or decimal number.
@@ -51,7 +51,7 @@ def _side(player: int | str) -> int:
     return side
 
 
-class GomokuMatch:
+class GomokuMatch(AbstractMatch):
     """One board and whose turn it is: the primitive two players (or a model and a script) share.
 
     The text interface (`observation_for`, `apply`) never raises on bad model text; calling out

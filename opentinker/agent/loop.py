@@ -15,6 +15,7 @@ from opentinker.agent.chat import ChatFormat
 from opentinker.agent.guard import call_many_with_timeout, check_step_result
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.env.base import AbstractGame
+from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages
 from opentinker.core.trajectory import Trajectory
 
@@ -87,10 +88,7 @@ def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> 
     """PENDING: reset each game and tokenize its prompt once."""
 
     def reset(ep: Episode) -> list[dict[str, str]]:
-        observation = ep.game.reset(**ep.task)
-        if not isinstance(observation, str):
-            raise TypeError(f"reset returned {type(observation).__name__}, expected str")
-        return initial_messages(ep.game, observation)
+        return initial_messages(ep.game, start_episode(ep.game, ep.task))
 
     outcomes = call_many_with_timeout([(reset, (ep,), {}) for ep in episodes], limits.step_timeout_s)
     for ep, out in zip(episodes, outcomes):

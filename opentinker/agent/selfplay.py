@@ -7,35 +7,20 @@ board, an illegal-move message) enters as a chat-template observation delta with
 Moves of all matches waiting on the same seat are generated in one batch.
 
 Rewards are the match's zero-sum result, put on each player's last turn: +1 win, -1 loss, 0
-draw (`Match.result_for`). A match that breaks (its code raises) or runs out of turns/tokens is
+draw (`AbstractMatch.result_for`). A match that breaks (its code raises) or runs out of turns/tokens is
 a draw for everyone, with the reason in `info`; it never stops the other matches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from opentinker.agent.chat import ChatFormat
 from opentinker.agent.loop import EpisodeLimits
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.core.trajectory import Trajectory
-
-
-class Match(Protocol):
-    """What a multi-player environment offers the loop (text only, like AbstractGame)."""
-
-    players: tuple[str, ...]
-    current_player: str
-    finished: bool
-
-    def system_prompt(self, player: str) -> str: ...
-    def observation_for(self, player: str) -> str: ...
-    def apply(self, player: str, action: str) -> tuple[bool, str]: ...
-    def result_for(self, player: str) -> float: ...
-    def info_for(self, player: str) -> dict[str, Any]: ...
-    # Optional: `example_turns(player) -> list[message]`, example exchanges shown between the
-    # system prompt and the first observation (as AbstractGame.get_example_turns).
+from opentinker.env.base import AbstractMatch as Match
 
 
 @dataclass

@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     project: str = "default"
     """Prefix of MLflow experiment names, so several projects can share one server."""
 
+    game_allowlist: str = "envs"
+    """Comma-separated module prefixes whose games workers import (`env.game`); anything else is
+    refused before it is imported. Tenants' own games run in their process (the client link)."""
+
     @field_validator("state_dir")
     @classmethod
     def _absolute(cls, value: Path) -> Path:
@@ -76,6 +80,10 @@ class Settings(BaseSettings):
         if self.storage_url is None:
             self.storage_url = f"file://{self.state_dir / 'storage'}"
         return self
+
+    @property
+    def allowed_games(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.game_allowlist.split(",") if p.strip())
 
     @property
     def gateway_url(self) -> str:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+SEED_KEY = "__seed__"
+"""The one key of a data-free game's task: the seed its host sets before `reset` (see env.hosting)."""
+
 
 @dataclass
 class StepResult:
@@ -16,12 +19,23 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def seed_task(rng: Any) -> dict[str, Any]:
+    """A data-free episode's task: only a seed drawn from the environment's generator."""
+    return {SEED_KEY: int(rng.integers(2**31 - 1))}
+
+
 class AbstractGame:
     """One episode's game logic. A new instance serves each episode.
 
     `reset(**task)` receives one task from the environment's data source (e.g. a math problem)
     and returns the initial observation; when `get_initial_user_message` returns "" the
     observation is the first user message. `step(action)` receives the model's text.
+
+    Data: a static dataset needs nothing here; a game with generated tasks overrides
+    `generate_task`; a data-free game needs neither: its `reset()` draws its own start, from
+    Python's and numpy's generators (seeded per episode by its host, so validation episodes are
+    the same every time), optionally through `generate_initial_state()`, whose dict is passed to
+    `reset` as keyword arguments.
     """
 
     def get_system_prompt(self) -> str:
@@ -43,7 +57,44 @@ class AbstractGame:
     def close(self) -> None:
         """Release resources held by this episode."""
 
-    # Data: a game with generated tasks overrides `generate_task`; static datasets need neither.
     @classmethod
     def generate_task(cls, rng: Any, **config: Any) -> dict[str, Any]:
-        raise NotImplementedError(f"{cls.__name__} has no task generator: give the environment a dataset")
+        """One task (keyword arguments of `reset`) drawn from `rng`, a numpy Generator. The
+        default, for data-free games: a seed task."""
+        return seed_task(rng)
+
+
+class AbstractMatch:
+    """A game for several players, each seat a policy (self-play); text only, like AbstractGame.
+
+    `players` in turn order; `current_player` moves next until `finished`. `apply` never raises
+    on bad model text: it returns (legal, message), the message shown to that player when the
+    move was refused. `result_for` is the zero-sum result (+1 win, -1 loss, 0 draw), `info_for`
+    the player's counts. Optional: `example_turns(player)`, few-shot exchanges shown first.
+    """
+
+    players: tuple[str, ...]
+    current_player: str
+    finished: bool
+
+    def reset(self, **task: Any) -> str:
+        raise NotImplementedError
+
+    def system_prompt(self, player: str) -> str:
+        raise NotImplementedError
+
+    def observation_for(self, player: str) -> str:
+        raise NotImplementedError
+
+    def apply(self, player: str, action: str) -> tuple[bool, str]:
+        raise NotImplementedError
+
+    def result_for(self, player: str) -> float:
+        raise NotImplementedError
+
+    def info_for(self, player: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def generate_task(cls, rng: Any, **config: Any) -> dict[str, Any]:
+        return seed_task(rng)

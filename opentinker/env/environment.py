@@ -8,26 +8,35 @@ from typing import Any, Callable
 
 import numpy as np
 
-from opentinker.env.base import AbstractGame
+from opentinker.env.base import AbstractGame, AbstractMatch
 from opentinker.env.remote import UNAVAILABLE, RemoteGameClass
 
 # Keys GameEnvironment reads itself; every other key of the environment config goes to the
 # game's task generator.
-_OWN_KEYS = {"dataset", "data_path", "val_dataset", "val_data_path", "val_fraction", "val_size", "game_kwargs", "seed"}
+_OWN_KEYS = {"dataset", "data_path", "val_dataset", "val_data_path", "val_fraction", "val_size", "epoch_size", "game_kwargs", "seed"}
 
 
 def _env_config(config: Any) -> tuple[dict[str, Any], int]:
-    """Accept a JobSpec, a plain dict, or an argparse-style namespace, as the reference client does."""
+    """(environment config, seed) from what the reference client passes as `config`: the job's own
+    args (a JobSpec, a dict or an argparse/omegaconf namespace, whose `env.config` or `env_config`
+    is the environment's part), or an environment config given directly."""
     from opentinker.core.spec import JobSpec
+    from opentinker.core.spec_input import config_to_dict
 
     if isinstance(config, JobSpec):
         return dict(config.env.config), config.seed
     if config is None:
         return {}, 0
-    if not isinstance(config, dict):
-        config = dict(vars(config))
-    cfg = dict(config.get("env_config", config))
-    return cfg, int(cfg.get("seed", config.get("seed", 0)))
+    data = config_to_dict(config)
+    if isinstance(data.get("env"), dict):
+        cfg = dict(data["env"].get("config") or {})
+    elif "env_config" in data:
+        cfg = dict(data["env_config"] or {})
+    elif set(data) & (set(JobSpec.model_fields) - {"seed"}):  # job args without an environment part
+        cfg = {}
+    else:
+        cfg = data
+    return cfg, int(cfg.get("seed", data.get("seed", 0)))
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -46,7 +55,9 @@ class GameEnvironment:
 
     Data comes from a static dataset (`dataset` list or `data_path` JSONL; a `val_fraction` of it
     held out unless `val_data_path` is given) or, when neither is set, from the game's own
-    `generate_task(rng, **config)` with `val_size` held-out tasks the training stream never repeats.
+    `generate_task(rng, **config)` with `val_size` held-out tasks the training stream never repeats;
+    a data-free game (no generator) gets seed tasks, the validation seeds fixed by the job's seed.
+    An epoch is the training set, or `epoch_size` episodes (default `val_size`) without one.
     A served environment that cannot draw the validation set stops the job here; a training
     task it cannot draw later fails only its episodes (see `opentinker.env.remote`).
     """
@@ -79,6 +90,7 @@ class GameEnvironment:
             n_val = int(cfg.get("val_size", 64))
             self._validation = self._distinct_tasks(val_rng, n_val)
         self._val_keys = {_task_key(t) for t in self._validation}
+        self.epoch_size = len(self._static) if self._static is not None else int(cfg.get("epoch_size", cfg.get("val_size", 64)))
 
     # -- episodes -------------------------------------------------------------------------
     def make_game(self) -> AbstractGame:
@@ -130,27 +142,41 @@ class GameEnvironment:
         return f"GameEnvironment({name}, job_id={self.job_id!r}, validation={len(self._validation)})"
 
 
-def import_game(path: str) -> type[AbstractGame]:
-    """Resolve 'package.module:ClassName' into the class."""
+def import_game(path: str, allowed: tuple[str, ...] | None = None) -> type:
+    """Resolve 'package.module:ClassName' into an AbstractGame (or AbstractMatch) subclass.
+    With `allowed` (module prefixes, e.g. ("envs",)), a module outside them is refused before
+    anything is imported: importing runs code, and workers run only the operator's."""
     import importlib
 
     module_name, _, attr = path.partition(":")
     if not (module_name and attr):
         raise ValueError(f"env.game: {path!r} must look like 'package.module:ClassName'")
+    if allowed is not None and not any(module_name == p or module_name.startswith(p + ".") for p in allowed):
+        raise ValueError(f"env.game: {module_name!r} is not among the environments this service runs "
+                         f"({', '.join(f'{p}.*' for p in allowed)}); keep your game in your own process "
+                         "(ServiceClient.fit with a GameEnvironment) or serve it (opentinker env serve) and give env.url")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"env.game: cannot import module {module_name!r}: {err}") from None
     try:
-        return getattr(module, attr)
+        found = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"env.game: module {module_name!r} has no {attr!r}") from None
+    if not (isinstance(found, type) and issubclass(found, (AbstractGame, AbstractMatch))):
+        raise ValueError(f"env.game: {path} is not an AbstractGame subclass")
+    return found
 
 
 def environment_from_spec(spec: Any) -> GameEnvironment:
     """The spec's game: imported in-process (`env.game`) or served over HTTP (`env.url`)."""
+    from opentinker.core.settings import get_settings
+
     env = spec.env
-    game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries) if env.url else import_game(env.game)
+    if env.url:
+        game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries)
+    else:
+        game_class = import_game(env.game, get_settings().allowed_games)
     return GameEnvironment(game_class=game_class, config=spec, job_id=spec.job_id)
 
 

@@ -78,6 +78,8 @@ class RemoteGame(AbstractGame):
     """One episode on one shard. The session opens on first use, so creating a game never fails
     (the runtime creates games outside the episode guard)."""
 
+    hosted_elsewhere = True  # the server starts the episode (seeds, generate_initial_state)
+
     def __init__(self, shard: _Shard, game_kwargs: dict[str, Any]):
         self._shard = shard
         self._game_kwargs = game_kwargs

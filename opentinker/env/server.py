@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from opentinker.env.base import AbstractGame, StepResult
 from opentinker.env.environment import import_game
+from opentinker.env.hosting import start_episode
 
 # Bit generators a client may hand over by state; never an arbitrary attribute of numpy.random.
 _BIT_GENERATORS = {"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"}
@@ -104,10 +105,7 @@ def _prompts(game: AbstractGame) -> dict[str, Any]:
 
 
 def _reset(game: AbstractGame, task: dict[str, Any]) -> dict[str, Any]:
-    observation = game.reset(**task)
-    if not isinstance(observation, str):
-        raise TypeError(f"reset returned {type(observation).__name__}, expected str")
-    return {"observation": observation, **_prompts(game)}
+    return {"observation": start_episode(game, task), **_prompts(game)}
 
 
 def _step(game: AbstractGame, action: str) -> dict[str, Any]:

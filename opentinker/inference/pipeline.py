@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from opentinker.env.base import AbstractGame, StepResult
+from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages
 
 log = logging.getLogger(__name__)
@@ -138,10 +139,7 @@ class _Limits:
 def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServer, limits: _Limits) -> EpisodeRecord:
     record = EpisodeRecord(index=index, task=task)
     try:
-        observation = game.reset(**task)
-        if not isinstance(observation, str):
-            raise TypeError(f"reset returned {type(observation).__name__}, expected str")
-        record.messages = initial_messages(game, observation)
+        record.messages = initial_messages(game, start_episode(game, task))
         while True:
             answer = server.chat(record.messages, {"max_tokens": limits.max_tokens, **limits.sampling})
             choice, usage = answer["choices"][0], answer.get("usage") or {}

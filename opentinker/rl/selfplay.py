@@ -29,6 +29,7 @@ from opentinker.agent.coordinator import Coordinator
 from opentinker.agent.selfplay import Seat, play_matches
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.env import environment_from_spec
+from opentinker.env.hosting import start_episode
 from opentinker.core.ids import new_job_id
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
@@ -108,7 +109,7 @@ class SelfPlayJob:
         matches = []
         for task in expanded:
             match = self.env.make_game()
-            match.reset(**task)
+            start_episode(match, task)
             matches.append(match)
         records = play_matches(self.seats, matches, params, self.limits, groups)
         for engine in self.engines.values():  # the matches are over: free their states before the updates

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opentinker.env import GameEnvironment
+from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages
 
 
@@ -30,7 +31,7 @@ def game_chats(env: GameEnvironment, n: int, reply: Callable[[dict[str, Any]], s
             continue
         seen.add(key)
         game = env.make_game()
-        messages = initial_messages(game, game.reset(**task))
+        messages = initial_messages(game, start_episode(game, task))
         rows.append({"messages": messages + [{"role": "assistant", "content": reply(task)}]})
         if len(rows) == n:
             return rows

@@ -1,7 +1,9 @@
 """Checkpoints through fsspec, committed by a manifest written last.
 
-A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the trainable weights, the
-optimizer state, RNG states and a JSON state (step, policy version, data position). It counts
+A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the trainable weights
+(safetensors), the optimizer state (tensors and numbers, loaded with torch's weights-only
+unpickler), RNG states and a state (step, policy version, data position) as JSON: nothing in it
+is unpickled, so a checkpoint someone crafted cannot run code when it is loaded. It counts
 only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
 point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
 COMMIT.json also records each file's sha256, so a file changed after the commit (same size, other
@@ -10,9 +12,11 @@ bytes) makes loading fail with the URL and the file named instead of restoring g
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
+import pickle
 import random
 import re
 import time
@@ -63,13 +67,20 @@ def job_url(base_url: str, job_id: str) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Torch's, Python's and numpy's generator states as plain JSON (no pickle in a checkpoint)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+            "python": [version, list(internal), gauss],
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def save_checkpoint(
@@ -89,13 +100,12 @@ def save_checkpoint(
     if fs.exists(path):
         fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
     _makedirs(fs, path)
-    opt_buf, rng_buf = io.BytesIO(), io.BytesIO()
+    opt_buf = io.BytesIO()
     torch.save(optimizer_state, opt_buf)
-    torch.save(rng_state(), rng_buf)
     files = {
         "weights.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
         "optimizer.pt": opt_buf.getvalue(),
-        "rng.pt": rng_buf.getvalue(),
+        "rng.json": json.dumps(rng_state()).encode(),
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }
@@ -197,6 +207,12 @@ class LoadedCheckpoint:
     state: dict[str, Any]
 
 
+def _tensors_only(data: bytes) -> Any:
+    """An optimizer state saved by torch.save, loaded without running code: torch's weights-only
+    unpickler accepts tensors, numbers, strings and containers and refuses anything else."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 def load_checkpoint(url: str) -> LoadedCheckpoint:
     """Read a complete checkpoint; CheckpointError names the URL and the file when it is not usable."""
     fs, path = url_to_fs(url)
@@ -208,12 +224,15 @@ def load_checkpoint(url: str) -> LoadedCheckpoint:
         data = _verified(fs, path, url, manifest, name)
         try:
             return parse(data)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{url}: refused: {name} holds more than tensors and numbers (a pickle payload, which "
+                                  "could run code, is never loaded)") from err
         except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt file
             reason = (str(err).splitlines() or [""])[0]
             raise CheckpointError(f"{url} is not a complete checkpoint: {name} is corrupt ({type(err).__name__}: {reason})") from err
 
     weights = parsed("weights.safetensors", load_safetensors)
-    optimizer_state = parsed("optimizer.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
-    rng = parsed("rng.pt", lambda b: torch.load(io.BytesIO(b), weights_only=False))
+    optimizer_state = parsed("optimizer.pt", _tensors_only)
+    rng = parsed("rng.json", json.loads)
     state = parsed("state.json", json.loads)
     return LoadedCheckpoint(step=int(state["step"]), weights=weights, optimizer_state=optimizer_state, rng=rng, state=state)

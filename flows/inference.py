@@ -20,6 +20,7 @@ from opentinker.inference.launch import check_engine, launch
 from opentinker.inference.spec import InferenceSpec, endpoint_key
 from opentinker.storage.resolve import resolve_checkpoint
 from opentinker.core.settings import get_settings
+from opentinker.core.tokens import job_token
 
 
 def _publish(job_id: str, server: Any, checkpoint: str) -> None:
@@ -29,7 +30,7 @@ def _publish(job_id: str, server: Any, checkpoint: str) -> None:
     base = f"{server.url}/v1"
     markdown = (f"**Serving `{server.model}`** ({server.engine}) from `{checkpoint}`\n\n"
                 f"OpenAI base URL: [{base}]({base})\n\n"
-                f"```python\nfrom openai import OpenAI\nOpenAI(base_url=\"{base}\", api_key=\"none\")\n```")
+                f"```python\nfrom openai import OpenAI\nOpenAI(base_url=\"{base}\", api_key=<the job's api_key>)\n```")
     metadata = {"url": server.url, "openai_base_url": base, "model": server.model, "engine": server.engine, "checkpoint": checkpoint}
     with get_client(sync_client=True) as client:
         client.create_artifact(ArtifactCreate(
@@ -45,9 +46,11 @@ def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | No
     job_id = job_id or f"serve-{str(runtime.flow_run.id or 'local')[:8]}"
     checkpoint = resolve_checkpoint(spec.model_path)
     check_engine(spec)
-    with held_slots(spec.num_gpus):
+    with held_slots(spec.num_gpus, tenant):
         logger.info(f"loading {checkpoint} for engine {spec.engine_kind}")
-        server = launch(checkpoint, spec, get_settings().host, 0, name=job_id)
+        settings = get_settings()
+        server = launch(checkpoint, spec, settings.host, 0, name=job_id, max_tokens_cap=settings.max_tokens_cap,
+                        api_key=job_token(settings.stack_secret(), job_id))  # the tenant reads it from the job's status
         started = time.monotonic()
         try:
             if runtime.flow_run.id is not None:

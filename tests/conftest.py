@@ -8,6 +8,9 @@ import torch
 pytest_plugins = ["tests.stack_fixtures", "tests.s3_fixtures"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The secret that signs job tokens, for the whole session (the stack's services inherit it): no
+# test writes a secret file into a developer's state folder.
+os.environ.setdefault("OPENTINKER_SECRET", "opentinker-test-secret")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -14,7 +14,12 @@ from tests.stack_fixtures import free_ports
 
 
 def _serve(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "env", "serve", "envs.toy:UppercaseGame", "--port", str(port)],
+    """The server answers only the jobs whose tokens it was given (both jobs of this module)."""
+    from opentinker.core.settings import get_settings
+    from opentinker.core.tokens import job_token
+
+    tokens = [arg for job in ("served", "served-outage") for arg in ("--token", job_token(get_settings().stack_secret(), job))]
+    proc = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "env", "serve", "envs.toy:UppercaseGame", "--port", str(port), *tokens],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -87,8 +87,9 @@ def test_reference_inference_workflow_reproduces_the_jobs_evaluation(service, tr
     assert job_result["model_path"] == final["checkpoint"]  # the job folder resolved to its latest step
     assert _slots() == before + 1  # held while it serves
 
-    # The OpenAI Python client talks to it unchanged.
-    client = OpenAI(base_url=job_result["openai_base_url"], api_key="unused")
+    # The OpenAI Python client talks to it unchanged, with the job's token as its key; without it, 401.
+    assert httpx.get(f"{vllm_server_url}/v1/models", timeout=10).status_code == 401
+    client = OpenAI(base_url=job_result["openai_base_url"], api_key=job_result["api_key"])
     assert [m.id for m in client.models.list()] == [job_id]
     reply = client.chat.completions.create(model=job_id, messages=[{"role": "user", "content": "Say something."}], max_tokens=4, temperature=0)
     assert reply.choices[0].message.content is not None

@@ -14,7 +14,6 @@ a draw for everyone, with the reason in `info`; it never stops the other matches
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from opentinker.agent.chat import ChatFormat
 from opentinker.agent.loop import EpisodeLimits

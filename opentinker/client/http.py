@@ -48,7 +48,7 @@ def default_url() -> str:
 class Gateway:
     def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0):
         self.url = (url or default_url()).rstrip("/")
-        key = api_key or os.environ.get("OPENTINKER_API_KEY")
+        key = self.api_key = api_key or os.environ.get("OPENTINKER_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, trust_env=False)
 

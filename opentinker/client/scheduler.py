@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from opentinker.client.http import Gateway, JobFailed
+from opentinker.core.credentials import remember
 from opentinker.core.polling import wait_for
 from opentinker.core.spec_input import config_to_dict
 from opentinker.core.states import TERMINAL
@@ -69,6 +70,8 @@ class InferenceSchedulerClient(SchedulerClient):
         def serving() -> dict[str, Any] | None:
             nonlocal status
             if status.get("vllm_server_url"):
+                if status.get("api_key"):  # run_inference(vllm_server_url=...) finds it there
+                    remember(status["vllm_server_url"], status["api_key"])
                 return status
             if status["state"] in TERMINAL:
                 raise JobFailed(status)

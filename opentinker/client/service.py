@@ -1,13 +1,20 @@
 """ServiceClient: attach an environment to a submitted job and train it synchronously, with
-live metrics, as the reference design's `client.set_config(args, env); client.fit(env=…)`."""
+live metrics, as the reference design's `client.set_config(args, env); client.fit(env=…)`.
+
+A game the service cannot import (the user's own class) stays in this process: `fit` opens the
+client link to the gateway (a WebSocket; no port is opened here) and serves the job's episodes
+while it follows the job. If this process stops, the job waits `env.link_timeout_s` for it:
+`fit()` again, with the same environment, reconnects and the job goes on.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from opentinker.client.environment import env_section
+from opentinker.client.environment import env_section, hosted_game
 from opentinker.client.http import Gateway, GatewayError, JobFailed
+from opentinker.client.link import EnvironmentLink
 from opentinker.core.polling import wait_for
 from opentinker.core.spec_input import config_to_dict
 from opentinker.core.states import TERMINAL
@@ -21,19 +28,24 @@ class ServiceClient:
         base, sep, job_id = server_url.rstrip("/").rpartition("/v1/jobs/")
         if not sep or not job_id:
             raise ValueError(f"server_url {server_url!r} is not a job URL (…/v1/jobs/<job_id>)")
-        self.job_id = job_id
+        self.job_id, self.api_key = job_id, api_key
         self._gateway = Gateway(base, api_key)
         self._config: dict[str, Any] = {}
-        self._env: dict[str, Any] | None = None
+        self._env: Any = None
+        self.link: EnvironmentLink | None = None
 
     def set_config(self, args: Any, env: Any = None) -> None:
         """Remember the job config and its environment for `fit` (nothing is sent yet)."""
         self._config = config_to_dict(args)
         if env is not None:
-            self._env = env_section(env, args)
+            self._env = env
 
     def status(self) -> dict[str, Any]:
         return self._gateway.request("GET", f"/v1/jobs/{self.job_id}")
+
+    def _section(self) -> dict[str, Any]:
+        allowed = tuple(self._gateway.request("GET", "/v1/whoami").get("game_allowlist") or ("envs",))
+        return env_section(self._env, self._config or None, allowed)
 
     def fit(self, env: Any = None, num_epochs: float | None = None, num_steps: int | None = None,
             poll: float = 2.0, progress: bool = True) -> dict[str, Any]:
@@ -44,22 +56,32 @@ class ServiceClient:
         """
         status = self.status()
         if env is not None:
-            self._env = env_section(env, self._config or None)
-        if status["state"] == "QUEUED" and status.get("reason", "") and "fit()" in status["reason"]:
-            if self._env is None:
-                raise ValueError("this job has no environment yet: fit(env=GameEnvironment(...)) or set_config(args, env)")
-            steps = num_steps if num_steps is not None else self._steps_for_epochs(env, num_epochs)
-            self._gateway.request("POST", f"/v1/jobs/{self.job_id}/start", json={"env": self._env, "steps": steps})
-        return self._follow(poll, progress)
+            self._env = env
+        section = self._section() if self._env is not None else None
+        waiting = status["state"] == "QUEUED" and "fit()" in (status.get("reason") or "")
+        if waiting and section is None:
+            raise ValueError("this job has no environment yet: fit(env=GameEnvironment(...)) or set_config(args, env)")
+        if section is not None and section.get("link") and status["state"] not in TERMINAL:
+            self.link = EnvironmentLink(self._gateway.url, self.api_key or self._gateway.api_key, self.job_id,
+                                        *hosted_game(self._env)).open()
+        try:
+            if waiting:
+                steps = num_steps if num_steps is not None else self._steps_for_epochs(self._env, num_epochs)
+                self._gateway.request("POST", f"/v1/jobs/{self.job_id}/start", json={"env": section, "steps": steps})
+            return self._follow(poll, progress)
+        finally:
+            if self.link is not None:
+                self.link.close()
 
     def _steps_for_epochs(self, env: Any, num_epochs: float | None) -> int | None:
+        """An epoch is the training set, or `epoch_size` episodes for a game without one."""
         if num_epochs is None:
             return None
-        n_train = len(getattr(env, "_static", None) or [])
-        if not n_train:
-            raise ValueError("num_epochs needs a static dataset (generated tasks have no epoch): pass num_steps")
+        size = getattr(env, "epoch_size", None)
+        if not size:
+            raise ValueError("num_epochs needs a GameEnvironment (its epoch_size): pass num_steps")
         prompts = int((self._config.get("rollout") or {}).get("prompts_per_step", 8))
-        return max(1, math.ceil(num_epochs * n_train / prompts))
+        return max(1, math.ceil(num_epochs * size / prompts))
 
     def _follow(self, poll: float, progress: bool) -> dict[str, Any]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

@@ -71,6 +71,17 @@ def slot_limit(pool: str) -> str:
     return f"slots-{pool}"
 
 
+def tenant_limit(tenant: str) -> str:
+    """The global concurrency limit that bounds a tenant's running jobs."""
+    return f"tenant-{tenant}"
+
+
+def ensure_tenant_limit(tenant: str, running: int) -> None:
+    """Create (or resize) the tenant's running-jobs limit before its job is queued."""
+    with prefect_client() as client:
+        client.upsert_global_concurrency_limit_by_name(tenant_limit(tenant), running)
+
+
 def capacity(settings: Settings, pool: str) -> int:
     if pool == "gpu":
         return settings.gpu_slots if settings.gpu_slots is not None else detect_gpus()

@@ -58,6 +58,27 @@ class Settings(BaseSettings):
     project: str = "default"
     """Prefix of MLflow experiment names, so several projects can share one server."""
 
+    secret: str | None = None
+    """Signs job tokens (opentinker.core.tokens); None: the file <state_dir>/secret, created
+    (owner-only) on first use. Every machine of one stack needs the same one."""
+
+    model_dir: Path | None = None
+    """The operator's folder of local models: a tenant's `model.name` that is not a known name must
+    be a folder in here. None: <state_dir>/models."""
+
+    max_request_bytes: int = Field(16 * 1024**2, gt=0)
+    """Largest request body the gateway, inference and environment servers accept (413 beyond)."""
+
+    max_tokens_cap: int = Field(2048, gt=0)
+    """Inference servers generate at most this many tokens per completion (also the default
+    when a request gives no max_tokens)."""
+
+    tenant_max_queued: int = Field(20, ge=0)
+    """Jobs a tenant may have waiting at once; one more is refused (429)."""
+
+    tenant_max_running: int = Field(4, ge=0)
+    """Jobs of one tenant that run at once; the others wait in the queue."""
+
     game_allowlist: str = "envs"
     """Comma-separated module prefixes whose games workers import (`env.game`); anything else is
     refused before it is imported. Tenants' own games run in their process (the client link)."""
@@ -80,6 +101,27 @@ class Settings(BaseSettings):
         if self.storage_url is None:
             self.storage_url = f"file://{self.state_dir / 'storage'}"
         return self
+
+    def stack_secret(self) -> str:
+        """The secret that signs job tokens (see `secret`)."""
+        if self.secret:
+            return self.secret
+        import os
+        import secrets
+
+        path = self.state_dir / "secret"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(48))
+            os.replace(tmp, path) if not path.exists() else tmp.unlink()
+        return path.read_text().strip()
+
+    @property
+    def models_folder(self) -> Path:
+        return (self.model_dir or self.state_dir / "models").expanduser().resolve()
 
     @property
     def allowed_games(self) -> tuple[str, ...]:

@@ -203,13 +203,17 @@ class RegistrySpec(Section):
 
 
 class EnvSpec(Section):
-    """Where episodes are played: a game class imported in-process (`game`) or a served
-    environment (`url`, see `opentinker env serve`). Exactly one of the two."""
+    """Where episodes are played. Exactly one of: a shipped game class imported on the worker
+    (`game`), a served environment (`url`, see `opentinker env serve`), or a game in the user's
+    own process reached through the client link (`link`: the game's name; `ServiceClient.fit`
+    sets it when it hosts the game)."""
 
     game: str | None = Field(None, description="import path of an AbstractGame subclass, 'package.module:ClassName'")
     url: str | list[str] | None = Field(None, description="base URL of a served environment, or a list of shards")
-    timeout_s: float = Field(30.0, gt=0, description="env.url: seconds per HTTP request")
+    link: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$", description="name of a game hosted by the client through the gateway")
+    timeout_s: float = Field(30.0, gt=0, description="env.url / env.link: seconds per call")
     retries: int = Field(2, ge=0, description="env.url: retries of a request that did not get through (a step that was sent is never re-sent)")
+    link_timeout_s: float = Field(300.0, gt=0, description="env.link: how long the job waits for its client to (re)connect before it fails")
     config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
 
     @field_validator("game")
@@ -231,19 +235,20 @@ class EnvSpec(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvSpec:
-        if (self.game is None) == (self.url is None):
-            raise ValueError("give exactly one of env.game (a class run in-process) or env.url (a served environment)")
+        if sum(x is not None for x in (self.game, self.url, self.link)) != 1:
+            raise ValueError("give exactly one of env.game (a shipped game run on the worker), env.url (a served "
+                             "environment) or env.link (a game in your process, set by ServiceClient.fit)")
         return self
 
     @property
     def urls(self) -> list[str]:
-        """The shards of a served environment (empty for an in-process game)."""
+        """The shards of a served environment (empty otherwise)."""
         return [self.url] if isinstance(self.url, str) else list(self.url or [])
 
     @property
     def label(self) -> str:
-        """What to show for this environment: the import path or the URL(s)."""
-        return self.game or ", ".join(self.urls)
+        """What to show for this environment: the import path, the URL(s) or the linked game."""
+        return self.game or (f"link:{self.link}" if self.link else ", ".join(self.urls))
 
 
 class BaseJobSpec(Section):

@@ -73,6 +73,9 @@ class GameEnvironment:
 
         train = cfg.get("dataset") or (_read_jsonl(cfg["data_path"]) if cfg.get("data_path") else None)
         val = cfg.get("val_dataset") or (_read_jsonl(cfg["val_data_path"]) if cfg.get("val_data_path") else None)
+        # The same config with files read in: what a job elsewhere needs to draw the same tasks.
+        self.portable_config = {k: v for k, v in cfg.items() if k not in ("data_path", "val_data_path")}
+        self.portable_config |= {k: list(v) for k, v in (("dataset", train), ("val_dataset", val)) if v is not None}
         self._static: list[dict[str, Any]] | None = None
         if train is not None:
             train = list(train)
@@ -168,16 +171,28 @@ def import_game(path: str, allowed: tuple[str, ...] | None = None) -> type:
     return found
 
 
-def environment_from_spec(spec: Any) -> GameEnvironment:
-    """The spec's game: imported in-process (`env.game`) or served over HTTP (`env.url`)."""
+def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironment:
+    """The spec's game: a shipped class imported here (`env.game`, only from the operator's
+    allowlist), a served environment (`env.url`) or the user's own process through the gateway
+    (`env.link`). The job shows its job token to both of the latter."""
     from opentinker.core.settings import get_settings
+    from opentinker.core.tokens import job_token
 
-    env = spec.env
-    if env.url:
-        game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries)
+    env, settings = spec.env, get_settings()
+    job_id = job_id or spec.job_id
+    if env.game:
+        game_class = import_game(env.game, settings.allowed_games)
     else:
-        game_class = import_game(env.game, get_settings().allowed_games)
-    return GameEnvironment(game_class=game_class, config=spec, job_id=spec.job_id)
+        token = job_token(settings.stack_secret(), job_id) if job_id else None
+        if env.url:
+            game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries, token)
+        else:
+            from opentinker.env.linked import LinkedGameClass
+
+            if not job_id:
+                raise ValueError("env.link: a linked game needs the job's id")
+            game_class = LinkedGameClass(settings.gateway_url, job_id, token, env.link, env.timeout_s, env.link_timeout_s)
+    return GameEnvironment(game_class=game_class, config=spec, job_id=job_id)
 
 
 def save_dataset(tasks: list[dict[str, Any]], path: str | Path) -> None:

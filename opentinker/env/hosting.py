@@ -1,5 +1,6 @@
-"""Starting an episode the way every host does it: in the job's process, in an environment
-server, or in the user's own process behind the client link.
+"""Hosting games: what every host does the same way, in the job's process, in an environment
+server (opentinker.env.server), or in the user's own process behind the client link
+(opentinker.client.link): start an episode, step it, draw a task, and answer in plain JSON.
 
 A data-free game's task is only a seed (`SEED_KEY`): the host seeds Python's and numpy's
 generators with it, draws the start from `generate_initial_state()` when the game defines one
@@ -11,11 +12,17 @@ same seed gives the same episode: validation is reproducible.
 from __future__ import annotations
 
 import inspect
+import json
 import random
 import threading
 from typing import Any
 
-from opentinker.env.base import SEED_KEY
+import numpy as np
+
+from opentinker.env.base import SEED_KEY, AbstractGame, StepResult
+
+# Bit generators a caller may hand over by state; never an arbitrary attribute of numpy.random.
+BIT_GENERATORS = {"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"}
 
 _SEEDED = threading.Lock()
 
@@ -47,8 +54,6 @@ def start_episode(game: Any, task: dict[str, Any]) -> str:
         seed = int(task.pop(SEED_KEY))
         with _SEEDED:
             random.seed(seed)
-            import numpy as np
-
             np.random.seed(seed % 2**32)
             initial = getattr(game, "generate_initial_state", None)
             if initial is not None and not task and _keywords(game.reset) != (set(), False):
@@ -60,3 +65,51 @@ def start_episode(game: Any, task: dict[str, Any]) -> str:
     if not isinstance(observation, str):
         raise TypeError(f"reset returned {type(observation).__name__}, expected str")
     return observation
+
+
+def plain_json(value: Any) -> Any:
+    """JSON-safe copy of what game code returned (numpy scalars and arrays included); a NaN
+    fails here, where the caller turns it into one failed episode."""
+
+    def default(x: Any) -> Any:
+        if isinstance(x, (np.generic, np.ndarray)):
+            return x.tolist()
+        raise TypeError(f"{type(x).__name__} is not JSON serializable")
+
+    return json.loads(json.dumps(value, default=default, allow_nan=False))
+
+
+def generator_from_state(state: dict[str, Any]) -> np.random.Generator:
+    """A numpy Generator continuing a caller's generator (ValueError for anything else)."""
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    if name not in BIT_GENERATORS:
+        raise ValueError(f"unknown bit generator {name!r}")
+    bit_generator = getattr(np.random, name)()
+    try:
+        bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"invalid rng_state: {err}") from None
+    return np.random.Generator(bit_generator)
+
+
+def prompts_of(game: AbstractGame) -> dict[str, Any]:
+    """Sent after every reset, since a prompt may depend on the task."""
+    return plain_json({"system_prompt": game.get_system_prompt(), "initial_user_message": game.get_initial_user_message(),
+                       "example_turns": game.get_example_turns()})
+
+
+def reset_reply(game: AbstractGame, task: dict[str, Any]) -> dict[str, Any]:
+    return {"observation": start_episode(game, task), **prompts_of(game)}
+
+
+def step_reply(game: AbstractGame, action: str) -> dict[str, Any]:
+    result = game.step(action)
+    if not isinstance(result, StepResult):
+        raise TypeError(f"step returned {type(result).__name__}, expected StepResult")
+    return plain_json({"observation": result.observation, "reward": result.reward, "done": result.done, "info": result.info})
+
+
+def generate_reply(game_class: Any, rng: np.random.Generator, config: dict[str, Any]) -> dict[str, Any]:
+    """A task drawn by the game's generator, and the generator's state after it (the caller
+    continues from there, so a hosted game draws the same stream as one in the job's process)."""
+    return {"task": plain_json(game_class.generate_task(rng, **config)), "rng_state": rng.bit_generator.state}

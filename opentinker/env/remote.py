@@ -49,11 +49,12 @@ def _detail(response: httpx.Response) -> str:
 class _Shard:
     """One environment server: a pooled HTTP client with retries and readable errors."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int):
+    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None = None):
         self.url = url.rstrip("/")
         self.retries = retries
         self.timeout_s = timeout_s
-        self.client = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False, retries: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         where = f"{method} {self.url}{path}"
@@ -128,11 +129,11 @@ class RemoteGame(AbstractGame):
 class RemoteGameClass:
     """A served environment in the place of a game class; several URLs are shards of one game."""
 
-    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2):
+    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("env.url: give at least one URL")
-        self.shards = [_Shard(url, timeout_s, retries) for url in urls]
+        self.shards = [_Shard(url, timeout_s, retries, token) for url in urls]
         self.__name__ = f"RemoteGame({', '.join(s.url for s in self.shards)})"
         self._turn = itertools.count()  # next() on a count is atomic: safe from many threads
 

@@ -14,7 +14,6 @@ answers HTTP 500 `{"detail": "<ExcType>: message"}` and the server keeps serving
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
 from collections.abc import Callable
@@ -24,12 +23,11 @@ import numpy as np
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field, model_validator
 
-from opentinker.env.base import AbstractGame, StepResult
+from opentinker.core.asgi import BearerToken, BodyLimit
+from opentinker.env.base import AbstractGame
 from opentinker.env.environment import import_game
-from opentinker.env.hosting import start_episode
+from opentinker.env.hosting import generate_reply, generator_from_state, prompts_of, reset_reply, step_reply
 
-# Bit generators a client may hand over by state; never an arbitrary attribute of numpy.random.
-_BIT_GENERATORS = {"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"}
 
 
 class NewSession(BaseModel):
@@ -59,18 +57,6 @@ class GenerateTask(BaseModel):
         return self
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe copy of what game code returned (numpy scalars and arrays included); a NaN
-    fails here, inside the guard, rather than while the response is rendered."""
-
-    def default(x: Any) -> Any:
-        if isinstance(x, (np.generic, np.ndarray)):
-            return x.tolist()
-        raise TypeError(f"{type(x).__name__} is not JSON serializable")
-
-    return json.loads(json.dumps(value, default=default, allow_nan=False))
-
-
 def _guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run game code; its failure becomes the HTTP error the client reports for one episode."""
     try:
@@ -84,35 +70,10 @@ def _guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _generator(req: GenerateTask) -> np.random.Generator:
     if req.rng_state is None:
         return np.random.default_rng(req.seed)
-    name = req.rng_state.get("bit_generator")
-    if name not in _BIT_GENERATORS:
-        raise HTTPException(400, f"unknown bit generator {name!r}")
-    bit_generator = getattr(np.random, name)()
     try:
-        bit_generator.state = req.rng_state
-    except (TypeError, ValueError, KeyError) as err:
-        raise HTTPException(400, f"invalid rng_state: {err}") from None
-    return np.random.Generator(bit_generator)
-
-
-def _prompts(game: AbstractGame) -> dict[str, Any]:
-    """Sent after creation and after every reset, since a prompt may depend on the task."""
-    return _plain({
-        "system_prompt": game.get_system_prompt(),
-        "initial_user_message": game.get_initial_user_message(),
-        "example_turns": game.get_example_turns(),
-    })
-
-
-def _reset(game: AbstractGame, task: dict[str, Any]) -> dict[str, Any]:
-    return {"observation": start_episode(game, task), **_prompts(game)}
-
-
-def _step(game: AbstractGame, action: str) -> dict[str, Any]:
-    result = game.step(action)
-    if not isinstance(result, StepResult):
-        raise TypeError(f"step returned {type(result).__name__}, expected StepResult")
-    return _plain({"observation": result.observation, "reward": result.reward, "done": result.done, "info": result.info})
+        return generator_from_state(req.rng_state)
+    except ValueError as err:
+        raise HTTPException(400, str(err)) from None
 
 
 class _Sessions:
@@ -140,7 +101,9 @@ class _Sessions:
             return len(self._games)
 
 
-def create_app(game_class: type[AbstractGame]) -> FastAPI:
+def create_app(game_class: type[AbstractGame], tokens: list[str] | None = None, max_request_bytes: int = 1024**2):
+    """The app for `game_class`. With `tokens`, every request but /health must carry one of them
+    (`Authorization: Bearer …`: a job sends its job token); bodies over `max_request_bytes` get 413."""
     if not (isinstance(game_class, type) and issubclass(game_class, AbstractGame)):
         raise TypeError(f"{game_class!r} is not an AbstractGame subclass")
     name = game_class.__name__
@@ -154,16 +117,16 @@ def create_app(game_class: type[AbstractGame]) -> FastAPI:
     @app.post("/sessions")
     def new_session(req: NewSession) -> dict[str, Any]:
         game = _guarded(game_class, **req.game_kwargs)
-        prompts = _guarded(_prompts, game)
+        prompts = _guarded(prompts_of, game)
         return {"session_id": sessions.add(game), **prompts}
 
     @app.post("/sessions/{session_id}/reset")
     def reset(session_id: str, req: Reset) -> dict[str, Any]:
-        return _guarded(_reset, sessions.get(session_id), req.task)
+        return _guarded(reset_reply, sessions.get(session_id), req.task)
 
     @app.post("/sessions/{session_id}/step")
     def step(session_id: str, req: Step) -> dict[str, Any]:
-        return _guarded(_step, sessions.get(session_id), req.action)
+        return _guarded(step_reply, sessions.get(session_id), req.action)
 
     @app.delete("/sessions/{session_id}")
     def close(session_id: str) -> dict[str, Any]:
@@ -172,15 +135,15 @@ def create_app(game_class: type[AbstractGame]) -> FastAPI:
 
     @app.post("/generate_task")
     def generate_task(req: GenerateTask) -> dict[str, Any]:
-        rng = _generator(req)
-        task = _guarded(lambda: _plain(game_class.generate_task(rng, **req.config)))
-        return {"task": task, "rng_state": rng.bit_generator.state}
+        return _guarded(generate_reply, game_class, _generator(req), req.config)
 
-    return app
+    guarded = BodyLimit(app, max_request_bytes)
+    return BearerToken(guarded, lambda: tokens) if tokens else guarded
 
 
-def serve(game_path: str, host: str = "127.0.0.1", port: int = 8300) -> None:
-    """Import 'package.module:ClassName' and serve it until interrupted."""
+def serve(game_path: str, host: str = "127.0.0.1", port: int = 8300, tokens: list[str] | None = None) -> None:
+    """Import 'package.module:ClassName' (the user's own code: no allowlist here) and serve it until
+    interrupted; `tokens`: the job tokens it answers (None: anyone who reaches it)."""
     import uvicorn
 
-    uvicorn.run(create_app(import_game(game_path)), host=host, port=port, access_log=False)
+    uvicorn.run(create_app(import_game(game_path), tokens), host=host, port=port, access_log=False)

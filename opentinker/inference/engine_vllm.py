@@ -93,7 +93,7 @@ class VLLMServer:
     engine = "vllm"
 
     def __init__(self, checkpoint_url: str, host: str, port: int, name: str, workdir: Path,
-                 num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0):
+                 num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None):
         from opentinker.inference.server import advertised_host
 
         self.model = name
@@ -103,6 +103,8 @@ class VLLMServer:
                    *model_args(checkpoint_url, workdir, name), "--host", host, "--port", str(port)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
+        if api_key:  # vLLM then asks every /v1 request for it
+            command += ["--api-key", api_key]
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
         with self.log.open("ab") as out:

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from opentinker.core.credentials import token_for
 from opentinker.env.base import AbstractGame, StepResult
 from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages
@@ -88,7 +89,7 @@ class ChatServer:
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout_s: float = 300.0):
         root = url.rstrip("/")
         self.base = root if root.endswith("/v1") else f"{root}/v1"
-        key = api_key or os.environ.get("OPENAI_API_KEY")
+        key = api_key or token_for(url) or os.environ.get("OPENAI_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout_s, trust_env=False)
         self.model = model or self._pick_model()

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.backend.rollout import Completion, SamplingParams
+from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 
@@ -129,8 +130,12 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(engine: HFEngine, model_name: str) -> FastAPI:
-    """The API for one served model; `model_name` is the id clients put in `model`."""
+def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, max_tokens_cap: int = 2048,
+               max_request_bytes: int = 16 * 1024**2):
+    """The API for one served model; `model_name` is the id clients put in `model`. With
+    `api_key` (an inference job's token) every request but /health must carry it (401); a
+    completion is at most `max_tokens_cap` tokens (the default when a request gives none; more is a
+    400); bodies over `max_request_bytes` get 413."""
     app = FastAPI(title=f"OpenTinker inference: {model_name}")
     created = int(time.time())
 
@@ -154,8 +159,11 @@ def create_app(engine: HFEngine, model_name: str) -> FastAPI:
                 raise OpenAIError(400, f"`{name}` is not supported by this server", param=name)
 
     def budgets(prompts: list[list[int]], req: _Sampling, param: str) -> list[int]:
+        asked = req.limit()
+        if asked is not None and asked > max_tokens_cap:
+            raise OpenAIError(400, f"max_tokens: {asked} is over this server's limit of {max_tokens_cap}", param="max_tokens")
         try:
-            return [engine.budget(len(p), req.limit()) for p in prompts]
+            return [min(engine.budget(len(p), asked), max_tokens_cap) for p in prompts]
         except ContextLengthError as err:
             raise OpenAIError(400, str(err), param=param, code="context_length_exceeded") from None
 
@@ -234,7 +242,8 @@ def create_app(engine: HFEngine, model_name: str) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return app
+    guarded = BodyLimit(app, max_request_bytes)
+    return BearerToken(guarded, lambda: [api_key], open_paths=("/health",)) if api_key else guarded
 
 
 # --- running it ------------------------------------------------------------------------------
@@ -266,7 +275,7 @@ def advertised_host(host: str) -> str:
     return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host
 
 
-def serve_in_thread(app: FastAPI, host: str, port: int = 0, model: str = "", engine: str = "hf",
+def serve_in_thread(app: Any, host: str, port: int = 0, model: str = "", engine: str = "hf",
                     close: Any = None, timeout: float = 60.0) -> RunningServer:
     """Run `app` with uvicorn in a daemon thread on `host:port` (0: a free port, bound here, so no
     other process can take it in between); returns once it accepts connections."""

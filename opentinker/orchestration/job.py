@@ -18,7 +18,7 @@ from typing import Any
 from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, slot_limit, slots_for
+from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
 from opentinker.core.errors import one_line
 from opentinker.core.settings import get_settings
 from opentinker.orchestration.actors import check_placeable
@@ -51,21 +51,26 @@ def ray_runner() -> SettingsOnceRayTaskRunner:
 
 
 @contextmanager
-def held_slots(num_gpus: float) -> Iterator[None]:
-    """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit.
+def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
+    """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit,
+    and for a tenant's job first one slot of the tenant's running-jobs limit.
 
     Only deployment runs take slots (the scheduler's runs); a direct call, as in a notebook or a
-    benchmark, runs unscheduled. The lease is renewed while the run lives and expires a minute
+    benchmark, runs unscheduled. The leases are renewed while the run lives and expire a minute
     after a crash; the flow-run tag tells clients the job left the queue.
     """
     if runtime.deployment.id is None:
         yield
         return
-    from prefect.client.orchestration import get_client
+    from contextlib import ExitStack
+
     from prefect.concurrency.sync import concurrency
 
-    with concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus), strict=True, lease_duration=60):
-        with get_client(sync_client=True) as client:
+    with ExitStack() as held:
+        if tenant:
+            held.enter_context(concurrency(tenant_limit(tenant), occupy=1, strict=True, lease_duration=60))
+        held.enter_context(concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus), strict=True, lease_duration=60))
+        with prefect_client() as client:
             run = client.read_flow_run(runtime.flow_run.id)
             client.update_flow_run(run.id, tags=[*run.tags, SLOTS_HELD_TAG])
         yield
@@ -104,7 +109,7 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
     check_mlflow(settings.mlflow_url)
     check_job_storage(spec)
     check_placeable(spec)
-    with held_slots(spec.resources.num_gpus):
+    with held_slots(spec.resources.num_gpus, tenant):
         flow_run_id = str(runtime.flow_run.id or "local")
         context = JobContext(job_id or spec.job_id or f"job-{flow_run_id[:8]}", flow_run_id, tenant or settings.project)
         try:
@@ -133,7 +138,8 @@ def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tra
             checkpoint_url=url, model_name=model_name, job_id=job.job_id, kind=kind, spec_data=spec_data,
             base_model=base_model, environment=environment,
             flow_run_id=job.flow_run_id if job.flow_run_id != "local" else None, mlflow_run_id=tracker.run_id,
-            tracking_uri=tracker.tracking_uri, eval_env=eval_env, artifact_folder=f"final-{agent}" if agent else "final")
+            tracking_uri=tracker.tracking_uri, eval_env=eval_env, artifact_folder=f"final-{agent}" if agent else "final",
+            tenant=tenant)
     except (RegistryError, ValueError) as err:
         raise RegistryError(f"job {job.job_id}: training finished and checkpoint {url} is saved, but {err}; "
                             "re-running the same job id registers it without training again") from err

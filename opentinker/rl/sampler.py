@@ -57,7 +57,7 @@ class Sampler:
         self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, r.prompts_per_step * r.group_size),
                                       prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0)  # one turn: nothing to reuse
         self.chat = ChatFormat(tokenizer)
-        self.env = env or environment_from_spec(spec)
+        self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self._batch: RolloutBatch | None = None

@@ -71,7 +71,7 @@ class SelfPlayJob:
         self.spec, self.ma = spec, spec.multiagent
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)
-        self.env = environment_from_spec(spec)
+        self.env = environment_from_spec(spec, self.job_id)
         players = self.ma.players
         self.learners = learner_names(self.ma)
         self.policies = {name: Policy(spec, job_id=self.agent_job_id(name)) for name in self.learners}

@@ -40,6 +40,7 @@ from opentinker.tracking.runs import Run, mlflow_client
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 CHECKPOINT_TAG = "checkpoint_url"
+TENANT_TAG = "opentinker.tenant"  # who owns a registered model: set by the gateway's jobs ("" for the operator)
 EVAL_SPEC_TAG = "eval_spec"
 _URI = re.compile(r"models:/(?P<name>[^/@]+)(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>\d+))")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
@@ -73,8 +74,8 @@ def now_iso() -> str:
 def default_model_name(spec_data: dict[str, Any], namespace: str) -> str:
     """`<namespace>-<game class in lower case>` (e.g. `default-uppercasegame`), or
     `<namespace>-env` for a served environment: one registered model per task and tenant/project."""
-    game = (spec_data.get("env") or {}).get("game")
-    task = game.partition(":")[2].lower() if game else "env"
+    env = spec_data.get("env") or {}
+    task = env["game"].partition(":")[2].lower() if env.get("game") else str(env.get("link") or "env").lower()
     return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{namespace}-{task}")
 
 
@@ -97,8 +98,8 @@ def environment_version(game_path: str | None) -> str:
     the version of the installed distribution that ships it plus a short hash of the class's
     source file (`0.1.0+src.1a2b3c4d5e6f`: an in-repo game changes without a release), or the hash
     alone. A served environment's version is unknown to us: "unknown"."""
-    if not game_path or "://" in game_path or ":" not in game_path:
-        return "unknown"
+    if not game_path or "://" in game_path or ":" not in game_path or game_path.startswith("link:"):
+        return "unknown"  # a served or a linked game: its code is not ours to read
     import importlib
     import importlib.metadata
 
@@ -122,8 +123,9 @@ def environment_version(game_path: str | None) -> str:
 
 def eval_spec_from(spec_data: dict[str, Any]) -> dict[str, Any] | None:
     """What an evaluation needs to replay the job's environment and validation set: the env
-    section, the seed (it fixes the validation split), the episode limits and sampling."""
-    if not spec_data.get("env"):
+    section, the seed (it fixes the validation split), the episode limits and sampling. None when
+    no evaluation could replay it: no environment, or a game that lives in the user's process."""
+    if not spec_data.get("env") or spec_data["env"].get("link"):
         return None
     rollout = spec_data.get("rollout") or {}
     keep = ("max_new_tokens", "max_turns", "max_total_tokens", "step_timeout_s", "temperature", "top_p")
@@ -160,7 +162,7 @@ def _registration_run(client, model_name: str, job_id: str, tags: dict[str, str]
 def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str, kind: str, spec_data: dict,
                             base_model: str, environment: str | None, flow_run_id: str | None,
                             mlflow_run_id: str | None, tracking_uri: str, eval_env: dict | None = None,
-                            artifact_folder: str = "final") -> dict:
+                            artifact_folder: str = "final", tenant: str | None = None) -> dict:
     """Register a completed job's final checkpoint as a new version of `model_name` with lineage
     tags and alias `challenger` (and `champion` when the model has none yet). Returns
     {"name", "version", "aliases"}.
@@ -199,8 +201,12 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
         except MlflowException as err:
             if not is_missing(err):
                 raise
-            client.create_registered_model(model_name, tags={"opentinker": "true"},
+            client.create_registered_model(model_name, tags={"opentinker": "true", TENANT_TAG: tenant or ""},
                                            description="OpenTinker policy; aliases: champion (serving), challenger (newest)")
+        else:
+            owner = client.get_registered_model(model_name).tags.get(TENANT_TAG, "")
+            if owner != (tenant or ""):
+                raise RegistryError(f"registered model {model_name!r} is not yours: choose another registry.model_name")
         existing = client.search_model_versions(
             f"name = '{model_name}' and tags.job_id = '{job_id}' and tags.{CHECKPOINT_TAG} = '{checkpoint_url}'")
         if existing:
@@ -234,8 +240,10 @@ def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
     return m["name"], m["alias"], m["version"]
 
 
-def get_version(client, name: str, alias: str | None = None, version: str | None = None):
-    """The ModelVersion for an alias or a version; ModelNotFoundError naming what is missing."""
+def get_version(client, name: str, alias: str | None = None, version: str | None = None, tenant: str | None = None):
+    """The ModelVersion for an alias or a version; ModelNotFoundError naming what is missing.
+    With `tenant`, a model that tenant does not own is reported exactly as a missing one (its
+    aliases and versions are not the caller's to learn)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -244,6 +252,8 @@ def get_version(client, name: str, alias: str | None = None, version: str | None
         if is_missing(err):
             raise ModelNotFoundError(f"no registered model {name!r}") from None
         raise
+    if tenant is not None and model.tags.get(TENANT_TAG) != tenant:
+        raise ModelNotFoundError(f"no registered model {name!r}")
     if alias is not None:
         if alias not in model.aliases:
             have = ", ".join(f"{a}→v{v}" for a, v in sorted(model.aliases.items())) or "none"
@@ -257,14 +267,15 @@ def get_version(client, name: str, alias: str | None = None, version: str | None
         raise
 
 
-def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
+def resolve_model_uri(uri: str, tracking_uri: str | None = None, tenant: str | None = None) -> str:
     """The complete checkpoint step URL that `models:/<name>@<alias>` or `models:/<name>/<version>`
     points at. ModelNotFoundError (a LookupError) names the missing model, alias or version;
-    FileNotFoundError when the version's checkpoint is no longer complete."""
+    FileNotFoundError when the version's checkpoint is no longer complete. With `tenant`, only
+    that tenant's models resolve."""
     from opentinker.storage import checkpoint as ckpt
 
     name, alias, version = parse_model_uri(uri)
-    mv = get_version(registry_client(tracking_uri), name, alias, version)
+    mv = get_version(registry_client(tracking_uri), name, alias, version, tenant=tenant)
     url = mv.tags.get(CHECKPOINT_TAG)
     if not url:
         raise ModelNotFoundError(f"{uri} (version {mv.version}) has no {CHECKPOINT_TAG} tag: it was not registered by OpenTinker")

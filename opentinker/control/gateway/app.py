@@ -15,20 +15,23 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
+from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
-from opentinker.control.gateway.jobs import JobConflict, JobNotFound, TenantJobs
+from opentinker.control.gateway.jobs import JobConflict, JobNotFound, TenantJobs, TooManyJobs
+from opentinker.control.gateway.link import LinkHub, valid_calls
 from opentinker.control.gateway.tenants import TenantStore
 from opentinker.control.scheduler import SchedulingError
+from opentinker.core.asgi import BodyLimit
 from opentinker.core.settings import Settings, get_settings
 from opentinker.core.spec import SpecError
+from opentinker.core.tokens import bearer, is_job_token
 
 
 class SubmitRequest(BaseModel):
-    config: dict[str, Any] = Field(description="a job spec (env may be left out until fit())")
+    config: dict[str, Any] = Field(description="a job spec, RL (env may be left out until fit()) or SFT (a data section)")
     num_gpus: float | None = Field(None, ge=0, description="overrides resources.num_gpus")
 
 
@@ -45,18 +48,20 @@ class InferenceRequest(BaseModel):
     ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None):
     settings = settings or get_settings()
     store = TenantStore(settings.state_dir / "tenants.json")
+    hub = LinkHub()
     app = FastAPI(title="OpenTinker gateway", version="1")
 
-    def tenant_jobs(request: Request) -> TenantJobs:
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else None
-        tenant = store.authenticate(key)
+    def tenant_of(headers) -> TenantJobs:
+        tenant = store.authenticate(bearer(headers.get("authorization")))
         if tenant is None:
             raise HTTPException(401, "missing or unknown API key", headers={"WWW-Authenticate": "Bearer"})
         return TenantJobs(settings, tenant)
+
+    def tenant_jobs(request: Request) -> TenantJobs:
+        return tenant_of(request.headers)
 
     def guarded(fn, *args: Any) -> Any:
         try:
@@ -67,6 +72,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(422, str(err)) from None
         except JobConflict as err:
             raise HTTPException(409, str(err)) from None
+        except TooManyJobs as err:
+            raise HTTPException(429, str(err)) from None
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
@@ -74,7 +81,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/whoami")
     def whoami(jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
-        return {"tenant": jobs.tenant, "storage": jobs.storage_url, "experiment": jobs.tenant}
+        return {"tenant": jobs.tenant, "storage": jobs.storage_url, "experiment": jobs.tenant,
+                "game_allowlist": list(settings.allowed_games)}
+
+    # --- the client link: the tenant's client holds a WebSocket, the job posts its calls ------
+    @app.websocket("/v1/jobs/{job_id}/link")
+    async def client_link(socket: WebSocket, job_id: str) -> None:
+        import asyncio
+
+        try:
+            jobs = tenant_of(socket.headers)
+            owned = await asyncio.to_thread(jobs.owns, job_id)
+        except HTTPException:
+            owned = False
+        if not owned:  # a missing key, another tenant's job, no such job: all look the same
+            await socket.close(code=1008, reason="no such job for this API key")
+            return
+        await hub.serve_client(job_id, socket)
+
+    @app.post("/v1/internal/jobs/{job_id}/link")
+    async def job_link(job_id: str, request: Request) -> StreamingResponse:
+        if not is_job_token(settings.stack_secret(), job_id, bearer(request.headers.get("authorization"))):
+            raise HTTPException(401, "this endpoint takes the job's token")
+        try:
+            calls, timeout_s = valid_calls(await request.json())
+        except ValueError as err:
+            raise HTTPException(422, str(err)) from None
+        return StreamingResponse(hub.relay(job_id, calls, timeout_s), media_type="application/x-ndjson")
 
     @app.post("/v1/jobs", status_code=201)
     def submit(body: SubmitRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
@@ -123,4 +156,4 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return guarded(lambda: inference.submit(jobs, body.model_path, body.num_gpus, engine=body.engine,
                                                 max_model_len=body.max_model_len, ttl_s=body.ttl_s))
 
-    return app
+    return BodyLimit(app, settings.max_request_bytes)

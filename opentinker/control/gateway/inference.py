@@ -12,39 +12,36 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from opentinker.control.gateway import confine
 from opentinker.inference.spec import InferenceSpec, endpoint_key
-from opentinker.control.scheduler import check_fits, deployment_name, job_state, job_tags, prefect_client
+from opentinker.control.scheduler import check_fits, deployment_name, ensure_tenant_limit, job_state, job_tags, prefect_client
 from opentinker.core.spec import SpecError
+from opentinker.core.tokens import job_token
 
 KIND_TAG = "kind:inference"
 FLOW = "serve-model"
 
 
-def tenant_checkpoint(storage_url: str, model_path: str) -> str:
-    """The complete checkpoint `model_path` names for a tenant whose files live under `storage_url`."""
+def tenant_checkpoint(settings, tenant: str, model_path: str) -> str:
+    """The complete checkpoint `model_path` names for a tenant: a path in its storage (a job
+    folder, a step folder, or a URL inside it) or a registered model it owns."""
     from opentinker.storage.resolve import resolve_checkpoint
 
     if model_path.startswith("models:/"):
-        url = model_path
-    elif "://" in model_path or model_path.startswith("/"):
-        url = model_path if "://" in model_path else f"file://{model_path}"
-        if ".." in url.split("/") or not (url.rstrip("/") + "/").startswith(storage_url.rstrip("/") + "/"):
-            raise SpecError(f"model_path: {model_path} is outside your storage ({storage_url}); "
-                            "give a path inside it, a job id, or a registry URI models:/<name>@<alias>")
-    else:
-        if ".." in model_path.split("/"):
-            raise SpecError("model_path: '..' is not allowed")
-        url = f"{storage_url.rstrip('/')}/{model_path.strip('/')}"
+        return confine.owned_checkpoint(settings, tenant, model_path, "model_path")
+    url = confine.tenant_location(confine.tenant_storage(settings, tenant), model_path, "model_path")
     try:
         return resolve_checkpoint(url)
-    except Exception as err:  # noqa: BLE001 - storage or registry: the cause goes back to the user
+    except Exception as err:  # noqa: BLE001 - storage: the cause goes back to the user
         raise SpecError(f"model_path: {model_path}: {type(err).__name__}: {err}") from None
 
 
 def submit(jobs: Any, model_path: str, num_gpus: float = 0, **options: Any) -> dict[str, Any]:
     """Queue a `serve-model` run for the tenant of `jobs` (a TenantJobs); returns its status."""
     pool = check_fits(jobs.settings, num_gpus)
-    checkpoint = tenant_checkpoint(jobs.storage_url, model_path)
+    checkpoint = tenant_checkpoint(jobs.settings, jobs.tenant, model_path)
+    jobs.check_limits()
+    ensure_tenant_limit(jobs.tenant, jobs.settings.tenant_max_running)
     try:
         spec = InferenceSpec(model_path=checkpoint, num_gpus=num_gpus, **{k: v for k, v in options.items() if v is not None})
     except ValueError as err:
@@ -79,7 +76,8 @@ def endpoint(jobs: Any, job_id: str, run: Any) -> dict[str, Any]:
     if found:
         meta = found[-1].metadata_ or {}
         out |= {"vllm_server_url": meta.get("url"), "openai_base_url": meta.get("openai_base_url"),
-                "model": meta.get("model"), "engine": meta.get("engine")}
+                "model": meta.get("model"), "engine": meta.get("engine"),
+                "api_key": job_token(jobs.settings.stack_secret(), job_id)}  # the server asks for the job's token
     else:
         out["reason"] = "loading the model"
     return out

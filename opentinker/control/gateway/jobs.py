@@ -1,8 +1,10 @@
 """A tenant's view of jobs: Prefect flow runs tagged with the tenant, and their MLflow runs.
 
 Every lookup filters on the tenant's tag, so a job of another tenant is indistinguishable from
-a job that does not exist. Specs are validated here, before anything reaches Prefect; the
-tenant namespace is forced into the job id, the checkpoint location and the MLflow experiment.
+a job that does not exist. Specs (RL, self-play or SFT) are validated here, before anything
+reaches Prefect, and everything they name is confined to the tenant (see confine.py). A tenant
+may have `tenant_max_queued` jobs waiting (one more is refused, 429) and `tenant_max_running`
+running (the rest wait their turn in the queue: the flow holds a slot of `tenant-<name>`).
 """
 
 from __future__ import annotations
@@ -11,16 +13,18 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-from opentinker.control.gateway import inference
-from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, check_fits, deployment_name, flow_for, job_state,
-                                          job_tags, parked_state, prefect_client)
+from opentinker.control.gateway import confine, inference
+from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, check_fits, deployment_name, ensure_tenant_limit,
+                                          flow_for, job_state, job_tags, parked_state, prefect_client)
 from opentinker.core.settings import Settings
-from opentinker.core.spec import JobSpec, SpecError, parse_spec
+from opentinker.core.spec import SpecError, parse_spec
+from opentinker.core.tokens import job_token
+from opentinker.sft.spec import is_sft_spec, parse_sft_spec
 from opentinker.tracking.metrics import headline_key
 from opentinker.tracking.runs import JOB_TAG
 
 # Stands in for the environment while a job waits for fit(): the rest of the spec is checked now.
-_PLACEHOLDER_ENV = {"game": "opentinker.env:AbstractGame"}
+_PLACEHOLDER_ENV = {"link": "pending"}
 
 
 class JobNotFound(LookupError):
@@ -29,6 +33,10 @@ class JobNotFound(LookupError):
 
 class JobConflict(RuntimeError):
     pass
+
+
+class TooManyJobs(RuntimeError):
+    """A tenant over its limit of waiting jobs (HTTP 429); the message has the numbers."""
 
 
 class TenantJobs:
@@ -51,30 +59,54 @@ class TenantJobs:
             raise JobNotFound(job_id)
         return runs[0]  # a re-submitted job id resumes in a newer run
 
+    def owns(self, job_id: str) -> bool:
+        return bool(self._runs(job_id))
+
     # --- submit ---------------------------------------------------------------------------
-    def _normalise(self, config: dict[str, Any], num_gpus: float | None) -> tuple[JobSpec, bool]:
+    def _normalise(self, config: dict[str, Any], num_gpus: float | None) -> tuple[Any, bool]:
         """(validated spec in the tenant's namespace, whether the environment is still missing)."""
         data = dict(config)
-        awaiting_env = not data.get("env")
-        if awaiting_env:
-            data["env"] = _PLACEHOLDER_ENV
+        sft = is_sft_spec(data)
+        env = dict(data.get("env") or {})
+        awaiting_env = not sft and not any(env.get(k) for k in ("game", "url", "link"))  # fit() will say where the game is
         if num_gpus is not None:
             data["resources"] = {**dict(data.get("resources") or {}), "num_gpus": num_gpus}
-        name = data.get("job_id") or uuid.uuid4().hex[:8]
-        data["job_id"] = name if str(name).startswith(f"{self.tenant}-") else f"{self.tenant}-{name}"
-        data["checkpoint"] = {**dict(data.get("checkpoint") or {}), "base_url": self.storage_url}
+        name = str(data.get("job_id") or uuid.uuid4().hex[:8])
+        data["job_id"] = name if name.startswith(f"{self.tenant}-") else f"{self.tenant}-{name}"
+        data = confine.confine_common(self.settings, self.tenant, data)
+        if sft:
+            data_section = dict(data.get("data") or {})
+            if "path" in data_section:
+                data_section["path"] = confine.tenant_location(self.storage_url, str(data_section["path"]), "data.path")
+            data["data"] = data_section
+            return parse_sft_spec(data), False
+        data["env"] = {**env, **_PLACEHOLDER_ENV} if awaiting_env else confine.confine_env(self.settings, self.tenant, env)
         return parse_spec(data), awaiting_env
 
     @property
     def storage_url(self) -> str:
-        return f"{self.settings.storage_url.rstrip('/')}/tenants/{self.tenant}"
+        return confine.tenant_storage(self.settings, self.tenant)
+
+    def check_limits(self) -> None:
+        """TooManyJobs when the tenant already has its limit of waiting jobs."""
+        waiting = {}
+        for run in self._runs():
+            job_id = next((t.split(":", 1)[1] for t in run.tags if t.startswith("job:")), None)
+            if job_id and job_id not in waiting:
+                waiting[job_id] = job_state(run)[0]
+        queued = sum(state == "QUEUED" for state in waiting.values())
+        if queued >= self.settings.tenant_max_queued:
+            raise TooManyJobs(f"tenant {self.tenant} has {queued} jobs waiting, the limit is {self.settings.tenant_max_queued}: "
+                              "wait for some to start or cancel them")
 
     def submit(self, config: dict[str, Any], num_gpus: float | None = None) -> dict[str, Any]:
         spec, awaiting_env = self._normalise(config, num_gpus)
         pool = check_fits(self.settings, spec.resources.num_gpus)
+        self.check_limits()
+        ensure_tenant_limit(self.tenant, self.settings.tenant_max_running)
         params = spec.model_dump(mode="json")
-        if awaiting_env:
-            params.pop("env")
+        if awaiting_env:  # kept: its limits; fit() gives the game and its config
+            params["env"] = {k: v for k, v in params["env"].items() if k not in ("game", "url", "link", "config")}
         with prefect_client() as client:
             deployment = client.read_deployment_by_name(deployment_name(flow_for(params), pool))
             run = client.create_flow_run_from_deployment(
@@ -91,7 +123,7 @@ class TenantJobs:
         if not (run.state and run.state.name == AWAITING_ENV):
             raise JobConflict(f"job {job_id} is not waiting for its environment (state {job_state(run)[0]})")
         params = dict(run.parameters["spec"])
-        params["env"] = env
+        params["env"] = confine.confine_env(self.settings, self.tenant, {**(params.get("env") or {}), **env})
         if steps is not None:
             params["optimization"] = {**params.get("optimization", {}), "steps": steps}
         spec = parse_spec(params)
@@ -110,6 +142,7 @@ class TenantJobs:
             "total_steps": (spec.get("optimization") or {}).get("steps"),
             "created": run.created.isoformat() if run.created else None,
             "server_url": f"{self.settings.gateway_url}/v1/jobs/{job_id}",
+            "job_token": job_token(self.settings.stack_secret(), job_id),  # for the servers this job talks to
             "links": {"prefect": f"{self.settings.prefect_ui_url}/runs/flow-run/{run.id}"},
         }
         if inference.KIND_TAG in (run.tags or []):

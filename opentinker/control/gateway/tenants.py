@@ -15,7 +15,12 @@ import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 
-TENANT_NAME = re.compile(r"^[a-z][a-z0-9-]{1,31}$")
+# No '-' in a tenant name: job ids and model names are `<tenant>-<name>`, so `acme` must never be
+# a prefix that also reads as another tenant (`acme-corp`).
+TENANT_NAME = re.compile(r"^[a-z][a-z0-9]{1,31}$")
+# Names that already mean something to the service: the operator's project, its experiments, ...
+RESERVED = frozenset({"default", "admin", "root", "operator", "system", "opentinker", "internal", "registry",
+                      "evaluation", "inference", "tenants", "public", "api", "prefect", "mlflow", "ray"})
 KEY_PREFIX = "otk_"
 
 
@@ -49,7 +54,9 @@ class TenantStore:
     def create(self, name: str, rotate: bool = False) -> str:
         """Add a tenant (or give an existing one a new key with rotate=True); returns the key."""
         if not TENANT_NAME.match(name):
-            raise ValueError(f"tenant name {name!r}: 2-32 characters, lowercase letters, digits and '-', starting with a letter")
+            raise ValueError(f"tenant name {name!r}: 2-32 lowercase letters and digits, starting with a letter")
+        if name in RESERVED:
+            raise ValueError(f"tenant name {name!r} is reserved")
         data = self._read()
         if name in data and not rotate:
             raise ValueError(f"tenant {name!r} exists (rotate its key with --rotate)")

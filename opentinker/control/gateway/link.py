@@ -1,0 +1,172 @@
+"""The gateway's relay of the client link: the user's client holds a WebSocket to the gateway
+(it opens no port), the job posts its environment calls to the gateway, and the gateway passes
+them to the client and streams each answer back as it arrives (see opentinker.env.linked).
+
+One client per job: a new link replaces the old one. When a link closes, the calls it still owed
+fail (their episodes fail and are counted); calls arriving while no client is linked wait up to
+their `wait_s` for one (task draws do, episode calls do not) and otherwise fail with the reason.
+Anything malformed a client sends is dropped: it can cost that job's episodes, never the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+log = logging.getLogger(__name__)
+OPS = ("generate", "reset", "step", "close")
+MAX_CALLS = 1024
+
+
+@dataclass
+class _Link:
+    socket: WebSocket
+    owed: set[str] = field(default_factory=set)  # ids of calls sent to this client and not answered yet
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class LinkHub:
+    """Links by job id, and the futures of the calls they owe."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, _Link] = {}
+        self._changed: dict[str, asyncio.Event] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+
+    def linked(self, job_id: str) -> bool:
+        return job_id in self._links
+
+    def _event(self, job_id: str) -> asyncio.Event:
+        return self._changed.setdefault(job_id, asyncio.Event())
+
+    # --- the client's side ------------------------------------------------------------------
+    async def serve_client(self, job_id: str, socket: WebSocket) -> None:
+        """Hold a client's link until it closes; answers resolve the calls they name."""
+        await socket.accept()
+        old = self._links.get(job_id)
+        link = self._links[job_id] = _Link(socket)
+        if old is not None:
+            self._fail(old, "the client's environment link was replaced by a new one")
+            await _close_quietly(old.socket)
+        self._event(job_id).set()
+        try:
+            while True:
+                frame = await socket.receive_text()
+                for result in _results(frame):
+                    future = self._pending.pop(result["id"], None) if result["id"] in link.owed else None
+                    link.owed.discard(result["id"])
+                    if future is not None and not future.done():
+                        future.set_result(result)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self._links.get(job_id) is link:
+                del self._links[job_id]
+            self._fail(link, "the client's environment link closed (the episodes it was playing failed)")
+
+    def _fail(self, link: _Link, reason: str) -> None:
+        for call_id in link.owed:
+            future = self._pending.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_result({"id": call_id, "error": reason, "link_down": True})
+        link.owed.clear()
+
+    # --- the job's side ---------------------------------------------------------------------
+    async def _wait_link(self, job_id: str, wait_s: float) -> _Link | None:
+        deadline = time.monotonic() + wait_s
+        while (link := self._links.get(job_id)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            event = self._event(job_id)
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass
+        return link
+
+    async def relay(self, job_id: str, calls: list[dict[str, Any]], timeout_s: float) -> AsyncIterator[bytes]:
+        """Send `calls` to the job's client and yield one NDJSON line per call as it is answered
+        (an error line for a call the client did not answer within `timeout_s`)."""
+        wait_s = max((float(c.get("wait_s") or 0) for c in calls), default=0.0)
+        link = await self._wait_link(job_id, wait_s)
+        if link is None:
+            reason = (f"no client is linked to job {job_id}" + (f" (waited {wait_s:g}s)" if wait_s else "")
+                      + ": the game runs in the process that called ServiceClient.fit; call fit() again to reconnect")
+            for call in calls:
+                yield _line({"id": call["id"], "error": reason, "link_down": True})
+            return
+        loop = asyncio.get_running_loop()
+        futures = {}
+        for call in calls:
+            futures[call["id"]] = self._pending[call["id"]] = loop.create_future()
+            link.owed.add(call["id"])
+        try:
+            async with link.send_lock:
+                await link.socket.send_text(json.dumps({"calls": [{k: v for k, v in c.items() if k != "wait_s"} for c in calls]}))
+        except Exception as err:  # noqa: BLE001 - the link broke while sending: these calls fail
+            self._fail(link, f"the client's environment link broke ({type(err).__name__})")
+        deadline = loop.time() + timeout_s
+        waiting = set(futures.values())
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    yield _line(future.result())
+                if not done:
+                    break
+        finally:
+            for call_id, future in futures.items():
+                if not future.done():
+                    self._pending.pop(call_id, None)
+                    link.owed.discard(call_id)
+                    future.cancel()
+        for call_id, future in futures.items():
+            if future.cancelled():
+                yield _line({"id": call_id, "error": f"the client did not answer within {timeout_s:g}s"})
+
+
+def valid_calls(body: Any) -> tuple[list[dict[str, Any]], float]:
+    """(calls, timeout) of a job's request, or ValueError saying what is wrong."""
+    if not isinstance(body, dict) or not isinstance(body.get("calls"), list) or not body["calls"]:
+        raise ValueError("expected {\"calls\": [...], \"timeout_s\": …}")
+    calls = body["calls"]
+    if len(calls) > MAX_CALLS:
+        raise ValueError(f"at most {MAX_CALLS} calls per request")
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("id"), str) or call.get("op") not in OPS:
+            raise ValueError(f"each call needs an id and an op among {', '.join(OPS)}")
+    timeout = body.get("timeout_s", 30.0)
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+        raise ValueError("timeout_s must be a number of seconds in (0, 3600]")
+    return calls, float(timeout)
+
+
+def _results(frame: str) -> list[dict[str, Any]]:
+    """The well-formed results of a client frame; the rest is dropped (and logged)."""
+    try:
+        results = json.loads(frame)["results"]
+        assert isinstance(results, list)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        log.warning("dropped a malformed frame from a client link")
+        return []
+    return [r for r in results if isinstance(r, dict) and isinstance(r.get("id"), str) and ("ok" in r or "error" in r)]
+
+
+def _line(result: dict[str, Any]) -> bytes:
+    return (json.dumps(result) + "\n").encode()
+
+
+async def _close_quietly(socket: WebSocket) -> None:
+    try:
+        await socket.close(code=1000, reason="replaced by a new link")
+    except Exception:  # noqa: BLE001 - it may be gone already
+        pass

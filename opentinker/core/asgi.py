@@ -1,0 +1,84 @@
+"""Two guards every HTTP server of the project wears (gateway, inference, environment server),
+as plain ASGI middleware: a cap on request bodies (413) and a bearer token (401).
+
+Plain ASGI so that each app, whatever framework built it, gets the same behaviour before any of
+its code runs: an oversized body is refused while it streams in, never buffered whole.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from opentinker.core.tokens import bearer
+
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
+
+
+async def _reply(send: Callable, status: int, detail: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _reply(send, 413, f"request body of {int(length)} bytes is over the limit of {self.max_bytes}")
+        seen = 0
+        started = False
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await _reply(send, 413, f"request body is over the limit of {self.max_bytes} bytes")
+
+
+class BearerToken:
+    """401 unless the request (HTTP or WebSocket) carries `Authorization: Bearer <token>` with one of
+    `tokens()` (read at each request, so a server can learn new ones); paths in `open_paths` pass."""
+
+    def __init__(self, app: ASGIApp, tokens: Callable[[], Iterable[str]], open_paths: Iterable[str] = ("/health",)):
+        self.app, self.tokens, self.open_paths = app, tokens, set(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] not in ("http", "websocket") or scope.get("path") in self.open_paths:
+            return await self.app(scope, receive, send)
+        token = bearer(dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1"))
+        if token and any(hmac.compare_digest(token, t) for t in self.tokens()):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong token"})
+            return
+        await _reply(send, 401, "missing or wrong token: send Authorization: Bearer <token>", [(b"www-authenticate", b"Bearer")])

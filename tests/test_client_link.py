@@ -1,0 +1,154 @@
+"""A user's own game trains through the service while it stays in the user's process.
+
+The client is a separate script whose game class lives in its `__main__` (no worker could import
+it, and it is not on the allowlist anyway): the reference client code, as written, submits the
+job and `fit()`s it; the job reaches the game through the gateway over the link the client
+opened. The client listens on no port. Killing it mid-job costs the episodes in flight; `fit()`
+again from a new process continues the job to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import tiny_spec
+
+CLIENT = textwrap.dedent('''
+    import json, os, sys, time
+    from opentinker.client import SchedulerClient, ServiceClient
+    from opentinker.env import GameEnvironment
+    from opentinker.environment.base_game import AbstractGame, StepResult
+
+    class CountingGame(AbstractGame):
+        """Data-free and multi-turn: reset draws its own start; the reward asks for a capital."""
+
+        def get_system_prompt(self) -> str:
+            return "Answer briefly."
+
+        def get_initial_user_message(self) -> str:
+            return "A short game."
+
+        def reset(self, **kwargs) -> str:
+            import random
+            self.n, self.turn = random.randint(1, 99), 0
+            return f"Say something about {self.n}."
+
+        steps = 0
+
+        def step(self, action: str) -> StepResult:
+            time.sleep(float(os.environ.get("GAME_STEP_SECONDS", "0")))
+            CountingGame.steps += 1
+            if CountingGame.steps == int(os.environ.get("DIE_AT_STEP_CALL", "0")):
+                os.kill(os.getpid(), 9)  # the user's machine dies in the middle of an episode
+            self.turn += 1
+            done = self.turn >= 2
+            letters = [c for c in action if c.isalpha()]
+            reward = float(bool(letters) and letters[0].isupper()) if done else 0.0
+            return StepResult(observation="Once more." if not done else "", reward=reward, done=done)
+
+    args = json.loads(sys.argv[2])
+    if sys.argv[1] == "train":  # the reference design's training workflow
+        scheduler = SchedulerClient(url=os.environ["GATEWAY"])
+        job_result = scheduler.submit_job(config=args, num_gpus=0)
+        job_id, server_url = job_result["job_id"], job_result["server_url"]
+        print(json.dumps({"job_id": job_id}), flush=True)
+        env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
+        client = ServiceClient(server_url=server_url)
+        client.set_config(args, env)
+        final = client.fit(env=env, num_epochs=2, poll=0.5, progress=False)
+    else:  # reconnect to a running job
+        job_id = sys.argv[3]
+        env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
+        client = ServiceClient(server_url=f"{os.environ['GATEWAY']}/v1/jobs/{job_id}")
+        final = client.fit(env=env, poll=0.5, progress=False)
+    link = client.link
+    print(json.dumps({"final": {k: final[k] for k in ("state", "step", "metrics")},
+                      "calls": link.calls, "frames": link.frames}), flush=True)
+''')
+
+
+@pytest.fixture(scope="module")
+def service(stack_env):
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
+
+    settings, env = stack_env
+    deploy(settings)
+    yield settings, env, TenantStore(settings.state_dir / "tenants.json").create("linkco", rotate=True)
+
+
+def _args(tmp_path, epoch_size: int = 8) -> dict:
+    """The job's args as a user's script holds them: every section but where the game is (fit() says that)."""
+    data = tiny_spec(tmp_path, rollout={"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 4, "max_turns": 2},
+                     evaluation={"every": 0, "n_samples": 4}, checkpoint={"every": 1}).model_dump(mode="json")
+    data.pop("job_id", None)
+    data["env"] = {"config": {"val_size": epoch_size}, "link_timeout_s": 120, "timeout_s": 10}
+    return data
+
+
+def _client(tmp_path, settings, key, *argv, die_at_step_call: int = 0) -> subprocess.Popen:
+    script = tmp_path / "my_training_script.py"
+    script.write_text(CLIENT)
+    env = os.environ | {"GATEWAY": settings.gateway_url, "OPENTINKER_API_KEY": key, "GAME_STEP_SECONDS": "0.05",
+                        "DIE_AT_STEP_CALL": str(die_at_step_call)}
+    return subprocess.Popen([sys.executable, str(script), *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _listening(pid: int) -> list:
+    return [c for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+
+
+def test_a_game_in_the_client_script_trains_through_the_gateway(service, tmp_path):
+    settings, _, key = service
+    proc = _client(tmp_path, settings, key, "train", json.dumps(_args(tmp_path)))
+    job_id = json.loads(proc.stdout.readline())["job_id"]
+    from opentinker.client import SchedulerClient
+
+    scheduler = SchedulerClient(url=settings.gateway_url, api_key=key)
+    while scheduler.job_status(job_id)["state"] != "RUNNING" and proc.poll() is None:
+        time.sleep(0.5)
+    assert _listening(proc.pid) == []  # the client opened a link; it listens on nothing
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["final"]["state"] == "COMPLETED" and report["final"]["step"] == 4  # num_epochs=2 of 8 data-free episodes, 4 a step
+    assert report["final"]["metrics"]["rollout/failed_episodes"] == 0
+    assert report["calls"] > 2 * report["frames"]  # many episodes' calls travel together
+    status = scheduler.job_status(job_id)
+    assert status["checkpoint"].startswith(f"{settings.storage_url}/tenants/linkco/{job_id}/")
+
+
+def test_killing_the_client_costs_its_episodes_and_fit_again_continues(service, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from opentinker.client import SchedulerClient
+
+    settings, _, key = service
+    args = _args(tmp_path, epoch_size=12)  # num_epochs=2: 6 steps of 4 prompts
+    # 8 step calls evaluate at step 0, 16 play each training step: the 30th is in step 2's rollout
+    first = _client(tmp_path, settings, key, "train", json.dumps(args), die_at_step_call=30)
+    job_id = json.loads(first.stdout.readline())["job_id"]
+    scheduler = SchedulerClient(url=settings.gateway_url, api_key=key)
+    assert first.wait(timeout=300) == -signal.SIGKILL
+    time.sleep(2)
+    assert scheduler.job_status(job_id)["state"] == "RUNNING"  # the job waits for its client
+    second = _client(tmp_path, settings, key, "resume", json.dumps(args), job_id)
+    out, err = second.communicate(timeout=600)
+    assert second.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["final"]["state"] == "COMPLETED" and report["final"]["step"] == 6
+    ml = MlflowClient(tracking_uri=settings.mlflow_url)
+    (run,) = ml.search_runs([ml.get_experiment_by_name("linkco").experiment_id], filter_string=f"tags.`opentinker.job_id` = '{job_id}'")
+    failed = {m.step: m.value for m in ml.get_metric_history(run.info.run_id, "rollout/failed_episodes")}
+    assert sorted(failed) == list(range(1, 7))  # every step ran, none twice
+    assert 0 < failed[2] <= 8 and sum(failed.values()) == failed[2]  # the episodes in flight, nothing more

@@ -240,3 +240,31 @@ def test_opentinker_serve_command(trained):
         process.terminate()
         output = process.communicate(timeout=30)[0]
     assert f"at http://127.0.0.1:{port}/v1" in output, output
+
+
+def test_a_server_with_a_key_asks_for_it_caps_completions_and_limits_bodies(trained):
+    """What an inference job's server does: the job's token as the API key, a server-side cap on
+    max_tokens (the default when a request gives none), and a bounded request body."""
+    import httpx
+    from openai import OpenAI
+
+    from opentinker.inference.launch import launch
+    from opentinker.inference.spec import InferenceSpec
+
+    _, url, _, _ = trained
+    server = launch(url, InferenceSpec(model_path=url), "127.0.0.1", 0, name="policy", api_key="otj_key", max_tokens_cap=5)
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer otj_other"}):
+            assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="otj_key")
+        reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Talk."}], temperature=0)
+        assert reply.usage.completion_tokens <= 5  # no max_tokens: the cap, not the whole context
+        answer = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer otj_key"},
+                            json={"prompt": "Hi", "max_tokens": 500})
+        assert answer.status_code == 400 and "over this server's limit of 5" in answer.json()["error"]["message"]
+        huge = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "Bearer otj_key"},
+                          json={"prompt": "x" * (17 * 1024**2)})
+        assert huge.status_code == 413
+    finally:
+        server.stop()

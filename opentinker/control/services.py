@@ -122,7 +122,8 @@ SPECS: dict[str, Service] = {
         port=lambda s: s.gateway_port,
         url=lambda s: s.gateway_url,
         command=lambda s: [sys.executable, "-m", "uvicorn", "--factory", "opentinker.control.gateway.app:create_app",
-                           "--host", s.host, "--port", str(s.gateway_port), "--log-level", "warning"],
+                           "--host", s.host, "--port", str(s.gateway_port), "--log-level", "warning",
+                           "--timeout-keep-alive", "75"],  # longer than clients keep idle connections
         env=worker_env,
         healthy=lambda s, pid: http_ok(f"{s.gateway_url}/v1/health") is not None,
     ),

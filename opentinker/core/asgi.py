@@ -25,12 +25,9 @@ async def _reply(send: Callable, status: int, detail: str, headers: Iterable[tup
     await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodyLimit:
-    """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives)."""
+    """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives: the
+    app then sees the client as gone, and whatever it still answers is dropped)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -41,28 +38,30 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await _reply(send, 413, f"request body of {int(length)} bytes is over the limit of {self.max_bytes}")
-        seen = 0
-        started = False
+        seen, refused, started = 0, False, False
 
         async def counted() -> dict:
-            nonlocal seen
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    refused = True
+                    if not started:
+                        await _reply(send, 413, f"request body is over the limit of {self.max_bytes} bytes")
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracked(message: dict) -> None:
             nonlocal started
+            if refused:
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        try:
-            await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await _reply(send, 413, f"request body is over the limit of {self.max_bytes} bytes")
+        await self.app(scope, counted, tracked)
 
 
 class BearerToken:

@@ -146,4 +146,6 @@ def serve(game_path: str, host: str = "127.0.0.1", port: int = 8300, tokens: lis
     interrupted; `tokens`: the job tokens it answers (None: anyone who reaches it)."""
     import uvicorn
 
-    uvicorn.run(create_app(import_game(game_path), tokens), host=host, port=port, access_log=False)
+    # Idle connections live longer here than in clients (httpx drops them after 5 s), so a client
+    # never sends a step on a connection the server is closing at that moment.
+    uvicorn.run(create_app(import_game(game_path), tokens), host=host, port=port, access_log=False, timeout_keep_alive=75)

@@ -160,12 +160,13 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
 
     def budgets(prompts: list[list[int]], req: _Sampling, param: str) -> list[int]:
         asked = req.limit()
-        if asked is not None and asked > max_tokens_cap:
-            raise OpenAIError(400, f"max_tokens: {asked} is over this server's limit of {max_tokens_cap}", param="max_tokens")
         try:
-            return [min(engine.budget(len(p), asked), max_tokens_cap) for p in prompts]
+            allowed = [min(engine.budget(len(p), asked), max_tokens_cap) for p in prompts]
         except ContextLengthError as err:
             raise OpenAIError(400, str(err), param=param, code="context_length_exceeded") from None
+        if asked is not None and asked > max_tokens_cap:
+            raise OpenAIError(400, f"max_tokens: {asked} is over this server's limit of {max_tokens_cap}", param="max_tokens")
+        return allowed
 
     async def run(prompts: list[list[int]], req: _Sampling, param: str) -> list[Completion]:
         expanded = [p for p in prompts for _ in range(req.n)]

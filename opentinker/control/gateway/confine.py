@@ -119,3 +119,17 @@ def confine_common(settings: Settings, tenant: str, data: dict[str, Any]) -> dic
         model["init_from"] = checkpoint_location(settings, tenant, str(model["init_from"]), "model.init_from")
     data["model"] = model
     return data
+
+
+def registry_name(settings: Settings, tenant: str, name: str) -> None:
+    """Refuse a registered model name another owner holds (ownership is the gateway's tag)."""
+    from opentinker.storage.registry import TENANT_TAG, is_missing, registry_client
+
+    try:
+        model = registry_client(settings.mlflow_url).get_registered_model(name)
+    except Exception as err:  # noqa: BLE001 - missing (fine) or the registry is down (the job will say)
+        if is_missing(err) or isinstance(err, ConnectionError):
+            return
+        raise
+    if model.tags.get(TENANT_TAG, "") != tenant:
+        raise SpecError(f"registry.model_name: {name!r} is not yours: choose another name")

@@ -20,6 +20,7 @@ from opentinker.core.settings import Settings
 from opentinker.core.spec import SpecError, parse_spec
 from opentinker.core.tokens import job_token
 from opentinker.sft.spec import is_sft_spec, parse_sft_spec
+from opentinker.storage.registry import model_name_for
 from opentinker.tracking.metrics import headline_key
 from opentinker.tracking.runs import JOB_TAG
 
@@ -79,9 +80,15 @@ class TenantJobs:
             if "path" in data_section:
                 data_section["path"] = confine.tenant_location(self.storage_url, str(data_section["path"]), "data.path")
             data["data"] = data_section
-            return parse_sft_spec(data), False
+            spec = parse_sft_spec(data)
+            confine.registry_name(self.settings, self.tenant, model_name_for(
+                {"registry": {"model_name": spec.registry.model_name or f"{self.tenant}-sft"}}, self.tenant, self.tenant))
+            return spec, False
         data["env"] = {**env, **_PLACEHOLDER_ENV} if awaiting_env else confine.confine_env(self.settings, self.tenant, env)
-        return parse_spec(data), awaiting_env
+        spec = parse_spec(data)
+        if spec.registry.model_name:  # the default name (<tenant>-<game>) is the tenant's own by construction
+            confine.registry_name(self.settings, self.tenant, model_name_for(spec.model_dump(mode="json"), self.tenant, self.tenant))
+        return spec, awaiting_env
 
     @property
     def storage_url(self) -> str:

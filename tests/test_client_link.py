@@ -118,6 +118,11 @@ def test_a_game_in_the_client_script_trains_through_the_gateway(service, tmp_pat
     while scheduler.job_status(job_id)["state"] != "RUNNING" and proc.poll() is None:
         time.sleep(0.5)
     assert _listening(proc.pid) == []  # the client opened a link; it listens on nothing
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:  # the job holds a slot of its tenant's running-jobs limit
+        limit = prefect.read_global_concurrency_limit_by_name("tenant-linkco")
+    assert limit.limit == settings.tenant_max_running and limit.active_slots == 1
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])

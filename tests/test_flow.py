@@ -162,11 +162,11 @@ def test_a_failed_job_reads_as_one_line_with_its_cause_and_where_it_arose(stack_
 
     settings, _ = stack_env
     deploy(settings)
-    spec = tiny_spec(tmp_path, env={"game": "no_such_module:Game"}).model_dump(mode="json")
+    spec = tiny_spec(tmp_path, env={"game": "envs.no_such_module:Game"}).model_dump(mode="json")
     final = follow(submit_job(spec, "flow-bad-game", settings), "flow-bad-game", settings, lambda p: None, interval=1.0)
     assert final.state == "FAILED"
-    assert re.fullmatch(r"job flow-bad-game: ValueError: env\.game: cannot import module 'no_such_module': "
-                        r"No module named 'no_such_module' \(at environment\.import_game:\d+\)", final.message), final.message
+    assert re.fullmatch(r"job flow-bad-game: ValueError: env\.game: cannot import module 'envs\.no_such_module': "
+                        r"No module named 'envs\.no_such_module' \(at environment\.import_game:\d+\)", final.message), final.message
 
 
 def test_job_runs_open_in_mlflows_model_training_view(stack_env, tmp_path):

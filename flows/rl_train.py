@@ -21,6 +21,7 @@ from opentinker.core.spec import JobSpec
 from opentinker.orchestration.actors import create_actors
 from opentinker.orchestration.job import ray_runner, register_final_checkpoint, scheduled_job
 from opentinker.rl import LoopHooks, run_steps
+from opentinker.rl.health import JobUnhealthy
 from opentinker.storage.registry import model_name_for
 from tasks import TaskSteps
 
@@ -45,6 +46,8 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
         registered = None
         if url:
             tracker.log_checkpoint(url)
+            if spec.registry.register and result.not_registrable:
+                raise JobUnhealthy(result.not_registrable)
             if spec.registry.register:
                 data = spec.model_dump(mode="json")
                 registered = register_final_checkpoint(

@@ -20,6 +20,7 @@ from opentinker.env.environment import import_game
 from opentinker.orchestration.actors import create_selfplay_actor
 from opentinker.orchestration.job import JobContext, ray_runner, register_final_checkpoint, scheduled_job
 from opentinker.rl import LoopHooks, run_steps
+from opentinker.rl.health import JobUnhealthy
 from opentinker.rl.selfplay import learner_names
 from opentinker.storage.registry import model_name_for
 from tasks.selfplay import SelfPlayTaskSteps
@@ -46,6 +47,8 @@ def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = Non
         urls = {agent: ref.url for agent, ref in (result.checkpoint or {}).items()}
         for agent, url in urls.items():
             tracker.log_checkpoint(url, folder=f"final-{agent}", tag=f"opentinker.checkpoint.{agent}")
+        if spec.registry.register and urls and result.not_registrable:
+            raise JobUnhealthy(result.not_registrable)
         registered = {a: _register(spec, job, tenant, url, tracker, a) for a, url in urls.items()} if spec.registry.register else {}
         return {"job_id": job.job_id, "steps": spec.optimization.steps, "resumed_from": result.resumed_from, "checkpoints": urls,
                 "agents": agents, "mlflow_run_id": tracker.run_id, "history": result.history, "registered_models": registered}

@@ -49,3 +49,15 @@ class GarbageGame(ScriptedTurns):
 class NanRewardGame(ScriptedTurns):
     def step(self, action: str) -> StepResult:
         return StepResult(observation="x", reward=float("nan"), done=True)
+
+
+class BrokenResetGame(ScriptedTurns):
+    """Every episode fails before it starts."""
+
+    def reset(self, **task: Any) -> str:
+        raise RuntimeError("the level file is missing")
+
+
+class NoneRewardGame(ScriptedTurns):
+    def step(self, action: str) -> StepResult:
+        return StepResult(observation="x", reward=None, done=True)

@@ -139,7 +139,8 @@ def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_en
 
 @pytest.mark.slow  # the S3 kill-and-resume test submits through the deployment and follows it the same way
 def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path):
-    from opentinker.control.submit import deploy, follow, submit_job
+    from opentinker.control.follow import follow
+    from opentinker.control.submit import deploy, submit_job
 
     settings, _ = stack_env
     from opentinker.control.scheduler import deployment_names
@@ -158,7 +159,8 @@ def test_job_submitted_to_the_deployment_runs_on_the_worker(stack_env, tmp_path)
 def test_a_failed_job_reads_as_one_line_with_its_cause_and_where_it_arose(stack_env, tmp_path):
     """The actor cannot import the job's game: users see the exception's message and where it
     arose, not Ray's colour-coded wrapper with pid, ip and actor id; the traceback is in the logs."""
-    from opentinker.control.submit import deploy, follow, submit_job
+    from opentinker.control.follow import follow
+    from opentinker.control.submit import deploy, submit_job
 
     settings, _ = stack_env
     deploy(settings)

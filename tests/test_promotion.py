@@ -154,7 +154,8 @@ def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
 
-    from opentinker.control.submit import deploy, follow, submit_job
+    from opentinker.control.follow import follow
+    from opentinker.control.submit import deploy, submit_job
 
     settings, _ = stack_env
     client = MlflowClient(tracking_uri=settings.mlflow_url)

@@ -75,7 +75,7 @@ def test_partial_writes_on_s3_are_ignored_by_resume(s3_server, s3_url):
 def test_a_checkpoint_never_creates_a_missing_bucket(s3_server, s3_url):
     """s3fs's makedirs creates buckets: a typo in the bucket name must fail, not make a new one."""
     missing = "s3://no-such-bucket-here/prefix"
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ckpt.CheckpointWriteError, match=f"cannot write checkpoint {missing}/job/step-00000001 .*bucket does not exist"):
         _save(missing, 1)
     assert "no-such-bucket-here" not in {b["Name"] for b in s3_server.client().list_buckets()["Buckets"]}
 
@@ -115,7 +115,8 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
     the newest complete S3 checkpoint: MLflow holds every step once and the final policy loads."""
     from opentinker.model.policy import load_policy
     from opentinker.control.scheduler import deployment_names
-    from opentinker.control.submit import deploy, follow, submit_job
+    from opentinker.control.follow import follow
+    from opentinker.control.submit import deploy, submit_job
 
     settings, env = stack_env
     job_id = "s3-killed"

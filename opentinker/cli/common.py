@@ -30,10 +30,27 @@ def quiet_libraries() -> None:
 
 def exit_invalid(kind: str, path: Path, err: SpecError) -> None:
     """Print `invalid <kind> <path>:` and one `field: reason` line per problem, then exit 2."""
-    console.print(f"invalid {kind} {path}:", style="red", markup=False)
+    console.print(f"invalid {kind} {path}:", style="red", markup=False, soft_wrap=True)
     for line in str(err).splitlines():
-        console.print(f"  {line}", markup=False)
+        console.print(f"  {line}", markup=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def load_any_spec(path: Path):
+    """An RL or SFT spec (told apart by shape, as the scheduler routes them), or exit 2."""
+    from opentinker.core.spec import read_spec_yaml
+    from opentinker.sft.spec import is_sft_spec, parse_sft_spec
+
+    try:
+        data = read_spec_yaml(path)
+        if is_sft_spec(data):
+            return parse_sft_spec(data)
+    except FileNotFoundError:
+        console.print(f"spec not found: {path}", style="red", markup=False)
+        raise typer.Exit(2)
+    except SpecError as err:
+        exit_invalid("spec", path, err)
+    return load_job_spec(path)
 
 
 def load_job_spec(path: Path, steps: Optional[int] = None) -> JobSpec:
@@ -70,15 +87,21 @@ def settings_and_env():
 
     settings = get_settings()
     os.environ.update(prefect_env(settings) | mlflow_env(settings))
+    # A follower must notice a dead MLflow in seconds (and retry itself), not after minutes of the client's retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     return settings
 
 
 def status_table(status) -> Table:
+    """Ours (running from this state folder) and healthy, and whether anything answers on the port:
+    a server that answers without being ours was started from another state folder or is another program."""
     table = Table(title="OpenTinker stack")
     for col in ("service", "running", "healthy", "pid", "url"):
         table.add_column(col)
     for s in status.values():
-        table.add_row(s.name, "yes" if s.running else "no", "yes" if s.healthy else "no", str(s.pid or "-"), s.url or "-")
+        running = "yes" if s.running else ("no (another program answers there)" if s.answering else "no")
+        table.add_row(s.name, running, "yes" if s.healthy else "no", str(s.pid or "-"), s.url or "-")
     return table
 
 

@@ -7,19 +7,21 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
-from rich.table import Table
 
-from opentinker.cli.common import (bring_up, console, fmt, load_job_spec, quiet_libraries, settings_and_env, stack_for_a_job,
-                                   status_table, step_progress, submit_to_pool)
+from opentinker.cli.common import bring_up, console, load_any_spec, quiet_libraries, settings_and_env, status_table
 from opentinker.cli.env import env_app
+from opentinker.cli.jobs import follow, run, train
 from opentinker.cli.models import models_app
 from opentinker.cli.serve import serve
 from opentinker.cli.sft import sft
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="OpenTinker: agentic RL as a service.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="OpenTinker: agentic RL as a service.")
+app.command()(run)
+app.command()(train)
+app.command()(follow)
 app.add_typer(env_app, name="env")
 app.add_typer(models_app, name="models")
 app.command(name="serve")(serve)
@@ -28,75 +30,12 @@ app.command(name="sft")(sft)
 
 @app.command()
 def validate(spec_path: Path = typer.Argument(..., help="job spec YAML")) -> None:
-    """Check a job spec without running anything."""
-    spec = load_job_spec(spec_path)
-    console.print(f"[green]ok[/] {spec_path}: {spec.model.name}, {spec.adapter.kind}, {spec.algorithm.advantage}, {spec.optimization.steps} steps")
-
-
-@app.command()
-def run(
-    spec_path: Path = typer.Argument(..., help="job spec YAML"),
-    steps: Optional[int] = typer.Option(None, help="override optimization.steps"),
-    job_id: Optional[str] = typer.Option(None, help="job id; re-running the same id resumes from its last checkpoint"),
-) -> None:
-    """Train in this process (no scheduler): rollout → update → evaluate → checkpoint, with live progress."""
-    spec = load_job_spec(spec_path, steps)
-    quiet_libraries()
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    from opentinker.rl import RLJob
-    from opentinker.storage.preflight import StorageError
-
-    console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.label}")
-    try:
-        with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
-            job = RLJob(spec, job_id=job_id)  # checks its storage first, before the model loads
-    except StorageError as err:
-        console.print(str(err), style="red", markup=False, soft_wrap=True)  # one line, however long
-        raise typer.Exit(1)
-    console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
-
-    state = {"acc": None, "reward": None}
-    progress = step_progress("[bold]step")
-
-    def summary() -> str:
-        return f"reward {fmt(state['reward'])} · val acc {fmt(state['acc'], pct=True)}"
-
-    def on_eval(ev) -> None:
-        m = ev.metrics
-        state["acc"] = m.get("eval/accuracy")
-        extra = ""
-        if "eval/format_ok" in m:
-            extra += f" · format {fmt(m['eval/format_ok'], pct=True)}"
-        if "eval/distinct_answer_share" in m:
-            extra += f" · distinct answers {fmt(m['eval/distinct_answer_share'], pct=True)}"
-        progress.console.print(f"[magenta]eval @ step {ev.step}[/]: accuracy {fmt(state['acc'], pct=True)} · reward {fmt(m['eval/reward_mean'])}{extra}")
-        progress.update(task, summary=summary())
-
-    def on_step(report) -> None:
-        m = report.metrics
-        state["reward"] = m["rollout/reward_mean"]
-        progress.console.print(
-            f"step {report.step:>3}/{report.total_steps}: reward {fmt(m['rollout/reward_mean'])} "
-            f"(failed {int(m['rollout/failed_episodes'])}) · loss {fmt(m.get('update/policy_loss'))} · "
-            f"entropy {fmt(m.get('update/entropy'))} · {m['rollout/tokens_per_s']:.0f} tok/s · {m['step/seconds']:.1f}s"
-            + (f" · checkpoint step {report.checkpoint.step}" if report.checkpoint else "")
-        )
-        progress.update(task, completed=report.step, summary=summary())
-
-    with progress:
-        task = progress.add_task("train", total=spec.optimization.steps, summary=summary())
-        result = job.run(on_step=on_step, on_eval=on_eval)
-
-    table = Table(title=f"job {job.job_id}", show_header=False)
-    table.add_row("steps", f"{result.steps_done} (resumed from {result.resumed_from})" if result.resumed_from else str(result.steps_done))
-    if result.evaluations:
-        first, last = result.evaluations[0].metrics, result.evaluations[-1].metrics
-        table.add_row("validation accuracy", f"{fmt(first.get('eval/accuracy'), True)} → {fmt(last.get('eval/accuracy'), True)}")
-    table.add_row("wall time", f"{result.seconds:.0f} s")
-    table.add_row("checkpoint", result.checkpoint.url if result.checkpoint else "-")
-    console.print(table)
+    """Check a job spec (RL or SFT) without running anything: fields, sizes, the model folder."""
+    spec = load_any_spec(spec_path)
+    if hasattr(spec, "optimization"):
+        console.print(f"[green]ok[/] {spec_path}: {spec.model.name}, {spec.adapter.kind}, {spec.algorithm.advantage}, {spec.optimization.steps} steps")
+    else:
+        console.print(f"[green]ok[/] {spec_path}: SFT of {spec.model.name}, {spec.adapter.kind}, {spec.training.epochs} epoch(s) on {spec.data.path}")
 
 
 @app.command()
@@ -187,62 +126,29 @@ def tenant_list() -> None:
         print(name)
 
 
-@app.command()
-def train(
-    spec_path: Path = typer.Argument(..., help="job spec YAML"),
-    steps: Optional[int] = typer.Option(None, help="override optimization.steps"),
-    job_id: Optional[str] = typer.Option(None, help="job id; submitting the same id again resumes it"),
-) -> None:
-    """Submit a training job to the stack (started if needed) and follow it until it ends."""
-    spec = load_job_spec(spec_path, steps)
-    settings = settings_and_env()
-    quiet_libraries()
-    from opentinker.control.submit import follow
-
-    stack_for_a_job(settings)
-    from opentinker.core.ids import new_job_id
-
-    job_id = job_id or new_job_id(spec)
-    flow_run_id = submit_to_pool(spec, job_id, settings)
-    prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
-    console.print(f"submitted job [cyan]{job_id}[/] · Prefect {prefect_link}")
-    progress = step_progress("[bold]{task.fields[state]}")
-    with progress:
-        bar = progress.add_task("train", total=spec.optimization.steps, state="QUEUED", summary="")
-
-        seen_eval = {"step": None}
-
-        def on_update(p) -> None:
-            summary = f"reward {fmt(p.reward)} · val acc {fmt(p.accuracy, pct=True)}"
-            progress.update(bar, completed=p.step, state=p.state, summary=summary)
-            if p.accuracy_step is not None and p.accuracy_step != seen_eval["step"]:
-                seen_eval["step"] = p.accuracy_step
-                progress.console.print(f"[magenta]eval @ step {p.accuracy_step}[/]: validation accuracy {fmt(p.accuracy, pct=True)}")
-
-        final = follow(flow_run_id, job_id, settings, on_update)
-    console.print(f"job {job_id}: {final.state}", style="bold")
-    lines = {
-        "Prefect run": prefect_link,
-        "MLflow run": final.mlflow_run_url or "-",
-    }
-    if per_agent := final.result.get("checkpoints"):  # a self-play job: one checkpoint per learning agent
-        lines |= {f"checkpoint {agent}": url for agent, url in per_agent.items()}
-    else:
-        lines["checkpoint"] = final.result.get("checkpoint") or f"{spec.checkpoint.base_url}/{job_id}"
-    if final.accuracy is not None:
-        lines["validation accuracy"] = fmt(final.accuracy, pct=True)
-    for key, value in lines.items():  # plain lines: links stay whole and clickable
-        console.print(f"  {key}: {value}", markup=False, soft_wrap=True)
-    if final.state != "COMPLETED":
-        console.print(f"job {final.state.lower()}: {(final.message or '').splitlines()[0] if final.message else 'no message'}", style="red", markup=False)
-        raise typer.Exit(1)
-
-
 def main() -> None:  # pragma: no cover - console entry point
+    """Run the command; an unexpected failure is one line on the terminal and its traceback in
+    the state folder's logs/cli.log."""
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as err:  # noqa: BLE001 - the user sees one line; the traceback is kept
+        import traceback
+
+        from opentinker.core.errors import one_line
+        from opentinker.core.settings import get_settings
+
+        log = get_settings().state_dir / "logs" / "cli.log"
+        try:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("a") as f:
+                f.write(f"--- {' '.join(sys.argv)}\n{traceback.format_exc()}\n")
+            where = f" (traceback in {log})"
+        except OSError:
+            where = ""
+        console.print(f"error: {one_line(err)}{where}", style="red", markup=False, soft_wrap=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -114,7 +114,7 @@ def _metrics(settings, run_id: str) -> dict[str, dict[int, float]]:
 
 
 def _submit(spec, job_id: str) -> None:
-    from opentinker.control.submit import poll
+    from opentinker.control.follow import poll
 
     settings = settings_and_env()
     stack_for_a_job(settings)

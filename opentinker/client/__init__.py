@@ -1,10 +1,10 @@
 """Client SDK: submit and follow jobs from a machine without GPUs (imports no torch)."""
 
-from opentinker.client.http import AuthenticationError, GatewayError, InvalidJob, JobFailed, JobNotFound
+from opentinker.client.http import AuthenticationError, GatewayError, GatewayUnreachable, InvalidJob, JobFailed, JobNotFound
 from opentinker.client.scheduler import InferenceSchedulerClient, SchedulerClient
 from opentinker.client.service import ServiceClient
 
 __all__ = [
     "SchedulerClient", "ServiceClient", "InferenceSchedulerClient",
-    "GatewayError", "AuthenticationError", "InvalidJob", "JobNotFound", "JobFailed",
+    "GatewayError", "GatewayUnreachable", "AuthenticationError", "InvalidJob", "JobNotFound", "JobFailed",
 ]

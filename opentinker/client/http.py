@@ -20,6 +20,10 @@ class AuthenticationError(GatewayError):
     pass
 
 
+class GatewayUnreachable(GatewayError, ConnectionError):
+    """No answer from the gateway (down, restarting, the network): worth trying again."""
+
+
 class JobNotFound(GatewayError):
     pass
 
@@ -56,9 +60,11 @@ class Gateway:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
-            raise GatewayError(0, f"gateway {self.url} unreachable ({type(err).__name__}); is the stack up (`opentinker up`)?") from None
+            raise GatewayUnreachable(0, f"gateway {self.url} unreachable ({type(err).__name__}); is the stack up (`opentinker up`)?") from None
         if response.is_success:
             return response.json() if response.content else None
+        if response.status_code in (502, 503, 504):  # a proxy in front of a gateway coming back up
+            raise GatewayUnreachable(response.status_code, f"gateway {self.url}: HTTP {response.status_code}")
         try:
             detail = response.json().get("detail", response.text)
         except ValueError:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.client.http import Gateway, JobFailed
+from opentinker.client.http import Gateway, InvalidJob, JobFailed
 from opentinker.core.credentials import remember
-from opentinker.core.polling import wait_for
+from opentinker.core.polling import through_blips, wait_for
 from opentinker.core.spec_input import config_to_dict
+from opentinker.core.spec_limits import size_problem
 from opentinker.core.states import TERMINAL
 
 
@@ -21,7 +22,10 @@ class SchedulerClient:
     def submit_job(self, config: Any, num_gpus: float | None = None) -> dict[str, Any]:
         """Validate and queue a job. Returns job_id, state, server_url (for ServiceClient) and
         links. Without an environment in `config` the job waits for `ServiceClient.fit(env=…)`."""
-        return self._gateway.request("POST", "/v1/jobs", json={"config": config_to_dict(config), "num_gpus": num_gpus})
+        data = config_to_dict(config)
+        if problem := size_problem(data):  # refused here, before megabytes travel to be refused there
+            raise InvalidJob(422, problem)
+        return self._gateway.request("POST", "/v1/jobs", json={"config": data, "num_gpus": num_gpus})
 
     def list_jobs(self) -> list[dict[str, Any]]:
         return self._gateway.request("GET", "/v1/jobs")
@@ -36,9 +40,10 @@ class SchedulerClient:
         return self._gateway.request("GET", f"/v1/jobs/{job_id}/metrics")
 
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 2.0) -> dict[str, Any]:
-        """Poll until the job ends; returns its last status (TimeoutError past `timeout`)."""
+        """Poll until the job ends; returns its last status (TimeoutError past `timeout`). A gateway
+        that does not answer for a while (restarting) is tried again, for up to 15 minutes."""
         def ended() -> dict[str, Any] | None:
-            status = self.job_status(job_id)
+            status = through_blips(lambda: self.job_status(job_id), give_up_after_s=900.0)
             return status if status["state"] in TERMINAL else None
 
         return wait_for(ended, interval=poll, timeout=timeout, what=f"job {job_id} to end")

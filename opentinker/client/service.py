@@ -13,9 +13,9 @@ import math
 from typing import Any
 
 from opentinker.client.environment import env_section, hosted_game
-from opentinker.client.http import Gateway, GatewayError, JobFailed
+from opentinker.client.http import Gateway, GatewayUnreachable, JobFailed
 from opentinker.client.link import EnvironmentLink
-from opentinker.core.polling import wait_for
+from opentinker.core.polling import through_blips, wait_for
 from opentinker.core.spec_input import config_to_dict
 from opentinker.core.states import TERMINAL
 from opentinker.tracking.metrics import headline_key
@@ -24,7 +24,8 @@ from opentinker.tracking.metrics import headline_key
 class ServiceClient:
     """Talks to one job: `server_url` is what `SchedulerClient.submit_job` returned."""
 
-    def __init__(self, server_url: str, api_key: str | None = None):
+    def __init__(self, server_url: str, api_key: str | None = None, reconnect_timeout_s: float = 900.0):
+        self.reconnect_timeout_s = reconnect_timeout_s  # how long fit() keeps trying a gateway that does not answer
         base, sep, job_id = server_url.rstrip("/").rpartition("/v1/jobs/")
         if not sep or not job_id:
             raise ValueError(f"server_url {server_url!r} is not a job URL (…/v1/jobs/<job_id>)")
@@ -91,18 +92,22 @@ class ServiceClient:
         with Progress(*columns, disable=not progress, transient=False) as bar:
             task = bar.add_task(self.job_id, total=None, state="QUEUED", summary="")
 
+            def on_retry(attempt: int, err: BaseException) -> None:
+                bar.console.print(f"the gateway does not answer ({err}); reconnecting (attempt {attempt})…", markup=False)
+
             def look() -> dict[str, Any] | None:
                 """One look at the job, shown on the bar; the final status once it ended."""
                 try:
-                    status = self.status()
-                except GatewayError as err:
-                    if err.status:  # the gateway answered: a real error
-                        raise
-                    return None  # a blip: keep following
+                    status = through_blips(self.status, give_up_after_s=self.reconnect_timeout_s, on_retry=on_retry)
+                except GatewayUnreachable as err:
+                    raise GatewayUnreachable(0, f"no answer from the gateway for {self.reconnect_timeout_s:g}s ({err}); job "
+                                             f"{self.job_id} may still be running: ServiceClient(server_url).fit() re-attaches") from None
                 metrics = status.get("metrics") or {}
                 summary = " · ".join(f"{label} {metrics[key]:.3f}" for key, label in
                                      ((headline_key(metrics, "rollout/reward_mean"), "reward"), (headline_key(metrics, "eval/accuracy"), "val acc"))
                                      if key in metrics)
+                if status.get("failure"):
+                    summary += f" · failing: {status['failure']}"
                 bar.update(task, total=status.get("total_steps"), completed=status.get("step") or 0,
                            state=status["state"], summary=summary)
                 return status if status["state"] in TERMINAL else None

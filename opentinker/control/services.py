@@ -76,6 +76,9 @@ def _prefect_server_env(s: Settings) -> dict[str, str]:
     return {
         **prefect_env(s),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        # Slot leases on disk, not in the server's memory: a restarted server still knows the
+        # leases of running jobs (releases them, expires them), so no slot leaks across a restart.
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
         "PREFECT_SERVER_UI_ENABLED": "true",
     }
 

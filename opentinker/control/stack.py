@@ -42,11 +42,12 @@ class StackError(RuntimeError):
 @dataclass(frozen=True)
 class ServiceStatus:
     name: str
-    running: bool
+    running: bool  # our process (its pid file) is alive
     pid: int | None
     url: str | None
-    healthy: bool
+    healthy: bool  # ours, and it answers its health probe
     log: Path
+    answering: bool = False  # something answers on its port, ours or not
 
 
 class Stack:
@@ -85,9 +86,9 @@ class Stack:
     # inspection
     def service_status(self, name: str) -> ServiceStatus:
         spec, pid = SPECS[name], self.pid(name)
-        healthy = pid is not None and spec.healthy(self.settings, pid)
-        return ServiceStatus(name, pid is not None, pid, spec.url(self.settings), healthy,
-                             self.log_file(name))
+        answering = spec.port(self.settings) is not None and spec.healthy(self.settings, pid or 0)
+        healthy = pid is not None and (answering or spec.healthy(self.settings, pid))
+        return ServiceStatus(name, pid is not None, pid, spec.url(self.settings), healthy, self.log_file(name), answering)
 
     def status(self) -> dict[str, ServiceStatus]:
         """Per service: running (our process is alive), pid, url, healthy (answers its probe)."""

@@ -1,18 +1,13 @@
 """The operator's path to the stack (the CLI on the stack's machine; tenants go through the
-gateway): apply the deployments, submit a job to its deployment, and follow it through its
-Prefect state and its MLflow metrics. Imports no torch."""
+gateway): check the Ray cluster, apply the deployments, submit a job to its deployment.
+Following it is opentinker.control.follow. Imports no torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings
-from opentinker.core.states import TERMINAL
-from opentinker.tracking.metrics import headline_key
-from opentinker.tracking.runs import JOB_TAG
 
 
 def check_ray_address(address: str | None, timeout: float = 3.0) -> None:
@@ -62,67 +57,3 @@ def submit_job(spec_data: dict[str, Any], job_id: str, settings: Settings) -> st
     run = run_deployment(deployment_name(flow_for(spec_data), pool), parameters={"spec": spec_data, "job_id": job_id},
                          timeout=0, tags=job_tags(None, job_id))
     return str(run.id)
-
-
-@dataclass
-class Progress:
-    state: str
-    step: int = 0
-    reward: float | None = None
-    accuracy: float | None = None
-    accuracy_step: int | None = None
-    mlflow_run_id: str | None = None
-    mlflow_run_url: str | None = None
-    message: str | None = None
-    result: dict[str, Any] = field(default_factory=dict)
-
-
-def _latest(client, run_id: str, key: str) -> tuple[int, float] | None:
-    history = client.get_metric_history(run_id, key)
-    if not history:
-        return None
-    last = max(history, key=lambda m: (m.step, m.timestamp))
-    return last.step, last.value
-
-
-def poll(flow_run_id: str, job_id: str, settings: Settings) -> Progress:
-    """One look at a job: its Prefect state and its newest MLflow metrics."""
-    from mlflow.tracking import MlflowClient
-    from opentinker.control.scheduler import job_state, prefect_client
-
-    with prefect_client() as client:
-        run = client.read_flow_run(flow_run_id)
-
-    state, reason = job_state(run)
-    progress = Progress(state=state, message=reason)
-    ml = MlflowClient(tracking_uri=settings.mlflow_url)
-    experiment = ml.get_experiment_by_name(settings.project)
-    if experiment is None:
-        return progress
-    runs = ml.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'", max_results=1)
-    if not runs:
-        return progress
-    run_id = runs[0].info.run_id
-    progress.mlflow_run_id = run_id
-    progress.mlflow_run_url = f"{settings.mlflow_url}/#/experiments/{experiment.experiment_id}/runs/{run_id}"
-    keys = runs[0].data.metrics
-    if reward := _latest(ml, run_id, headline_key(keys, "rollout/reward_mean")):
-        progress.step, progress.reward = reward
-    if acc := _latest(ml, run_id, headline_key(keys, "eval/accuracy")):
-        progress.accuracy_step, progress.accuracy = acc
-    tags = runs[0].data.tags
-    progress.result = {"checkpoint": tags.get("opentinker.checkpoint")}
-    if per_agent := {k.rpartition(".")[2]: v for k, v in tags.items() if k.startswith("opentinker.checkpoint.")}:
-        progress.result["checkpoints"] = per_agent  # a self-play job: one final checkpoint per learning agent
-    return progress
-
-
-def follow(flow_run_id: str, job_id: str, settings: Settings, on_update: Callable[[Progress], None], interval: float = 2.0) -> Progress:
-    """Poll until the flow run ends, calling `on_update` after every look."""
-
-    def look() -> Progress | None:
-        progress = poll(flow_run_id, job_id, settings)
-        on_update(progress)
-        return progress if progress.state in TERMINAL else None
-
-    return wait_for(look, interval=interval, what=f"job {job_id} to end")

@@ -1,10 +1,13 @@
-"""The names of the models this machine can load without downloading anything.
+"""The names of the models this machine can load without downloading anything, and the check of
+a local model folder that `validate` runs (without torch: a spec is validated on a laptop).
 
 Kept apart from the loaders (opentinker.model) so a spec is validated without importing torch.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -19,3 +22,40 @@ KNOWN_MODELS = (SMOLLM2, TINY)
 def is_resolvable(name: str) -> bool:
     """A known name, or a local folder holding a model's config.json."""
     return name in KNOWN_MODELS or (Path(name).is_dir() and (Path(name) / "config.json").exists())
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded whole (its header's own numbers), or None."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                return f"its header claims {header_len} bytes, the file has {size}"
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        return f"its header is unreadable ({type(err).__name__})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
+    needed = 8 + header_len + max(ends, default=0)
+    if size < needed:
+        return f"truncated: the header says {needed} bytes, the file has {size}"
+    return None
+
+
+def folder_problem(name: str) -> str | None:
+    """Why a local model folder named as `model.name` cannot be loaded, or None (also for known
+    names and for paths that are not folders at all)."""
+    folder = Path(name)
+    if name in KNOWN_MODELS or not folder.is_dir():
+        return None
+    if not any(folder.iterdir()):
+        return f"{name} is an empty folder"
+    if not (folder / "config.json").exists():
+        return f"{name} has no config.json: not a model folder"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights and not list(folder.glob("*.bin")):
+        return f"{name} holds no weights (*.safetensors)"
+    for path in weights:
+        if problem := _safetensors_problem(path):
+            return f"{path}: {problem}"
+    return None

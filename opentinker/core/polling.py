@@ -24,3 +24,34 @@ def wait_for(check: Callable[[], T | None], *, interval: float, timeout: float |
         return retrying(check)
     except RetryError:
         raise TimeoutError(f"{what}: not reached within {timeout:g}s") from None
+
+
+_BLIPS = {"ConnectError", "ConnectTimeout", "ReadError", "ReadTimeout", "WriteError", "PoolTimeout", "RemoteProtocolError",
+          "ConnectionError", "ConnectionRefusedError", "ConnectionResetError", "MaxRetryError", "NewConnectionError"}
+
+
+def is_blip(err: BaseException) -> bool:
+    """A server that did not answer (down, restarting, a dropped connection), as opposed to one
+    that answered with an error: worth trying again. Also a 5xx from a server coming back up."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    if names & _BLIPS:
+        return True
+    status = getattr(getattr(err, "response", None), "status_code", None) or getattr(err, "status", None)
+    if isinstance(status, int) and status >= 502:
+        return True
+    text = str(err)  # an MlflowException wraps the connection error in its message
+    return "MlflowException" in names and ("Max retries exceeded" in text or "Connection refused" in text)
+
+
+def through_blips(call: Callable[[], T], *, give_up_after_s: float, on_retry: Callable[[int, BaseException], None] | None = None) -> T:
+    """`call()`, tried again with backoff (0.5 s doubling to 10 s) while it fails with a blip, for
+    up to `give_up_after_s`; then the last error is raised. `on_retry(attempt, error)` before each wait."""
+    from tenacity import retry_if_exception, wait_exponential
+
+    def before_sleep(state) -> None:
+        if on_retry is not None:
+            on_retry(state.attempt_number, state.outcome.exception())
+
+    retrying = Retrying(retry=retry_if_exception(is_blip), wait=wait_exponential(multiplier=0.5, max=10),
+                        stop=stop_after_delay(give_up_after_s), before_sleep=before_sleep, reraise=True)
+    return retrying(call)

@@ -18,9 +18,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="OPENTINKER_", extra="ignore")
 
-    state_dir: Path = Path(".opentinker")
-    """Everything the stack writes: pid files, logs, the SQLite databases, MLflow artifacts.
-    Made absolute so that services started from another directory share it."""
+    state_dir: Path = Path("~/.opentinker")
+    """Everything the stack writes: pid files, logs, the SQLite databases, MLflow artifacts, the
+    secret. One place per user whatever the working directory, so every command finds the same
+    stack; OPENTINKER_STATE_DIR moves it."""
 
     host: str = "127.0.0.1"
     """Interface every service binds to and clients dial; loopback keeps the stack private."""

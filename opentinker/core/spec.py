@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from opentinker.core.model_names import is_resolvable
+from opentinker.core.model_names import folder_problem, is_resolvable
+from opentinker.core.spec_limits import size_problem
 
 
 def storage_url(v: str) -> str:
@@ -75,7 +76,9 @@ class ModelSpec(Section):
     @classmethod
     def _resolvable(cls, name: str) -> str:
         if not is_resolvable(name):
-            raise ValueError(f"unknown model {name!r}: not a known name nor an existing local folder")
+            raise ValueError(folder_problem(name) or f"unknown model {name!r}: not a known name nor an existing local folder")
+        if problem := folder_problem(name):
+            raise ValueError(problem)
         return name
 
 
@@ -112,13 +115,13 @@ class AlgorithmSpec(Section):
 
 
 class RolloutSpec(Section):
-    prompts_per_step: int = Field(8, gt=0)
-    group_size: int = Field(4, gt=0)
-    max_new_tokens: int = Field(24, gt=0)
+    prompts_per_step: int = Field(8, gt=0, le=4096)
+    group_size: int = Field(4, gt=0, le=1024)
+    max_new_tokens: int = Field(24, gt=0, le=32768)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_turns: int = Field(1, gt=0)
-    max_total_tokens: int = Field(1024, gt=0)
+    max_turns: int = Field(1, gt=0, le=10000)
+    max_total_tokens: int = Field(1024, gt=0, le=1_048_576)
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
     prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
@@ -126,16 +129,24 @@ class RolloutSpec(Section):
 
 class OptimizationSpec(Section):
     lr: LearningRate = 1e-4
-    steps: int = Field(10, gt=0)
+    steps: int = Field(10, gt=0, le=1_000_000, description="optimizer steps (a million at most: a budget beyond is a typo)")
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
     weight_decay: float = Field(0.0, ge=0)
 
 
+class HealthSpec(Section):
+    """When failed episodes (an environment that raises, hangs, returns garbage, a NaN reward, a
+    server that does not answer) stop the job instead of quietly training on nothing."""
+
+    max_failure_rate: float = Field(0.5, ge=0, le=1, description="a step (or an evaluation) with more failed episodes is unhealthy")
+    unhealthy_steps: int = Field(3, gt=0, description="the job fails after this many unhealthy steps in a row")
+
+
 class EvaluationSpec(Section):
     every: int = Field(5, ge=0, description="evaluate every k steps (0: only before and after training)")
     greedy: bool = True
-    n_samples: int = Field(64, gt=0, description="validation problems per evaluation")
+    n_samples: int = Field(64, gt=0, le=100_000, description="validation problems per evaluation")
 
 
 class CheckpointLocation(Section):
@@ -280,6 +291,7 @@ class JobSpec(BaseJobSpec):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     env: EnvSpec
     multiagent: MultiAgentSpec | None = None
@@ -325,6 +337,8 @@ def validate_spec(model: type[_M], data: Any) -> _M:
     raise SpecError with one `field.path: reason` line per problem."""
     if not isinstance(data, dict):
         raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
+    if problem := size_problem(data):
+        raise SpecError(problem)
     try:
         return model.model_validate(data)
     except ValidationError as err:

@@ -37,7 +37,7 @@ from opentinker.storage.registry import (CHALLENGER, CHAMPION, EVAL_SPEC_TAG, Mo
 from opentinker.tracking.runs import Run
 
 TEST = "one-sided exact sign test on paired per-problem reward differences (exact McNemar for 0/1 rewards)"
-DEFAULTS = {"margin": 0.05, "alpha": 0.05, "min_samples": 30}
+DEFAULTS = {"margin": 0.05, "alpha": 0.05, "min_samples": 30, "max_failure_rate": 0.5}
 
 
 # -- the decision rule --------------------------------------------------------------------------
@@ -229,7 +229,9 @@ def conclude(client, pair: Pair, spec, challenger: dict[str, Any], champion: dic
     run.log_files({"per_problem.json": json.dumps({"decision": asdict(decision), "problems": rows}, indent=1)})
 
     outcome, reason = ("promoted", decision.reason) if decision.promote else ("kept-champion", decision.reason)
-    if decision.promote:
+    if unhealthy := _unhealthy(challenger, "challenger") or _unhealthy(champion, "champion"):
+        outcome, reason = "kept-champion", unhealthy  # failed episodes score 0: the comparison says nothing
+    elif decision.promote:
         current = client.get_registered_model(pair.name).aliases.get(CHAMPION)
         if str(current) != str(pair.champion):
             outcome, reason = "stale", f"champion moved to v{current} during the evaluation; nothing changed"
@@ -246,6 +248,13 @@ def conclude(client, pair: Pair, spec, challenger: dict[str, Any], champion: dic
     return {"model": pair.name, "challenger": pair.challenger, "champion_before": pair.champion,
             "champion_after": pair.challenger if outcome == "promoted" else pair.champion,
             "decision": outcome, "reason": reason, "eval_run_id": run.run_id, "experiment_id": run.experiment_id, "time": when, **metrics}
+
+
+def _unhealthy(evaluation: dict[str, Any], who: str) -> str | None:
+    n = len(evaluation["rewards"])
+    if n and evaluation["failed"] / n > DEFAULTS["max_failure_rate"]:
+        return f"the {who}'s evaluation is unhealthy: {evaluation['failed']} of {n} episodes failed"
+    return None
 
 
 def no_champion(client, pair: Pair) -> dict[str, Any]:

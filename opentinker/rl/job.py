@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from opentinker.backend.device import check_gpus
 from opentinker.core.ids import new_job_id
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
@@ -25,6 +26,7 @@ class RLJob:
 
     def __init__(self, spec: JobSpec, job_id: str | None = None):
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
+        check_gpus(spec.resources.num_gpus)
         self.spec = spec
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)

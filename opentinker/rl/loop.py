@@ -8,6 +8,8 @@ CLI's `run`, tests, benchmarks, notebooks), or the same objects in Ray actors re
 Prefect tasks (the flows). What the caller does with progress (print it, log it to MLflow) comes
 in through `LoopHooks`. A step's metrics are "committed" once a checkpoint covers them: a flow
 logs them to MLflow then, so after a crash and resume each step reaches MLflow exactly once.
+Failed episodes count (opentinker.rl.health): too many steps in a row with too many of them
+fail the job with the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentinker.core.spec import JobSpec
+from opentinker.rl.health import Health
 from opentinker.rl.policy import Restored
 from opentinker.rl.sampler import Evaluation
 
@@ -69,6 +72,7 @@ class LoopResult:
     checkpoint: Any = None  # the newest checkpoint written or restored
     seconds: float = 0.0  # everything, restore and the first evaluation included
     loop_seconds: float = 0.0  # the steps alone
+    not_registrable: str | None = None  # why the final checkpoint must not be registered (job health)
 
 
 def _call(hook: Callable | None, *args: Any) -> None:
@@ -79,6 +83,7 @@ def _call(hook: Callable | None, *args: Any) -> None:
 def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None) -> LoopResult:
     """Train `spec.optimization.steps` steps (resuming where the runner's checkpoints stop)."""
     hooks = hooks or LoopHooks()
+    health = Health(spec.health)
     t_start = time.perf_counter()
     restored = runner.restore()
     start = restored.step if restored else 0
@@ -113,6 +118,8 @@ def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None)
             pending.clear()
         result.steps_done = done
         _call(hooks.on_step, StepReport(done, total, metrics, evaluation, written))
+        health.after_step(done, metrics)  # after the step is logged: a failing job still shows why
     end = time.perf_counter()
     result.seconds, result.loop_seconds = end - t_start, end - loop_start
+    result.not_registrable = health.registrable(result.evaluations[-1].metrics if result.evaluations else None)
     return result

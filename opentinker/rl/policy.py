@@ -80,7 +80,7 @@ class Policy:
             weights=self.trainer.trainable_state(),
             optimizer_state=self.trainer.optimizer.state_dict(),
             state={"policy_version": self.trainer.version, "env": env_state,
-                   "metrics": [[int(s), {k: float(v) for k, v in m.items()}] for s, m in metrics]},
+                   "metrics": [[int(s), {k: v if isinstance(v, str) else float(v) for k, v in m.items()}] for s, m in metrics]},
             extra_files=extra,
             keep_last=self.spec.checkpoint.keep_last,
         )

@@ -41,6 +41,25 @@ class CheckpointError(FileNotFoundError):
     callers asking "is there a checkpoint here" treat all of them alike; the message says which."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the URL, the file and the cause
+    (e.g. `[Errno 28] No space left on device`). The partial folder is removed."""
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.errno is not None:
+        return f"[Errno {err.errno}] {err.strerror or err}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _remove_quietly(fs, path: str) -> None:
+    try:
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    except Exception:  # noqa: BLE001 - best effort: without COMMIT.json it is never trusted anyway
+        pass
+
+
 @dataclass
 class CheckpointRef:
     url: str
@@ -96,10 +115,6 @@ def save_checkpoint(
     """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
     url = _join(job_url(base_url, job_id), f"step-{step:08d}")
     fs, path = url_to_fs(url)
-    fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
-    if fs.exists(path):
-        fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
-    _makedirs(fs, path)
     opt_buf = io.BytesIO()
     torch.save(optimizer_state, opt_buf)
     files = {
@@ -109,15 +124,22 @@ def save_checkpoint(
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }
-    for name, data in files.items():
-        if "/" in name:
-            _makedirs(fs, _join(path, name.rsplit("/", 1)[0]))
-        with fs.open(_join(path, name), "wb") as f:
-            f.write(data)
     manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()},
                 "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
-    with fs.open(_join(path, COMMIT), "wb") as f:
-        f.write(json.dumps(manifest).encode())
+    name = "the folder"
+    try:
+        fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
+        if fs.exists(path):
+            fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
+        _makedirs(fs, path)
+        for name, data in [*files.items(), (COMMIT, json.dumps(manifest).encode())]:
+            if "/" in name:
+                _makedirs(fs, _join(path, name.rsplit("/", 1)[0]))
+            with fs.open(_join(path, name), "wb") as f:
+                f.write(data)
+    except Exception as err:  # noqa: BLE001 - a full disk, no permission, a missing bucket: one line, no half folder
+        _remove_quietly(fs, path)
+        raise CheckpointWriteError(f"cannot write checkpoint {url} ({name}): {_cause(err)}") from err
     if keep_last:
         prune(base_url, job_id, keep_last)
     return CheckpointRef(url=url, step=step)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
+from typing import Any
 
 from opentinker.core.trajectory import Trajectory
 
@@ -24,12 +26,25 @@ def _info_means(trajs: list[Trajectory]) -> dict[str, float]:
     return {key: sum(v) / len(v) for key, v in sums.items()}
 
 
-def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
+def failure_summary(trajs: list[Any]) -> str | None:
+    """The most common failure reason and how many episodes it cost, e.g.
+    `reset: RuntimeError: boom (8 of 8 episodes)`; None when no episode failed."""
+    reasons = Counter(str(t.failure or "unknown failure") for t in trajs if t.failed)
+    if not reasons:
+        return None
+    reason, count = reasons.most_common(1)[0]
+    return f"{reason} ({count} of {len(trajs)} episodes)"
+
+
+def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, Any]:
+    """Metrics of a batch of episodes; `<prefix>/first_failure` (text, not a number) names the
+    most common failure when there was one, so progress lines and the run can say why."""
     ok = [t for t in trajs if not t.failed]
     rewards = [t.reward for t in ok] or [0.0]
-    out = {
+    out: dict[str, Any] = {
         f"{prefix}/episodes": float(len(trajs)),
         f"{prefix}/failed_episodes": float(len(trajs) - len(ok)),
+        f"{prefix}/failure_rate": (len(trajs) - len(ok)) / len(trajs) if trajs else 0.0,
         f"{prefix}/reward_mean": statistics.fmean(rewards),
         f"{prefix}/reward_std": statistics.pstdev(rewards),
         f"{prefix}/reward_min": min(rewards),
@@ -46,6 +61,8 @@ def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
     if "correct" in {k for t in ok for k in t.info}:
         out[f"{prefix}/accuracy"] = sum(bool(t.info.get("correct")) for t in trajs) / max(len(trajs), 1)
     out |= _tool_stats(ok, prefix) | _move_stats(ok, prefix)
+    if summary := failure_summary(trajs):
+        out[f"{prefix}/first_failure"] = summary
     return out
 
 

@@ -92,13 +92,16 @@ class Run:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Numbers as metrics at `step`; text (e.g. `rollout/first_failure`) as the run's tags
+        `opentinker.<key>`, the newest value, with the step it came from."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float))]
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i : i + 500])
+        self.set_tags({f"opentinker.{k}": f"step {step}: {v}"[:5000] for k, v in metrics.items() if isinstance(v, str)})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         for key, value in tags.items():

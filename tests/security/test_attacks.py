@@ -13,8 +13,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -87,7 +85,7 @@ def _spec(tmp_path, **overrides) -> dict:
 # --- 1. workers run only the operator's code ----------------------------------------------------
 
 @pytest.mark.parametrize("game", ["os:system", "subprocess:Popen", "builtins:exec", "shutil:rmtree", "posix:system",
-                                  "tests.games:RaisingGame", "envs.math.game:parse_answer", "envs.math:no_such_thing"])
+                                  "tests.conftest:tiny_spec", "envs.math.game:parse_answer", "envs.math:no_such_thing"])
 def test_env_game_outside_the_allowlist_or_not_a_game_is_refused_at_submission(world, tmp_path, game):
     marker = world["marker"]
     config = _spec(tmp_path, env={"game": game, "config": {"command": f"touch {marker}", "args": [f"touch {marker}"]}})

@@ -11,12 +11,13 @@ specs, flow parameters, MLflow params or logs.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
@@ -25,9 +26,13 @@ from opentinker.control.gateway.link import LinkHub, valid_calls
 from opentinker.control.gateway.tenants import TenantStore
 from opentinker.control.scheduler import SchedulingError
 from opentinker.core.asgi import BodyLimit
+from opentinker.core.errors import one_line
 from opentinker.core.settings import Settings, get_settings
 from opentinker.core.spec import SpecError
 from opentinker.core.tokens import bearer, is_job_token
+
+
+log = logging.getLogger("opentinker.gateway")
 
 
 class SubmitRequest(BaseModel):
@@ -53,6 +58,12 @@ def create_app(settings: Settings | None = None):
     store = TenantStore(settings.state_dir / "tenants.json")
     hub = LinkHub()
     app = FastAPI(title="OpenTinker gateway", version="1")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        """Anything unforeseen: one line for the client, the traceback in the gateway's log."""
+        log.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"detail": one_line(err)}, status_code=500)
 
     def tenant_of(headers) -> TenantJobs:
         tenant = store.authenticate(bearer(headers.get("authorization")))

@@ -174,6 +174,8 @@ class TenantJobs:
             history = client.get_metric_history(run.info.run_id, headline_key(run.data.metrics, "rollout/reward_mean"))
             out["step"] = max((m.step for m in history), default=0)
             out["checkpoint"] = run.data.tags.get("opentinker.checkpoint")
+            if run.data.metrics.get(headline_key(run.data.metrics, "rollout/failed_episodes")):
+                out["failure"] = run.data.tags.get("opentinker.rollout/first_failure")  # the newest step's most common one
             out["links"]["mlflow"] = f"{self.settings.mlflow_url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
         return out
 

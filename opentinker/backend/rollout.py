@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import PrefixCache
 
 
@@ -46,8 +47,9 @@ class HFRolloutEngine:
     The next turn of an episode reuses the key/values of its record so far (`PrefixCache`), so
     a turn prefills only its observation; `prefix_cache_tokens=0` turns that off."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536, placement: Placement | None = None):
         self.model = model
+        self.placement = placement or Placement(model.device, torch.float32)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.prefix_cache = PrefixCache(model, prefix_cache_tokens)
@@ -80,12 +82,13 @@ class HFRolloutEngine:
         index = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
         if len(first_row) == len(prompts) or input_ids.shape[1] < 2:
             return None
-        rows = torch.tensor([index.index(u) for u in range(len(first_row))])
+        rows = torch.tensor([index.index(u) for u in range(len(first_row))], device=input_ids.device)
         ids, attn = input_ids[rows, :-1], attention[rows, :-1]
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
+        with self.placement.autocast():
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
         cache = out.past_key_values
-        cache.reorder_cache(torch.tensor(index))
+        cache.reorder_cache(torch.tensor(index, device=input_ids.device))
         return cache
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int]) -> list[Completion]:
@@ -93,10 +96,13 @@ class HFRolloutEngine:
 
         t0 = time.perf_counter()
         hits = self.prefix_cache.lookup(prompts)
+        device = self.placement.device
         if any(n for n, _ in hits):
             input_ids, attention, cache = self._continue_cached(prompts, hits)
+            input_ids, attention = input_ids.to(device), attention.to(device)
         else:
             input_ids, attention = self._left_padded(prompts)
+            input_ids, attention = input_ids.to(device), attention.to(device)
             cache = self._shared_prefill(prompts, input_ids, attention)
         width = input_ids.shape[1]
         max_new = max(1, min(params.max_new_tokens, max(budgets)))
@@ -114,12 +120,13 @@ class HFRolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            gen = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                generation_config=config,
-                past_key_values=cache,
-            )
+            with self.placement.autocast():
+                gen = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    generation_config=config,
+                    past_key_values=cache,
+                )
         finally:
             self.model.train(was_training)
         new_tokens = gen.sequences[:, width:]
@@ -184,6 +191,6 @@ class HFRolloutEngine:
         width = attention.shape[1]
         for row, (prompt, comp) in enumerate(zip(prompts, completions)):
             ran = max(0, len(comp.token_ids) - 1)
-            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + ran)])
+            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + ran, device=attention.device)])
             states = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in cache.layers]
             self.prefix_cache.store(prompt + comp.token_ids[:ran], states)

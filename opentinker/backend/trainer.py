@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
+from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.model.adapters import wrap_model
@@ -30,6 +31,9 @@ class PackedBatch:
     targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, L-1]
     old_logprobs: torch.Tensor  # [B, L-1]
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs)))
 
 
 def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
@@ -50,9 +54,13 @@ def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
 class PolicyTrainer:
     """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
 
-    def __init__(self, model, tokenizer, adapter: LoraSpec | FullSpec, algorithm: AlgorithmSpec, optim: OptimizationSpec, temperature: float = 1.0):
+    def __init__(self, model, tokenizer, adapter: LoraSpec | FullSpec, algorithm: AlgorithmSpec, optim: OptimizationSpec,
+                 temperature: float = 1.0, placement: Placement | None = None):
         self.is_lora = isinstance(adapter, LoraSpec)
-        self.model = wrap_model(model, adapter)
+        self.placement = placement or cpu()
+        if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
+            model = model.to(dtype=self.placement.weights_dtype(trained=False))
+        self.model = wrap_model(model, adapter).to(self.placement.device)
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim_spec = optim
@@ -75,12 +83,14 @@ class PolicyTrainer:
     def _token_logits(self, model, batch: PackedBatch) -> torch.Tensor:
         """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there)."""
         lm = self._causal_lm(model)
-        hidden = lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        selected = hidden[:, :-1][batch.loss_mask.bool()]
-        return lm.get_output_embeddings()(selected).float() / self.temperature
+        with self.placement.autocast():
+            hidden = lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            selected = hidden[:, :-1][batch.loss_mask.bool()]
+            logits = lm.get_output_embeddings()(selected)
+        return logits.float() / self.temperature
 
     def _scatter(self, values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        out = torch.zeros(batch.loss_mask.shape, dtype=values.dtype)
+        out = torch.zeros(batch.loss_mask.shape, dtype=values.dtype, device=values.device)
         out[batch.loss_mask.bool()] = values
         return out
 
@@ -95,7 +105,7 @@ class PolicyTrainer:
     def logprobs(self, trajs: list[Trajectory]) -> list[list[float]]:
         """Recomputed logprobs of each trajectory's sampled tokens, in record order (for checks)."""
         self.model.eval()
-        batch = pack(trajs, self.pad_id)
+        batch = pack(trajs, self.pad_id).to(self.placement.device)
         lp, _ = self._logprobs(self.model, batch)
         return [lp[i][batch.loss_mask[i].bool()].tolist() for i in range(len(trajs))]
 
@@ -129,7 +139,7 @@ class PolicyTrainer:
             return metrics | {"update/skipped": 1.0}
         rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)
         groups = torch.tensor([t.group_id for t in usable])
-        advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std)
+        advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std).to(self.placement.device)
 
         agg = self.algorithm.loss_aggregation
         normalizer = float(sum(t.num_sampled for t in usable)) if agg == "token-mean" else float(len(usable))
@@ -140,7 +150,7 @@ class PolicyTrainer:
         mb = self.optim_spec.micro_batch_size
         for start in range(0, len(usable), mb):
             chunk = usable[start : start + mb]
-            batch = pack(chunk, self.pad_id)
+            batch = pack(chunk, self.pad_id).to(self.placement.device)
             ref = self._reference_logprobs(batch) if self.algorithm.kl.coef > 0 else None
             lp, entropy = self._logprobs(self.model, batch, with_entropy=True)
             out = ppo_clipped_loss(
@@ -175,7 +185,8 @@ class PolicyTrainer:
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        """The trained weights, copied to the CPU (for checkpoints and for samplers elsewhere)."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         named = dict(self.model.named_parameters())

@@ -55,7 +55,9 @@ class ModelSpec(Section):
     """Which base model to start from: a known name (see `opentinker.core.model_names`) or a local path."""
 
     name: str = Field(min_length=1, description="known model name or a local model folder")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute precision: auto = bfloat16 on a GPU that supports it, float32 on the CPU "
+        "(trained weights and the optimizer stay float32; see opentinker/backend/device.py)")
     init_from: str | None = Field(
         None, description="start from a trained policy instead of the bare base model: a checkpoint URL "
         "(a step folder, or a job folder for its latest complete step) or a registry URI models:/<name>@<alias> | models:/<name>/<version>; "

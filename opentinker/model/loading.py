@@ -118,12 +118,13 @@ def _build_tiny(tmp: Path) -> None:
 
 
 def load_base(name: str, dtype: str = "float32"):
-    """(model, tokenizer) of a named or local base model, on CPU, in eval mode."""
+    """(model, tokenizer) of a named or local base model, on CPU, in eval mode; `dtype` "auto"
+    loads float32 (a job's device and precision are opentinker.backend.device's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "auto" else getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

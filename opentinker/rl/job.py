@@ -31,7 +31,7 @@ class RLJob:
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)
         self.policy = Policy(spec, job_id=self.job_id)
-        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id)
+        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement)
 
     def restore(self) -> Restored | None:
         restored = self.policy.restore_latest()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from opentinker.backend import PolicyTrainer
+from opentinker.backend.device import placement
 from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, read_policy_info
 from opentinker.storage import checkpoint as ckpt
@@ -50,11 +51,16 @@ class Policy:
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
-        self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature)
+        self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
+                                     placement(spec.resources.num_gpus, spec.model.dtype))
 
     @property
     def model(self):
         return self.trainer.model
+
+    @property
+    def placement(self):
+        return self.trainer.placement
 
     @property
     def version(self) -> int:

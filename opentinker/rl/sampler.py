@@ -16,6 +16,7 @@ import torch
 
 from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, SamplingParams
+from opentinker.backend.device import Placement, placement
 from opentinker.core.spec import JobSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.env import GameEnvironment, environment_from_spec
@@ -38,24 +39,30 @@ class Evaluation:
     transcripts: list[dict[str, Any]] = field(default_factory=list)
 
 
-def own_model(spec: JobSpec, job_id: str | None):
+def own_model(spec: JobSpec, job_id: str | None, where: Placement):
     """(model, tokenizer) for a sampler in a process of its own: the job's base (its pinned
-    `init_from`) with the same adapter layout, so parameter names match the policy's."""
+    `init_from`) with the same adapter layout, so parameter names match the policy's, on the
+    job's device in its precision."""
     from opentinker.model import load_model, wrap_model
     from opentinker.rl.policy import pinned_init_from
 
     model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=pinned_init_from(spec, job_id))
-    return (wrap_model(model, spec.adapter) if spec.adapter.kind == "lora" else model), tokenizer
+    if spec.adapter.kind == "lora":
+        model = wrap_model(model.to(dtype=where.weights_dtype(trained=False)), spec.adapter)
+    return model.to(where.device), tokenizer
 
 
 class Sampler:
-    def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None):
+    def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None,
+                 where: Placement | None = None):
+        where = where or placement(spec.resources.num_gpus, spec.model.dtype)
         if model is None:
-            model, tokenizer = own_model(spec, job_id)
+            model, tokenizer = own_model(spec, job_id, where)
         self.spec = spec
         r = spec.rollout
         self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, r.prompts_per_step * r.group_size),
-                                      prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0)  # one turn: nothing to reuse
+                                      prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0,  # one turn: nothing to reuse
+                                      placement=where)
         self.chat = ChatFormat(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)

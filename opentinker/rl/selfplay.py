@@ -85,8 +85,8 @@ class SelfPlayJob:
         }[self.ma.opponent]
         r = spec.rollout
         batch = max(64, r.prompts_per_step * r.group_size)
-        self.engines = {name: HFRolloutEngine(w.model, w.tokenizer, max_batch_size=batch, prefix_cache_tokens=r.prefix_cache_tokens)
-                        for name, w in self.policies.items()}
+        self.engines = {name: HFRolloutEngine(w.model, w.tokenizer, max_batch_size=batch, prefix_cache_tokens=r.prefix_cache_tokens,
+                                              placement=w.placement) for name, w in self.policies.items()}
         self.seats = {p: Seat(self.engines[seat_policy[p]], ChatFormat(self.policies[seat_policy[p]].tokenizer)) for p in players}
         self.seat_policy = seat_policy
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)

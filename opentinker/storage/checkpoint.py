@@ -89,13 +89,19 @@ def rng_state() -> dict[str, Any]:
     """Torch's, Python's and numpy's generator states as plain JSON (no pickle in a checkpoint)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-            "python": [version, list(internal), gauss],
-            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    state = {"torch": encode(torch.get_rng_state()), "python": [version, list(internal), gauss],
+             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    if torch.cuda.is_available():  # a GPU job resumes with the same CUDA streams of random numbers
+        state["cuda"] = [encode(s) for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    torch.set_rng_state(decode(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]][: torch.cuda.device_count()])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
@@ -118,7 +124,7 @@ def save_checkpoint(
     opt_buf = io.BytesIO()
     torch.save(optimizer_state, opt_buf)
     files = {
-        "weights.safetensors": save_safetensors({k: v.contiguous() for k, v in weights.items()}),
+        "weights.safetensors": save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}),
         "optimizer.pt": opt_buf.getvalue(),
         "rng.json": json.dumps(rng_state()).encode(),
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
@@ -232,7 +238,7 @@ class LoadedCheckpoint:
 def _tensors_only(data: bytes) -> Any:
     """An optimizer state saved by torch.save, loaded without running code: torch's weights-only
     unpickler accepts tensors, numbers, strings and containers and refuses anything else."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # the optimizer moves it to its parameters' device
 
 
 def load_checkpoint(url: str) -> LoadedCheckpoint:

@@ -1,4 +1,4 @@
-"""A session-wide embedded stack (Prefect server + worker, MLflow server, gateway) for tests.
+"""A session-wide embedded stack (Prefect server + worker, MLflow server, Ray head, gateway) for tests.
 
 Started once per test session (cold start ≈30 s on the 2-core machine, most of it the Prefect
 server creating its database), on free loopback ports and in a temporary state directory, so it
@@ -30,12 +30,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+PORTS = ("prefect_port", "mlflow_port", "gateway_port", "ray_port", "ray_client_port")
+
+
 def local_settings(state_dir, **overrides) -> Settings:
     """Settings of a stack in `state_dir` whose every port is a free one (unless overridden): a
     test never depends on a default port being free (a developer's `make demo` stack holds them)."""
-    prefect_port, mlflow_port, gateway_port = free_ports(3)
-    return Settings(**{"state_dir": state_dir, "prefect_port": prefect_port, "mlflow_port": mlflow_port,
-                       "gateway_port": gateway_port, **overrides})
+    return Settings(**{"state_dir": state_dir, **dict(zip(PORTS, free_ports(len(PORTS)))), **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -43,13 +44,9 @@ def stack(tmp_path_factory, s3_server):
     """Yields `(settings, status)` of a running, healthy stack; stops it at the end. Started (and
     restarted by any test) with the local S3 server's variables set, as `opentinker up` would be
     with real ones: jobs that the worker runs can use s3:// storage."""
-    prefect_port, mlflow_port, gateway_port = free_ports(3)
-    settings = Settings(
-        state_dir=tmp_path_factory.mktemp("opentinker-state"),
+    settings = local_settings(
+        tmp_path_factory.mktemp("opentinker-state"),
         host="127.0.0.1",
-        prefect_port=prefect_port,
-        mlflow_port=mlflow_port,
-        gateway_port=gateway_port,
         work_pool="cpu",
         cpu_slots=2,
         gpu_slots=0,

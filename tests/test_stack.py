@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -23,7 +24,7 @@ def test_up_brings_all_services_healthy_on_loopback(stack):
     assert set(status) == set(SERVICES)
     for service in status.values():
         assert service.running and service.healthy and service.pid, service
-        assert service.url.startswith("http://127.0.0.1:")
+        assert service.url.startswith(("http://127.0.0.1:", "ray://127.0.0.1:"))
     pids = settings.state_dir / "pids"
     assert {p.name for p in pids.iterdir()} == {f"{name}.pid" for name in SERVICES}
     assert (settings.state_dir / "prefect" / "prefect.db").exists()
@@ -33,6 +34,35 @@ def test_up_brings_all_services_healthy_on_loopback(stack):
     assert worker_env["PREFECT_API_URL"] == settings.prefect_api_url
     assert worker_env["MLFLOW_TRACKING_URI"] == settings.mlflow_url
     assert worker_env["OPENTINKER_STATE_DIR"] == str(settings.state_dir)
+    # ... and jobs join the stack's Ray head with its token, and nothing else.
+    assert worker_env["OPENTINKER_RAY_ADDRESS"] == settings.ray_head_address
+    assert worker_env["RAY_AUTH_MODE"] == "token" and worker_env["RAY_AUTH_TOKEN"] == settings.ray_auth_token()
+    assert "OPENTINKER_PREFECT_DATABASE_URL" not in worker_env
+
+
+def test_jobs_join_the_head_with_their_code_as_a_runtime_environment(stack_env):
+    """A flow run joins the stack's head (no Ray start of its own) with the token, and ships the
+    project's packages, so a node needs no checkout; without a head it starts a local Ray."""
+    import ray
+
+    from opentinker.orchestration.job import ray_connection
+
+    settings, _ = stack_env
+    address, kwargs = ray_connection()
+    assert address == settings.ray_head_address
+    modules = {Path(folder).name for folder in kwargs["runtime_env"]["py_modules"]}
+    assert modules == {"opentinker", "envs", "flows", "tasks", "tests"}  # tests: the allowlisted test games
+    assert kwargs["runtime_env"]["env_vars"]["OPENTINKER_SECRET"] == settings.stack_secret()
+    assert "OPENTINKER_STATE_DIR" not in kwargs["runtime_env"]["env_vars"]
+    ray.init(address=address, **{k: v for k, v in kwargs.items() if k != "runtime_env"})
+    try:
+        assert ray.cluster_resources()["CPU"] >= 2 and len(ray.nodes()) == 1
+    finally:
+        ray.shutdown()
+    other = settings.model_copy(update={"state_dir": settings.state_dir / "elsewhere"})
+    from opentinker.orchestration.job import cluster_address
+
+    assert cluster_address(other) is None  # no head in that state folder: a local Ray per job
 
 
 def test_second_up_reuses_running_services(stack):

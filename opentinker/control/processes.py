@@ -38,7 +38,7 @@ def port_free(host: str, port: int) -> bool:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
-        raise PortError(f"cannot resolve host {host!r}: {exc}; set OPENTINKER_HOST") from None
+        raise PortError(f"cannot resolve host {host!r}: {exc}; set OPENTINKER_BIND_HOST or OPENTINKER_HOST") from None
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -46,7 +46,7 @@ def port_free(host: str, port: int) -> bool:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 return False
-            raise PortError(f"cannot bind {host}:{port}: {exc.strerror}; set OPENTINKER_HOST") from None
+            raise PortError(f"cannot bind {host}:{port}: {exc.strerror}; set OPENTINKER_BIND_HOST or OPENTINKER_HOST") from None
     return True
 
 

@@ -3,7 +3,11 @@ folder), where it answers (port, URL) and how to tell it is healthy. `Stack` sta
 
 from __future__ import annotations
 
+import hashlib
+import os
+import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,15 +16,25 @@ from pathlib import Path
 import httpx
 import psutil
 
-from opentinker.core.settings import Settings, mlflow_env, prefect_env, settings_env
+from opentinker.core.hardware import detect_gpus
+from opentinker.core.settings import Settings, mlflow_env, prefect_env, ray_env, settings_env
 
-SERVICES = ("prefect", "mlflow", "worker", "gateway")
+SERVICES = ("prefect", "mlflow", "ray", "worker", "gateway")
+
+
+def services_for(s: Settings) -> tuple[str, ...]:
+    """The services this stack runs: the Ray head only when jobs join it (ray_head, no other cluster)."""
+    return SERVICES if s.ray_head and not s.ray_address else tuple(n for n in SERVICES if n != "ray")
 
 
 def worker_env(s: Settings) -> dict[str, str]:
-    """Flow runs inherit the worker's environment: they find Prefect, MLflow and the settings.
-    The worker polls every 2 s instead of Prefect's 10: a freed slot is refilled sooner."""
-    return {**settings_env(s), **prefect_env(s), **mlflow_env(s), "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    """Flow runs inherit the worker's environment: they find Prefect, MLflow, the settings and the
+    stack's Ray head (with its token). The worker polls every 2 s instead of Prefect's 10: a freed
+    slot is refilled sooner."""
+    env = {**settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    if "ray" in services_for(s):
+        env["OPENTINKER_RAY_ADDRESS"] = s.ray_head_address
+    return env
 
 
 def http_ok(url: str, method: str = "GET", **kwargs) -> httpx.Response | None:
@@ -75,12 +89,74 @@ def _prefect_server_env(s: Settings) -> dict[str, str]:
     home = s.state_dir / "prefect"
     return {
         **prefect_env(s),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_API_DATABASE_CONNECTION_URL": s.prefect_database_url or f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         # Slot leases on disk, not in the server's memory: a restarted server still knows the
         # leases of running jobs (releases them, expires them), so no slot leaks across a restart.
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
         "PREFECT_SERVER_UI_ENABLED": "true",
     }
+
+
+def _mlflow_command(s: Settings) -> list[str]:
+    """Loopback is in MLflow's default --allowed-hosts; a server others dial must allow the name they use."""
+    command = [sys.executable, "-m", "mlflow", "server", "--host", s.listen_host, "--port", str(s.mlflow_port),
+               "--workers", "1", "--backend-store-uri", s.mlflow_backend_store_uri or f"sqlite:///{s.state_dir}/mlflow/mlflow.db",
+               "--artifacts-destination", s.mlflow_artifacts_destination]
+    if s.host not in ("127.0.0.1", "localhost"):
+        command += ["--allowed-hosts", f"{s.host}:{s.mlflow_port},localhost:*,127.0.0.1:*"]
+    return command
+
+
+def ray_temp_dir(s: Settings) -> Path:
+    """The head's own folder (sessions, logs, sockets), in the state folder when its path is short
+    enough for Ray's socket names (AF_UNIX paths stop at 107 bytes), else a short one named after it."""
+    inside = s.state_dir / "ray"
+    if len(str(inside)) <= 40:
+        return inside
+    return Path(tempfile.gettempdir()) / f"opentinker-ray-{hashlib.sha256(str(s.state_dir).encode()).hexdigest()[:10]}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def ray_node_ports() -> list[str]:
+    """Ports of a node's helper servers, chosen free now: Ray's fixed defaults (8265, 52365, ...)
+    would collide with a second node or stack on the same machine."""
+    flags = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+    return [arg for flag in flags for arg in (flag, str(free_port()))]
+
+
+# A node stopped by SIGTERM shuts down at once instead of draining for 30 s (it runs no Serve
+# replicas to quiesce), and no inherited RAY_ADDRESS points it elsewhere.
+RAY_NODE_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_ADDRESS": ""}
+
+
+def _ray_head_command(s: Settings) -> list[str]:
+    """`ray start --head --block`: the stack's long-lived cluster, sized for the jobs of all slots."""
+    cpus = s.ray_num_cpus if s.ray_num_cpus is not None else (os.cpu_count() or 1) * max(1, s.cpu_slots)
+    gpus = s.ray_num_gpus if s.ray_num_gpus is not None else (s.gpu_slots if s.gpu_slots is not None else detect_gpus())
+    command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(s.ray_port),
+               "--ray-client-server-port", str(s.ray_client_port), "--num-cpus", str(cpus), "--num-gpus", str(gpus),
+               "--object-store-memory", str(s.ray_object_store_mb * 1024**2), "--temp-dir", str(ray_temp_dir(s)),
+               "--include-dashboard", "false", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
+               *ray_node_ports(), "--disable-usage-stats"]
+    if s.host not in ("127.0.0.1", "localhost"):
+        command += ["--node-ip-address", socket.gethostbyname(s.host)]  # the address other nodes reach
+    return command
+
+
+def _ray_head_ready(s: Settings, pid: int) -> bool:
+    """The GCS answers on its port and the head's node has started (its log says so)."""
+    try:
+        with socket.create_connection((s.host, s.ray_port), timeout=1.0):
+            pass
+    except OSError:
+        return False
+    log = (s.state_dir / "logs" / "ray.log").read_text(errors="replace") if pid else ""
+    return not pid or "Ray runtime started" in log.rpartition("=== opentinker: starting ray")[2]
 
 
 SPECS: dict[str, Service] = {
@@ -90,7 +166,7 @@ SPECS: dict[str, Service] = {
         port=lambda s: s.prefect_port,
         url=lambda s: s.prefect_ui_url,
         command=lambda s: [sys.executable, "-m", "prefect", "server", "start",
-                           "--host", s.host, "--port", str(s.prefect_port)],
+                           "--host", s.listen_host, "--port", str(s.prefect_port)],
         env=_prefect_server_env,
         healthy=lambda s, pid: http_ok(f"{s.prefect_api_url}/health") is not None,
     ),
@@ -99,13 +175,18 @@ SPECS: dict[str, Service] = {
         keywords=("mlflow", "server"),
         port=lambda s: s.mlflow_port,
         url=lambda s: s.mlflow_url,
-        # Loopback is in MLflow's default --allowed-hosts / CORS origins: no security flags needed.
-        command=lambda s: [sys.executable, "-m", "mlflow", "server",
-                           "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1",
-                           "--backend-store-uri", f"sqlite:///{s.state_dir}/mlflow/mlflow.db",
-                           "--artifacts-destination", s.mlflow_artifacts_destination],
+        command=_mlflow_command,
         env=lambda s: {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         healthy=lambda s, pid: http_ok(f"{s.mlflow_url}/health") is not None,
+    ),
+    "ray": Service(
+        name="ray",
+        keywords=("ray", "start", "--head"),
+        port=lambda s: s.ray_port,
+        url=lambda s: f"ray://{s.host}:{s.ray_client_port}",
+        command=_ray_head_command,
+        env=lambda s: {**worker_env(s), **RAY_NODE_ENV},  # its workers run jobs' actors: the same variables
+        healthy=_ray_head_ready,
     ),
     "worker": Service(
         name="worker",
@@ -125,7 +206,7 @@ SPECS: dict[str, Service] = {
         port=lambda s: s.gateway_port,
         url=lambda s: s.gateway_url,
         command=lambda s: [sys.executable, "-m", "uvicorn", "--factory", "opentinker.control.gateway.app:create_app",
-                           "--host", s.host, "--port", str(s.gateway_port), "--log-level", "warning",
+                           "--host", s.gateway_listen_host, "--port", str(s.gateway_port), "--log-level", "warning",
                            "--timeout-keep-alive", "75"],  # longer than clients keep idle connections
         env=worker_env,
         healthy=lambda s, pid: http_ok(f"{s.gateway_url}/v1/health") is not None,

@@ -1,7 +1,8 @@
-"""The embedded local stack: a Prefect server, a Prefect process worker, an MLflow server and
-the job gateway.
+"""The embedded local stack: a Prefect server, a Prefect process worker, an MLflow server, a Ray
+head that every job joins, and the job gateway.
 
-All four run on one machine, bound to `settings.host` (loopback by default), as detached
+All run on one machine, bound to `settings.listen_host` (loopback by default; the gateway to
+`gateway_listen_host`, the one public door), as detached
 processes in their own sessions, so they outlive the command that started them and `down()`
 can stop each one with its children by signalling its process group. Each writes its output to
 `<state_dir>/logs/<name>.log` and its pid to `<state_dir>/pids/<name>.pid`; the pid files are
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
-from opentinker.control.services import SERVICES, SPECS
+from opentinker.control.services import SPECS, services_for
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, get_settings
 
@@ -92,7 +93,7 @@ class Stack:
 
     def status(self) -> dict[str, ServiceStatus]:
         """Per service: running (our process is alive), pid, url, healthy (answers its probe)."""
-        return {name: self.service_status(name) for name in SERVICES}
+        return {name: self.service_status(name) for name in services_for(self.settings)}
 
     # start-up
     def up(self, timeout: float = 120.0) -> dict[str, ServiceStatus]:
@@ -109,22 +110,26 @@ class Stack:
         s = self.settings
         for sub in ("pids", "logs", "prefect", "mlflow/artifacts"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
-        pids = {name: self.pid(name) for name in SERVICES}
+        names = services_for(s)
+        pids = {name: self.pid(name) for name in names}
         # A dead service may have left children holding its port: clear them and its pid file.
         self._stop([name for name, pid in pids.items() if pid is None], timeout=5.0)
-        for name in ("prefect", "mlflow", "gateway"):
+        for name in ("prefect", "mlflow", "ray", "gateway"):
             port = SPECS[name].port(s)
-            if pids[name] is None and not self._port_free(port):
+            if name in names and pids[name] is None and not self._port_free(port, name):
                 raise StackError(
-                    f"{name} port {port} on {s.host} is in use by another program; "
+                    f"{name} port {port} on {self._host(name)} is in use by another program; "
                     f"set OPENTINKER_{name.upper()}_PORT"
                 )
+        if "ray" in names and pids["ray"] is None and not self._port_free(s.ray_client_port, "ray"):
+            raise StackError(f"ray client port {s.ray_client_port} on {s.listen_host} is in use by another program; "
+                             "set OPENTINKER_RAY_CLIENT_PORT")
         if pids["mlflow"] is None:
             _check_remote_storage(s)
         started: list[str] = []
         try:
-            for name in ("prefect", "mlflow"):
-                if pids[name] is None:
+            for name in ("prefect", "mlflow", "ray"):
+                if name in names and pids[name] is None:
                     pids[name] = self._spawn(name)
                     started.append(name)
             self._wait("prefect", pids["prefect"], deadline)
@@ -134,6 +139,8 @@ class Stack:
                 started.append("worker")
             self._wait("worker", pids["worker"], deadline)
             self._wait("mlflow", pids["mlflow"], deadline)
+            if "ray" in names:
+                self._wait("ray", pids["ray"], deadline)
             if pids["gateway"] is None:
                 pids["gateway"] = self._spawn("gateway")
                 started.append("gateway")
@@ -178,9 +185,12 @@ class Stack:
         self.pid_file(name).write_text(f"{proc.pid}\n")
         return proc.pid
 
-    def _port_free(self, port: int) -> bool:
+    def _host(self, name: str) -> str:
+        return self.settings.gateway_listen_host if name == "gateway" else self.settings.listen_host
+
+    def _port_free(self, port: int, name: str = "prefect") -> bool:
         try:
-            return port_free(self.settings.host, port)
+            return port_free(self._host(name), port)
         except PortError as err:
             raise StackError(str(err)) from None
 
@@ -218,7 +228,7 @@ class Stack:
         """Stop every service (worker first): SIGTERM its process group, wait up to
         `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
         with self._locked():
-            self._stop(["gateway", "worker", "prefect", "mlflow"], timeout)
+            self._stop(["gateway", "worker", "ray", "prefect", "mlflow"], timeout)
 
     def _stop(self, names: list[str], timeout: float = 15.0) -> None:
         groups = {}

@@ -24,7 +24,25 @@ class Settings(BaseSettings):
     stack; OPENTINKER_STATE_DIR moves it."""
 
     host: str = "127.0.0.1"
-    """Interface every service binds to and clients dial; loopback keeps the stack private."""
+    """The control machine's address as every client dials it (CLI, workers, jobs): Prefect, MLflow,
+    the gateway and the Ray head are reached at host:<port>. Loopback keeps the stack private."""
+
+    bind_host: str | None = None
+    """Interface the servers of this machine listen on: the private services (Prefect, MLflow, the
+    Ray head) and the servers a job starts (inference). None: `host`. On a machine others join, an
+    address of the private network (or 0.0.0.0 behind a firewall), never a public one."""
+
+    advertised_host: str | None = None
+    """The address other machines dial for a server this machine starts (an inference job on a GPU
+    worker). None: `bind_host` unless that is a wildcard, then this machine's address toward `host`."""
+
+    gateway_bind_host: str | None = None
+    """Interface the gateway listens on, the one public door (e.g. 0.0.0.0) while the others stay
+    private. None: the same as the private services."""
+
+    gateway_public_url: str | None = None
+    """The gateway as tenants reach it (the `server_url` jobs are given), e.g. behind TLS.
+    None: http://host:gateway_port."""
 
     prefect_port: int = 4200
     """Port of the Prefect API and UI (Prefect's own default)."""
@@ -33,7 +51,35 @@ class Settings(BaseSettings):
     """Port of the MLflow tracking server (MLflow's own default)."""
 
     ray_address: str | None = None
-    """None: each flow starts a local Ray; "auto" or "ray://host:port": join that cluster."""
+    """A Ray cluster every job joins ("host:port", "ray://host:port" or "auto"). None: the stack's
+    own head when it runs (`ray_head`), else each flow starts a local Ray of its own."""
+
+    ray_head: bool = True
+    """`opentinker up` starts a Ray head with the stack and jobs join it: no Ray start per job."""
+
+    ray_port: int = 6379
+    """Port of the head's GCS, the address other nodes join (`opentinker worker --join host:port`)."""
+
+    ray_client_port: int = 10001
+    """Port of the head's Ray Client server (`ray://host:port`, for drivers that are not nodes)."""
+
+    ray_num_cpus: int | None = Field(None, ge=0)
+    """Logical CPUs the head offers jobs (a reservation, not threads). None: this machine's cores
+    times the CPU slots, as much as the per-job Ray of every running job had together."""
+
+    ray_num_gpus: int | None = Field(None, ge=0)
+    """GPUs the head declares. None: `gpu_slots`, else what nvidia-smi counts here."""
+
+    ray_object_store_mb: int = Field(1024, gt=0)
+    """Shared-memory object store of the head, in MiB (trajectories pass through it)."""
+
+    prefect_database_url: str | None = None
+    """Database of the Prefect server, e.g. postgresql+asyncpg://user:pass@db:5432/prefect.
+    None: SQLite in the state folder. Given only to the server, never to jobs."""
+
+    mlflow_backend_store_uri: str | None = None
+    """Backend store of the MLflow server, e.g. postgresql://user:pass@db:5432/mlflow.
+    None: SQLite in the state folder. Given only to the server, never to jobs."""
 
     work_pool: str = "cpu"
     """Work pool the embedded worker polls: `cpu`, or `gpu` on a GPU machine (see scheduler.py)."""
@@ -90,6 +136,55 @@ class Settings(BaseSettings):
         return value.expanduser().resolve()
 
     @property
+    def listen_host(self) -> str:
+        """What the private services and the servers jobs start bind (see bind_host)."""
+        return self.bind_host or self.host
+
+    @property
+    def gateway_listen_host(self) -> str:
+        return self.gateway_bind_host or self.listen_host
+
+    @property
+    def dial_host(self) -> str:
+        """What other machines dial for a server bound here (see advertised_host)."""
+        if self.advertised_host:
+            return self.advertised_host
+        if self.listen_host not in WILDCARDS:
+            return self.listen_host
+        return address_toward(self.host)
+
+    def advertised_url(self, url: str) -> str:
+        """`url` of a server bound here, with the host others dial (port and path kept)."""
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(url)
+        host = f"[{self.dial_host}]" if ":" in self.dial_host else self.dial_host
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    @property
+    def ray_head_address(self) -> str:
+        """The stack's Ray head as nodes and drivers join it (GCS host:port)."""
+        return f"{self.host}:{self.ray_port}"
+
+    def ray_auth_token(self) -> str:
+        """The token every Ray process of this stack shows (RAY_AUTH_MODE=token): RAY_AUTH_TOKEN when
+        set, else derived from the stack secret, so every machine holding the secret agrees."""
+        import hashlib
+        import hmac
+        import os
+
+        given = os.environ.get("RAY_AUTH_TOKEN")
+        if given:
+            return given
+        return hmac.new(self.stack_secret().encode(), b"ray-auth-token", hashlib.sha256).hexdigest()
+
+    @property
+    def storage_is_local(self) -> bool:
+        """Job storage on this machine's disk (file://), which another machine cannot see."""
+        return self.storage_url.startswith(("file://", "local://")) or "://" not in self.storage_url
+
+    @property
     def prefect_ui_url(self) -> str:
         return f"http://{self.host}:{self.prefect_port}"
 
@@ -130,7 +225,13 @@ class Settings(BaseSettings):
 
     @property
     def gateway_url(self) -> str:
+        """The gateway on the private side (what jobs dial for the client link)."""
         return f"http://{self.host}:{self.gateway_port}"
+
+    @property
+    def public_gateway_url(self) -> str:
+        """The gateway as tenants reach it (see gateway_public_url)."""
+        return (self.gateway_public_url or self.gateway_url).rstrip("/")
 
     @property
     def mlflow_url(self) -> str:
@@ -144,6 +245,23 @@ class Settings(BaseSettings):
         if self.storage_url.split("://", 1)[0] not in ("file", "local", self.storage_url):
             return f"{self.storage_url.rstrip('/')}/mlflow"
         return str(self.state_dir / "mlflow" / "artifacts")
+
+
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP socket only picks
+    its source address), the way Ray picks a node's address; the hostname if there is no route."""
+    import socket
+
+    try:
+        target = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((target, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
 def get_settings(**overrides) -> Settings:
@@ -189,7 +307,17 @@ def mlflow_env(settings: Settings) -> dict[str, str]:
     return {"MLFLOW_TRACKING_URI": settings.mlflow_url}
 
 
+SERVER_ONLY = ("prefect_database_url", "mlflow_backend_store_uri")
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
-    """`settings` as OPENTINKER_* variables, so a process started with them reads the same."""
+    """`settings` as OPENTINKER_* variables, so a process started with them reads the same; the
+    database URLs (with their passwords) stay with the servers that use them."""
     return {f"OPENTINKER_{name.upper()}": str(value)
-            for name, value in settings.model_dump().items() if value is not None}
+            for name, value in settings.model_dump(exclude=set(SERVER_ONLY)).items() if value is not None}
+
+
+def ray_env(settings: Settings) -> dict[str, str]:
+    """Variables of every Ray process of the stack (head, nodes, drivers): token authentication
+    with the stack's token, and no usage reports."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": settings.ray_auth_token(), "RAY_USAGE_STATS_ENABLED": "0"}

@@ -13,16 +13,19 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
+from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
-from opentinker.core.settings import get_settings
+from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
 from opentinker.orchestration.actors import check_placeable
-from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner
+from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner, authenticate
 from opentinker.storage.preflight import check_job_storage
 from opentinker.tracking.runs import JobTracker, check_mlflow
 
@@ -32,22 +35,73 @@ class JobError(RuntimeError):
 
 
 def ray_runner() -> SettingsOnceRayTaskRunner:
-    """Local Ray by default (sized to this machine, no dashboard); an existing cluster when configured."""
-    settings = get_settings()
+    """The job's Ray, chosen when its flow run starts (see `ray_connection`)."""
+    return SettingsOnceRayTaskRunner(connect=ray_connection)
+
+
+def cluster_address(settings: Settings) -> str | None:
+    """The Ray cluster jobs join: the one the settings name, else the stack's head while it runs
+    (a direct flow call next to a running stack joins it too); None: no cluster to join."""
     if settings.ray_address:
-        return SettingsOnceRayTaskRunner(address=settings.ray_address)
+        return settings.ray_address
+    if settings.ray_head:
+        from opentinker.control.stack import Stack
+
+        if Stack(settings).pid("ray") is not None:
+            return settings.ray_head_address
+    return None
+
+
+def ray_connection() -> tuple[str | None, dict[str, Any]]:
+    """(address, ray.init kwargs) for a flow run starting now.
+
+    Joining a cluster: checked reachable first (one line instead of Ray's long retries), with the
+    stack's token, and the job's code as a runtime environment (`job_runtime_env`). Each run gets a
+    namespace of its own, so actor names of a crashed run never collide with its resubmission.
+    Without a cluster: a local Ray for this run (sized to this machine, no dashboard)."""
+    settings = get_settings()
+    common = {"logging_level": "WARNING", "log_to_driver": False, "namespace": f"opentinker-{uuid4().hex[:12]}"}
+    address = cluster_address(settings)
+    if address:
+        check_ray_address(address)
+        authenticate(ray_env(settings))
+        return address, {**common, "runtime_env": job_runtime_env(settings)}
     pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    return SettingsOnceRayTaskRunner(init_kwargs={
+    return None, {
+        **common,
+        "address": "local",  # never a cluster that `ray start` left on this machine
         "num_cpus": os.cpu_count() or 1,
         "include_dashboard": False,
         "object_store_memory": 512 * 1024**2,
-        "logging_level": "WARNING",
-        "log_to_driver": False,
         "runtime_env": {"env_vars": {"PYTHONPATH": pythonpath, "TOKENIZERS_PARALLELISM": "false"}},
         # Ray runs workers at nice 15 by default: the model actor then loses the CPU to every
         # server on the machine (measured: rollout and update ≈10% slower than in-process).
         "_system_config": {"worker_niceness": 0},
-    })
+    }
+
+
+# Settings of the driver's machine that mean nothing on another node.
+_LOCAL_ONLY = ("OPENTINKER_BIND_HOST", "OPENTINKER_ADVERTISED_HOST", "OPENTINKER_GATEWAY_BIND_HOST", "OPENTINKER_STATE_DIR")
+
+
+def job_runtime_env(settings: Settings) -> dict[str, Any]:
+    """The job's code and settings travel with it to every node that runs its actors and tasks:
+    the project's packages (opentinker, envs, flows, tasks) and the packages of the operator's
+    game allowlist as `py_modules`, the settings (with the stack secret, which signs job tokens) as
+    variables. So a Ray node needs only the base install (Python and the pinned libraries), not
+    this checkout, and always runs the driver's version of the code."""
+    import importlib
+    import importlib.util
+
+    names = ["opentinker", "envs", "flows", "tasks"]
+    for prefix in settings.allowed_games:
+        top = prefix.split(".")[0]
+        if top not in names and importlib.util.find_spec(top) is not None:
+            names.append(top)
+    folders = [str(Path(importlib.import_module(name).__file__).parent) for name in names]
+    env = {k: v for k, v in settings_env(settings).items() if k not in _LOCAL_ONLY}
+    env |= mlflow_env(settings) | {"OPENTINKER_SECRET": settings.stack_secret(), "TOKENIZERS_PARALLELISM": "false"}
+    return {"py_modules": folders, "excludes": ["__pycache__", "*.pyc"], "env_vars": env}
 
 
 @contextmanager

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
+from collections.abc import Callable
 from typing import Any
 from uuid import uuid4
 
@@ -34,12 +37,29 @@ from prefect_ray.task_runners import PrefectRayFuture
 _WORKER_SETTINGS: dict[str, SettingsContext] = {}
 
 
-class SettingsOnceRayTaskRunner(RayTaskRunner):
-    """Same behaviour as RayTaskRunner; settings travel as a cached payload plus its digest."""
+Connect = Callable[[], tuple[str | None, dict[str, Any]]]
 
-    def __init__(self, *args: Any, **kwargs: Any):
+
+class SettingsOnceRayTaskRunner(RayTaskRunner):
+    """Same behaviour as RayTaskRunner; settings travel as a cached payload plus its digest.
+
+    `connect`, when given, is asked for (address, ray.init kwargs) each time a flow run starts:
+    a flow module is imported once, long before the cluster it should join is known (the stack's
+    head may start, stop or move in between)."""
+
+    def __init__(self, *args: Any, connect: Connect | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self._connect = connect
         self._settings_cache: tuple[int, str, dict[str, Any]] | None = None
+
+    def duplicate(self) -> "SettingsOnceRayTaskRunner":
+        return type(self)(address=self.address, init_kwargs=self.init_kwargs, connect=self._connect)
+
+    def __enter__(self) -> "SettingsOnceRayTaskRunner":
+        if self._connect is not None:
+            self.address, init_kwargs = self._connect()
+            self.init_kwargs = {"namespace": "prefect", **init_kwargs}
+        return super().__enter__()
 
     def _settings_payload(self) -> tuple[str, dict[str, Any]]:
         current = SettingsContext.get()
@@ -68,6 +88,23 @@ class SettingsOnceRayTaskRunner(RayTaskRunner):
             parameters=parameters, wait_for=wait_for, dependencies=dependencies, context=context,
         )
         return PrefectRayFuture(task_run_id=task_run_id, wrapped_future=object_ref)
+
+
+def authenticate(env: dict[str, str]) -> None:
+    """Make this process's Ray driver show the cluster's token (RAY_AUTH_MODE, RAY_AUTH_TOKEN).
+
+    Ray reads the mode and the token once, when it is first imported: a process that imported it
+    before the variables were set (a test, a notebook) must have Ray read them again. Ray offers no
+    public call for that; `ray._raylet`'s Config and token loader are what ray.init itself uses."""
+    changed = any(os.environ.get(key) != value for key, value in env.items())
+    os.environ.update(env)
+    if changed and "ray._raylet" in sys.modules:
+        import ray
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        if not ray.is_initialized():
+            Config.initialize("")
+            AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _context_without_settings(asset_ctx_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -93,6 +93,27 @@ def test_bad_requests_get_openai_error_bodies(served):
     assert response.status_code == 400 and "logprobs" in response.json()["error"]["message"]
 
 
+def test_completions_give_token_ids_and_their_logprobs(served):
+    """`logprobs: 0` (the OpenAI client's own field) and vLLM's token-id fields: the tokens that
+    make the text, as ids, each with its logprob; top alternatives and adapters are not offered."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    answer = client.completions.create(model="policy", prompt="Say something.", max_tokens=5, logprobs=0, temperature=0,
+                                       extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    choice = answer.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in ids] and len(choice.logprobs.token_logprobs) == len(ids)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs) and choice.logprobs.text_offset[0] == 0
+    assert choice.model_extra["prompt_token_ids"] and 1 <= len(ids) <= 5
+    response = httpx.post(f"{served.url}/v1/completions", json={"prompt": "hi", "logprobs": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    response = httpx.post(f"{served.url}/v1/completions", json={"prompt": "hi", "logprobs": 0, "stream": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stream"
+    response = httpx.post(f"{served.url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert response.status_code == 404  # a served checkpoint takes no adapters
+
+
 def test_run_inference_reproduces_the_jobs_greedy_evaluation(trained, served):
     """Same game class, same validation problems, greedy: the job's accuracy, episode by episode."""
     import fsspec

@@ -42,6 +42,22 @@ class RolloutEngine(Protocol):
         ...
 
 
+@torch.no_grad()
+def score_tokens(model, placement: Placement, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The logprobs (temperature 1) `model` gives `tokens` after `prompt`: the trainer's side of a
+    check that another engine samples from the same weights."""
+    ids = torch.tensor([prompt + tokens], device=placement.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with placement.autocast():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    finally:
+        model.train(was_training)
+    target = torch.tensor(tokens, device=logits.device)[:, None]
+    return torch.log_softmax(logits, dim=-1).gather(-1, target).squeeze(-1).tolist()
+
+
 class HFRolloutEngine:
     """Batched `model.generate` with left padding; per-token logprobs from the raw logits.
     The next turn of an episode reuses the key/values of its record so far (`PrefixCache`), so
@@ -60,6 +76,10 @@ class HFRolloutEngine:
         self.stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
         self.generated_tokens = 0
         self.generate_seconds = 0.0
+
+    def end_phase(self) -> None:
+        """The phase's episodes are over: free their cached states (dead now, and they slow the update)."""
+        self.prefix_cache.clear()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:

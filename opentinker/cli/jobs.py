@@ -32,11 +32,12 @@ def run(
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
+    from opentinker.inference.launch import rollout_server
     from opentinker.rl import RLJob
 
     console.print(f"[bold]OpenTinker[/] {spec.model.name} · {spec.adapter.kind} · {spec.algorithm.advantage} · env {spec.env.label}")
     with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
-        job = RLJob(spec, job_id=job_id)  # checks its storage and devices first, before the model loads
+        job = RLJob(spec, job_id=job_id, start_server=rollout_server)  # checks its storage and devices first, before the model loads
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
 
     state = {"acc": None, "reward": None}
@@ -70,7 +71,10 @@ def run(
 
     with progress:
         task = progress.add_task("train", total=spec.optimization.steps, summary=summary())
-        result = job.run(on_step=on_step, on_eval=on_eval)
+        try:
+            result = job.run(on_step=on_step, on_eval=on_eval)
+        finally:
+            job.close()
 
     table = Table(title=f"job {job.job_id}", show_header=False)
     table.add_row("steps", f"{result.steps_done} (resumed from {result.resumed_from})" if result.resumed_from else str(result.steps_done))

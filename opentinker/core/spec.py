@@ -127,6 +127,20 @@ class RolloutSpec(Section):
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
     prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
+    engine: Literal["local", "server"] = Field(
+        "local", description="local: transformers generation in the job's process; server: through an OpenAI-compatible "
+        "inference server (vLLM on GPU workers, ours on CPU) that takes the LoRA adapter after every update")
+    server_url: str | None = Field(None, description="engine 'server': a running server to sample through (it must read the "
+                                   "job's adapter folders from this machine's disk); None: the job starts its own beside it")
+    sync_tolerance: float | None = Field(None, gt=0, description="engine 'server': largest mean |logprob difference| between the "
+                                         "server and the trainer on the sync probe; None: 1e-3 in float32, 0.1 in bfloat16/float16")
+
+    @field_validator("server_url")
+    @classmethod
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"{v!r} must start with http:// or https://")
+        return v
 
 
 class OptimizationSpec(Section):
@@ -308,6 +322,15 @@ class JobSpec(BaseJobSpec):
         """Checkpoint after `done` steps: every k steps and always after the last one."""
         every = self.checkpoint.every
         return done == self.optimization.steps or (every > 0 and done % every == 0)
+
+    @model_validator(mode="after")
+    def _server_engine_syncs_adapters(self) -> "JobSpec":
+        if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):
+            raise ValueError("rollout.engine: 'server' moves the policy to the inference server as a LoRA adapter; "
+                             "a full fine-tune (adapter.kind 'full') samples with engine 'local'")
+        if self.rollout.engine == "server" and self.multiagent is not None:
+            raise ValueError("rollout.engine: self-play jobs sample with engine 'local'")
+        return self
 
     @model_validator(mode="after")
     def _group_baseline_needs_a_group(self) -> "JobSpec":

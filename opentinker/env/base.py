@@ -8,6 +8,9 @@ from typing import Any
 SEED_KEY = "__seed__"
 """The one key of a data-free game's task: the seed its host sets before `reset` (see env.hosting)."""
 
+UNAVAILABLE = "__unavailable__"
+"""Key of the sentinel task a served environment gives when no shard answered (see env.remote)."""
+
 
 @dataclass
 class StepResult:

@@ -8,8 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from opentinker.env.base import AbstractGame, AbstractMatch
-from opentinker.env.remote import UNAVAILABLE, RemoteGameClass
+from opentinker.env.base import UNAVAILABLE, AbstractGame, AbstractMatch
 
 # Keys GameEnvironment reads itself; every other key of the environment config goes to the
 # game's task generator.
@@ -184,7 +183,9 @@ def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironme
         game_class = import_game(env.game, settings.allowed_games)
     else:
         token = job_token(settings.stack_secret(), job_id) if job_id else None
-        if env.url:
+        if env.url:  # the HTTP clients load only here: a job with a shipped game needs no httpx
+            from opentinker.env.remote import RemoteGameClass
+
             game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries, token)
         else:
             from opentinker.env.linked import LinkedGameClass

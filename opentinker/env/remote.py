@@ -22,9 +22,8 @@ from typing import Any
 
 import httpx
 
-from opentinker.env.base import AbstractGame, StepResult
+from opentinker.env.base import UNAVAILABLE, AbstractGame, StepResult
 
-UNAVAILABLE = "__unavailable__"  # key of the sentinel task returned when no shard answered
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_BACKEND = {502, 503, 504}  # a proxy in front of a dead server
 _BACKOFF_S = 0.1

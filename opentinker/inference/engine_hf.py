@@ -12,10 +12,13 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from opentinker.agent.chat import ChatFormat
+from opentinker.backend.device import Placement, cpu
 from opentinker.backend.rollout import Completion, HFRolloutEngine, SamplingParams
 
 
@@ -40,6 +43,7 @@ class _Batchable:
     params: SamplingParams
     seed: int | None
     future: Future
+    adapter: str | None = None  # a LoRA adapter loaded by name (None: the served model itself)
 
 
 class HFEngine:
@@ -48,8 +52,10 @@ class HFEngine:
     kind = "hf"
 
     def __init__(self, model, tokenizer, info: dict[str, Any] | None = None, checkpoint: str | None = None,
-                 max_model_len: int | None = None, max_batch_size: int = 32):
-        self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size)
+                 max_model_len: int | None = None, max_batch_size: int = 32, placement: Placement | None = None,
+                 prefix_cache_tokens: int = 65536):
+        self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size, placement=placement,
+                                       prefix_cache_tokens=prefix_cache_tokens)
         self.chat = ChatFormat(tokenizer)
         self.tokenizer = tokenizer
         self.info = info or {}
@@ -61,8 +67,72 @@ class HFEngine:
         self.context_length = int(min(lengths))
         self.max_batch_size = max_batch_size
         self._queue: queue.Queue[_Batchable | None] = queue.Queue()
+        self._model_lock = threading.Lock()  # adapters change only between batches
         self._worker = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
         self._worker.start()
+
+    @classmethod
+    def for_adapters(cls, model_name: str, init_from: str | None = None, where: Placement | None = None,
+                     max_model_len: int | None = None) -> HFEngine:
+        """A base model that takes LoRA adapters by name (`load_adapter`), as vLLM with
+        `--enable-lora` does: what a job's server-backed rollout engine samples through. The
+        base is the job's (its pinned `init_from`), on the job's device in its precision."""
+        from opentinker.model import load_model
+
+        where = where or cpu()
+        try:
+            model, tokenizer = load_model(model_name, init_from=init_from)
+        except Exception as err:  # any cause: one clear message naming the model
+            raise ModelLoadError(f"cannot serve {model_name}: {type(err).__name__}: {err}") from err
+        model = model.to(dtype=where.weights_dtype(trained=False)).to(where.device)
+        # No prefix cache: its entries would outlive a switch of adapter.
+        engine = cls(model, tokenizer, {"base_model": model_name, "init_from": init_from}, max_model_len=max_model_len,
+                     placement=where, prefix_cache_tokens=0)
+        engine.adapters = {}
+        return engine
+
+    # --- LoRA adapters (engines made by for_adapters) ---------------------------------------
+    adapters: dict[str, str] | None = None  # name -> the folder it was loaded from
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the peft adapter folder `path` (safetensors only: nothing is unpickled) as `name`.
+        ValueError when this engine takes no adapters, the name is taken or the folder is not an
+        adapter; the adapter must fit the base (peft's error otherwise)."""
+        from peft import PeftModel
+
+        if self.adapters is None:
+            raise ValueError("this server serves one merged model: it takes no adapters")
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is loaded already")
+        folder = Path(path)
+        if not (folder.is_absolute() and (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
+            raise ValueError(f"{path}: not a LoRA adapter folder (an absolute path holding adapter_config.json and adapter_model.safetensors)")
+        with self._model_lock:
+            model = self.rollout.model
+            if isinstance(model, PeftModel):
+                model.load_adapter(str(folder), adapter_name=name)
+            else:
+                self.rollout.model = PeftModel.from_pretrained(model, str(folder), adapter_name=name)
+            self.rollout.model.eval()
+        self.adapters[name] = str(folder)
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop adapter `name` (KeyError when it is not loaded)."""
+        if not self.adapters or name not in self.adapters:
+            raise KeyError(name)
+        with self._model_lock:
+            self.rollout.model.delete_adapter(name)
+        del self.adapters[name]
+
+    def _adapter(self, name: str | None) -> Any:
+        """The context a batch for adapter `name` runs in (None: the base model alone)."""
+        model = self.rollout.model
+        if name is not None:
+            if not self.adapters or name not in self.adapters:
+                raise KeyError(name)
+            model.set_adapter(name)
+            return nullcontext()
+        return model.disable_adapter() if self.adapters else nullcontext()
 
     @classmethod
     def from_checkpoint(cls, uri: str, dtype: str | None = None, max_model_len: int | None = None) -> HFEngine:
@@ -98,11 +168,12 @@ class HFEngine:
         return max_tokens if max_tokens is not None else room
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None) -> Future:
+    def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None,
+                 adapter: str | None = None) -> Future:
         """Future of one Completion per prompt. A request with a seed is generated alone, so its
-        samples do not depend on what else was in the batch."""
+        samples do not depend on what else was in the batch; `adapter` names a loaded LoRA adapter."""
         future: Future = Future()
-        self._queue.put(_Batchable(prompts, budgets, params, seed, future))
+        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter))
         return future
 
     def _loop(self) -> None:
@@ -134,7 +205,7 @@ class HFEngine:
         batch, rest, size = [first], [], len(first.prompts)
         for item in pending[1:]:
             fits = size + len(item.prompts) <= self.max_batch_size
-            if first.seed is None and item.seed is None and item.params == first.params and fits:
+            if first.seed is None and item.seed is None and item.params == first.params and item.adapter == first.adapter and fits:
                 batch.append(item)
                 size += len(item.prompts)
             else:
@@ -148,9 +219,10 @@ class HFEngine:
         budgets = [b for item in batch for b in item.budgets]
         params = replace(batch[0].params, max_new_tokens=max(budgets))
         try:
-            if batch[0].seed is not None:
-                torch.manual_seed(batch[0].seed)
-            completions: list[Completion] = self.rollout.generate(prompts, params, budgets)
+            with self._model_lock, self._adapter(batch[0].adapter):
+                if batch[0].seed is not None:
+                    torch.manual_seed(batch[0].seed)
+                completions: list[Completion] = self.rollout.generate(prompts, params, budgets)
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:
                 item.future.set_exception(err)

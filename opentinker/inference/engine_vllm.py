@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,27 @@ def model_args(checkpoint_url: str, workdir: Path, name: str) -> list[str]:
     return [str(merged), "--served-model-name", name, *dtype]
 
 
+def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_rank: int, workdir: Path, name: str) -> list[str]:
+    """`vllm serve` arguments for a job's rollout server: the job's base (merged with its
+    `init_from` policy, if any) taking LoRA adapters at run time (`/v1/load_lora_adapter`; the
+    process needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), with logprobs of the sampling
+    distribution (after temperature), the ones the trainer scores."""
+    from opentinker.model import load_model
+    from opentinker.model.loading import resolve_model
+
+    if init_from:
+        model, tokenizer = load_model(model_name, dtype, init_from=init_from)
+        base = workdir / "base"
+        model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
+        del model
+    else:
+        base = resolve_model(model_name)
+    return [str(base), "--served-model-name", name, "--dtype", dtype, "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
+            "--gpu-memory-utilization", "0.4"]  # the trainer holds the rest of the job's GPU
+
+
 # Linux: the child asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG survives exec), so a
 # flow process killed even by SIGKILL never leaves a GPU server behind. Done in the child itself,
 # not through preexec_fn, which is unsafe in a process with threads.
@@ -92,15 +114,17 @@ class VLLMServer:
 
     engine = "vllm"
 
-    def __init__(self, checkpoint_url: str, host: str, port: int, name: str, workdir: Path,
-                 num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None):
+    def __init__(self, serve_args: list[str], host: str, port: int, name: str, workdir: Path,
+                 num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None,
+                 env: dict[str, str] | None = None):
+        """Start `vllm serve <serve_args>` (see `model_args`, `adapter_server_args`); the child
+        sees this process's CUDA_VISIBLE_DEVICES, so it uses the GPUs Ray gave the job."""
         from opentinker.inference.server import advertised_host
 
         self.model = name
         self.url = f"http://{advertised_host(host)}:{port}"
         self.log = workdir / "vllm.log"
-        command = [str(Path(sys.executable).with_name("vllm")), "serve",
-                   *model_args(checkpoint_url, workdir, name), "--host", host, "--port", str(port)]
+        command = [str(Path(sys.executable).with_name("vllm")), "serve", *serve_args, "--host", host, "--port", str(port)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if api_key:  # vLLM then asks every /v1 request for it
@@ -108,7 +132,8 @@ class VLLMServer:
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
         with self.log.open("ab") as out:
-            self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT,
+                                             env={**os.environ, **(env or {})})
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -1,12 +1,18 @@
-"""Start serving a checkpoint with the engine its hardware calls for; used by the flow and the CLI."""
+"""Start serving with the engine the hardware calls for: a checkpoint (the serve flow and the CLI),
+or a job's base model that takes the policy's adapters (a job with `rollout.engine: server`)."""
 
 from __future__ import annotations
 
+import importlib.util
+import secrets
 import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from opentinker.backend.device import Placement
+from opentinker.backend.server_engine import ServerHandle
+from opentinker.core.spec import JobSpec
 from opentinker.inference.spec import InferenceSpec
 
 
@@ -41,8 +47,10 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
             checkpoint_url = resolve_checkpoint(checkpoint_url)
         except Exception as err:  # any cause: one clear message naming the checkpoint
             raise ModelLoadError(f"cannot serve {checkpoint_url}: {type(err).__name__}: {err}") from err
+        from opentinker.inference.engine_vllm import model_args
+
         workdir = Path(tempfile.mkdtemp(prefix=f"opentinker-serve-{name}-"))
-        return VLLMServer(checkpoint_url, host, port or free_port(host), name, workdir,
+        return VLLMServer(model_args(checkpoint_url, workdir, name), host, port or free_port(host), name, workdir,
                           num_gpus=spec.num_gpus, max_model_len=spec.max_model_len, api_key=api_key)
     from opentinker.inference.engine_hf import HFEngine
     from opentinker.inference.server import create_app, serve_in_thread
@@ -50,3 +58,30 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
     engine = HFEngine.from_checkpoint(checkpoint_url, max_model_len=spec.max_model_len)
     app = create_app(engine, name, api_key=api_key, max_tokens_cap=max_tokens_cap)
     return serve_in_thread(app, host, port, model=name, engine="hf", close=engine.close)
+
+
+def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:
+    """The inference server a job with `rollout.engine: server` samples through when it names
+    none: started by the job on its own machine (127.0.0.1, a fresh random key) on the job's
+    device, so it sees the job's GPUs and no other. vLLM where the job holds a GPU and vLLM is
+    installed, our server otherwise; either takes the policy's adapters by name."""
+    from opentinker.rl.policy import pinned_init_from
+
+    key, name, init_from = secrets.token_urlsafe(24), spec.model.name, pinned_init_from(spec, job_id)
+    if where.device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+        from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
+
+        workdir = Path(tempfile.mkdtemp(prefix="opentinker-rollout-server-"))
+        dtype = str(where.compute_dtype).removeprefix("torch.")
+        args = adapter_server_args(name, init_from, dtype, spec.adapter.r, workdir, name)
+        server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), name, workdir, num_gpus=1,
+                            max_model_len=spec.rollout.max_total_tokens + spec.rollout.max_new_tokens, api_key=key,
+                            env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        return ServerHandle(url=server.url, model=name, api_key=key, stop=server.stop)
+    from opentinker.inference.engine_hf import HFEngine
+    from opentinker.inference.server import create_app, serve_in_thread
+
+    engine = HFEngine.for_adapters(name, init_from, where)
+    app = create_app(engine, name, api_key=key, max_tokens_cap=max(spec.rollout.max_new_tokens, 64))
+    running = serve_in_thread(app, "127.0.0.1", 0, model=name, engine="hf", close=engine.close)
+    return ServerHandle(url=running.url, model=name, api_key=key, stop=running.stop)

@@ -1,9 +1,12 @@
 """An OpenAI-compatible HTTP API over a serving engine, so any OpenAI client talks to a trained policy.
 
     GET  /health               -> {"ok": true}
-    GET  /v1/models            -> the one served model
+    GET  /v1/models            -> the served model (and its LoRA adapters, parent = the model)
     POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events)
-    POST /v1/completions       raw prompt(s) in, continuation(s) out (stream=true: server-sent events)
+    POST /v1/completions       raw prompt(s) in (text or token ids), continuation(s) out (stream=true:
+                               server-sent events); `logprobs: 0` gives each sampled token's logprob,
+                               `return_token_ids` / `return_tokens_as_token_ids` the tokens as ids
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (a server for adapters, see lora_routes.py)
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
 requests, including a prompt plus `max_tokens` over the context length (code
@@ -33,8 +36,9 @@ from opentinker.backend.rollout import Completion, SamplingParams
 from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
+from opentinker.inference.lora_routes import add_lora_routes
 
-_UNSUPPORTED = ("tools", "functions", "logit_bias", "response_format", "logprobs", "top_logprobs", "echo", "best_of", "suffix")
+_UNSUPPORTED = ("tools", "functions", "logit_bias", "response_format", "top_logprobs", "echo", "best_of", "suffix")
 
 
 class OpenAIError(Exception):
@@ -96,6 +100,9 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=0, description="0: the sampled tokens' logprobs (no top alternatives)")
+    return_token_ids: bool = False  # vLLM's: `token_ids` (and `prompt_token_ids`) in every choice
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -126,6 +133,35 @@ def _pieces(engine: HFEngine, ids: list[int], text: str) -> Iterator[str]:
         yield text[len(sent):]
 
 
+def _token_logprobs(engine: HFEngine, completion: Completion, text: str, as_ids: bool) -> tuple[dict[str, Any], list[int]]:
+    """OpenAI's completion `logprobs` of the tokens that make up `text` (a stop string may have
+    cut it short), and those tokens' ids. Offsets add up the tokens' own texts."""
+    ids = completion.token_ids
+    pieces = [engine.decode([t]) for t in ids]
+    n, offsets, seen, cut = len(ids), [], 0, text != engine.decode(ids)
+    for k, piece in enumerate(pieces):
+        if cut and k and seen >= len(text):
+            n = k
+            break
+        offsets.append(seen)
+        seen += len(piece)
+    tokens = [f"token_id:{t}" for t in ids[:n]] if as_ids else pieces[:n]
+    return {"tokens": tokens, "token_logprobs": completion.logprobs[:n], "top_logprobs": None, "text_offset": offsets[:n]}, ids[:n]
+
+
+def _completion_choice(engine: HFEngine, req: CompletionRequest, index: int, completion: Completion, text: str, reason: str,
+                       prompt: list[int]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
+    if req.logprobs is None and not req.return_token_ids:
+        return choice
+    logprobs, ids = _token_logprobs(engine, completion, text, req.return_tokens_as_token_ids)
+    if req.logprobs is not None:
+        choice["logprobs"] = logprobs
+    if req.return_token_ids:
+        choice |= {"token_ids": ids, "prompt_token_ids": prompt}
+    return choice
+
+
 def _sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
@@ -149,14 +185,17 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
         return OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param).response()
 
-    def check(req: _Sampling) -> None:
-        if req.model is not None and req.model != model_name:
-            raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found",
-                              kind="NotFoundError")
+    def check(req: _Sampling) -> str | None:
+        """Refuse what this server cannot do; the LoRA adapter the request names (None: the model)."""
         extra = req.model_extra or {}
         for name in _UNSUPPORTED:
             if extra.get(name) not in (None, False, 0, [], {}):
                 raise OpenAIError(400, f"`{name}` is not supported by this server", param=name)
+        if req.model is None or req.model == model_name:
+            return None
+        if engine.adapters and req.model in engine.adapters:
+            return req.model
+        raise OpenAIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found", kind="NotFoundError")
 
     def budgets(prompts: list[list[int]], req: _Sampling, param: str) -> list[int]:
         asked = req.limit()
@@ -168,10 +207,14 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             raise OpenAIError(400, f"max_tokens: {asked} is over this server's limit of {max_tokens_cap}", param="max_tokens")
         return allowed
 
-    async def run(prompts: list[list[int]], req: _Sampling, param: str) -> list[Completion]:
+    async def run(prompts: list[list[int]], req: _Sampling, param: str, adapter: str | None) -> list[Completion]:
         expanded = [p for p in prompts for _ in range(req.n)]
         limits = budgets(expanded, req, param)
-        return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed))
+        try:
+            return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed, adapter))
+        except KeyError:  # unloaded while the request waited
+            raise OpenAIError(404, f"The model `{adapter}` does not exist.", param="model", code="model_not_found",
+                              kind="NotFoundError") from None
 
     def usage(prompts: list[list[int]], n: int, completions: list[Completion]) -> dict[str, int]:
         prompt_tokens = sum(len(p) for p in prompts)
@@ -184,27 +227,28 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "opentinker",
-            "root": engine.checkpoint, "parent": None, "max_model_len": engine.context_length,
-        }]}
+        card = {"object": "model", "created": created, "owned_by": "opentinker", "max_model_len": engine.context_length}
+        return {"object": "list", "data": [card | {"id": model_name, "root": engine.checkpoint, "parent": None}] + [
+            card | {"id": name, "root": path, "parent": model_name} for name, path in dict(engine.adapters or {}).items()]}
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest):
-        check(req)
+        adapter = check(req)
+        if (req.model_extra or {}).get("logprobs"):
+            raise OpenAIError(400, "`logprobs` is not supported by this server for chat (/v1/completions gives `logprobs: 0`)", param="logprobs")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
         prompt = engine.chat_prompt(messages)
-        completions = await run([prompt], req, "messages")
+        completions = await run([prompt], req, "messages", adapter)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name
         use = usage([prompt], req.n, completions)
         if not req.stream:
-            return {"id": rid, "object": "chat.completion", "created": now, "model": model_name, "usage": use,
+            return {"id": rid, "object": "chat.completion", "created": now, "model": served, "usage": use,
                     "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
                                 for i, (_, text, reason) in enumerate(outs)]}
 
         def events() -> Iterator[str]:
-            head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": model_name}
+            head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": served}
             for i, (c, text, reason) in enumerate(outs):
                 yield _sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
                 for piece in _pieces(engine, c.token_ids, text):
@@ -218,21 +262,22 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
 
     @app.post("/v1/completions")
     async def complete(req: CompletionRequest):
-        check(req)
+        adapter = check(req)
+        if req.stream and (req.logprobs is not None or req.return_token_ids):
+            raise OpenAIError(400, "logprobs and token ids are not streamed by this server: ask without stream", param="stream")
         prompts = [engine.text_prompt(p) for p in req.prompts()]
         if any(not p for p in prompts):
             raise OpenAIError(400, "prompt: must not be empty", param="prompt")
-        completions = await run(prompts, req, "prompt")
+        completions = await run(prompts, req, "prompt", adapter)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, now, served = f"cmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name
         use = usage(prompts, req.n, completions)
         if not req.stream:
-            return {"id": rid, "object": "text_completion", "created": now, "model": model_name, "usage": use,
-                    "choices": [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-                                for i, (_, text, reason) in enumerate(outs)]}
+            return {"id": rid, "object": "text_completion", "created": now, "model": served, "usage": use,
+                    "choices": [_completion_choice(engine, req, i, c, text, reason, prompts[i // req.n]) for i, (c, text, reason) in enumerate(outs)]}
 
         def events() -> Iterator[str]:
-            head = {"id": rid, "object": "text_completion", "created": now, "model": model_name}
+            head = {"id": rid, "object": "text_completion", "created": now, "model": served}
             for i, (c, text, reason) in enumerate(outs):
                 for piece in _pieces(engine, c.token_ids, text):
                     yield _sse(head | {"choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]})
@@ -243,6 +288,8 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    if engine.adapters is not None:
+        add_lora_routes(app, engine, OpenAIError)
     guarded = BodyLimit(app, max_request_bytes)
     return BearerToken(guarded, lambda: [api_key], open_paths=("/health",)) if api_key else guarded
 

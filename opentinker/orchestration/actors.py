@@ -57,14 +57,15 @@ def create_actors(spec: JobSpec, job_id: str) -> JobActors:
     """Start the job's actors with the resources the spec asks for, and wait until they are up."""
     import ray
 
+    from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
 
     if spec.resources.colocate:
-        job = ray.remote(RLJob).options(**_options(spec, f"{job_id}-colocated")).remote(spec, job_id)
+        job = ray.remote(RLJob).options(**_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job)
     policy = ray.remote(Policy).options(**_options(spec, f"{job_id}-policy")).remote(spec, job_id)
-    sampler = ray.remote(Sampler).options(**_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id)
+    sampler = ray.remote(Sampler).options(**_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
     return JobActors(policy=policy, sampler=sampler)

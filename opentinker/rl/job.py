@@ -16,7 +16,7 @@ from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
 from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
 from opentinker.rl.policy import Policy, Restored
-from opentinker.rl.sampler import Evaluation, Sampler
+from opentinker.rl.sampler import Evaluation, Sampler, StartServer
 from opentinker.storage import checkpoint as ckpt
 from opentinker.storage.preflight import check_job_storage
 
@@ -24,14 +24,17 @@ from opentinker.storage.preflight import check_job_storage
 class RLJob:
     """A `StepRunner` (see opentinker.rl.loop) over a policy and a sampler sharing one model."""
 
-    def __init__(self, spec: JobSpec, job_id: str | None = None):
+    def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None):
+        """`start_server` starts the job's own inference server for `rollout.engine: server`
+        (opentinker.inference.launch.rollout_server; the runtime's callers pass it)."""
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         check_gpus(spec.resources.num_gpus)
         self.spec = spec
         self.job_id = job_id or new_job_id(spec)
         seed_everything(spec.seed)
         self.policy = Policy(spec, job_id=self.job_id)
-        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement)
+        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
+                               start_server=start_server)
 
     def restore(self) -> Restored | None:
         restored = self.policy.restore_latest()
@@ -58,3 +61,7 @@ class RLJob:
             on_eval: Callable[[Evaluation], Any] | None = None) -> LoopResult:
         """Train to `optimization.steps` in this process, resuming from the latest checkpoint."""
         return run_steps(self.spec, self, LoopHooks(on_step=on_step, on_eval=on_eval))
+
+    def close(self) -> None:
+        """Stop what the job started (its own inference server, with `rollout.engine: server`)."""
+        self.sampler.close()

@@ -265,3 +265,11 @@ def test_env_url_may_not_point_at_the_stacks_own_servers(world, tmp_path):
     for port in (settings.mlflow_port, settings.prefect_port, settings.gateway_port):
         config = _spec(tmp_path, env={"game": None, "url": f"http://127.0.0.1:{port}"})
         assert _submit(world, config).json()["detail"].startswith("env.url: ")
+
+
+def test_a_tenant_cannot_point_a_job_at_a_rollout_server(world, tmp_path):
+    """The job would send its adapter folders and its key there, and trust what it samples."""
+    settings = world["settings"]
+    for url in (f"http://127.0.0.1:{settings.mlflow_port}", "http://10.0.0.5:8000"):
+        config = _spec(tmp_path, rollout={"engine": "server", "server_url": url})
+        assert _submit(world, config).json()["detail"].startswith("rollout.server_url: ")

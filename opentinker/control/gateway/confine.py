@@ -9,7 +9,9 @@
   gateway's jobs set), and is pinned here to the checkpoint it names now.
 - Code: `env.game` only from the operator's allowlist, and an AbstractGame subclass (imported
   here, in the gateway: allowlisted modules only).
-- Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway).
+- Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway);
+  `rollout.server_url` is refused: a job's inference server is the one its worker starts (it
+  would get the job's adapter folders and its key otherwise).
 Refusals are SpecError lines (`field: reason`, HTTP 422) that name only what the tenant gave.
 """
 
@@ -105,6 +107,12 @@ def confine_env(settings: Settings, tenant: str, env: dict[str, Any]) -> dict[st
             config[key] = tenant_location(root, config[key], f"env.config.{key}")
     env["config"] = config
     return env
+
+
+def confine_rollout(data: dict[str, Any]) -> None:
+    if (data.get("rollout") or {}).get("server_url"):
+        raise SpecError("rollout.server_url: jobs sample through the inference server their worker starts "
+                        "(rollout.engine: server, without a URL)")
 
 
 def confine_common(settings: Settings, tenant: str, data: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,7 @@ class TenantJobs:
                 {"registry": {"model_name": spec.registry.model_name or f"{self.tenant}-sft"}}, self.tenant, self.tenant))
             return spec, False
         data["env"] = {**env, **_PLACEHOLDER_ENV} if awaiting_env else confine.confine_env(self.settings, self.tenant, env)
+        confine.confine_rollout(data)
         spec = parse_spec(data)
         if spec.registry.model_name:  # the default name (<tenant>-<game>) is the tenant's own by construction
             confine.registry_name(self.settings, self.tenant, model_name_for(spec.model_dump(mode="json"), self.tenant, self.tenant))

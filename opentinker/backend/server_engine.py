@@ -1,0 +1,158 @@
+"""A rollout engine that samples through an OpenAI-compatible inference server (vLLM, or ours).
+
+Token ids go in (`prompt` as lists of ids) and come back as ids with each token's logprob
+(`logprobs: 0`, `return_token_ids`, `return_tokens_as_token_ids`), so a trajectory's record is
+the exact tokens the server sampled, as with the in-process engine. Prompts that share a token
+budget go in one request; requests run concurrently, so the server batches them.
+
+Weights reach the server as LoRA adapters: after every update the adapter is written to a folder
+and loaded under a new name per policy version (`policy-v<N>`, vLLM's `/v1/load_lora_adapter`),
+and the sync is verified, not trusted: the server must list the new name, answer a probe under
+it, and the probe's logprobs must match what the trainer's own model computes for the same
+tokens within `tolerance` (mean absolute difference). A load the server refuses, a name it does
+not list, or weights that answer like an older version raise `SyncError`. The previous version
+is unloaded once the new one is verified.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opentinker.backend.rollout import Completion, SamplingParams
+
+
+class SyncError(RuntimeError):
+    """The policy's new weights did not verifiably reach the inference server."""
+
+
+@dataclass
+class ServerHandle:
+    """A server a job samples through: where it is, the key it wants, the base model's name on
+    it, and how to stop it (a no-op for a server the job did not start)."""
+
+    url: str
+    model: str
+    api_key: str | None = None
+    stop: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Probe:
+    """A fixed prompt the server continues greedily after each sync; `recompute(prompt, tokens)`
+    returns the trainer's logprobs of those tokens (at temperature 1)."""
+
+    prompt: list[int]
+    recompute: Callable[[list[int], list[int]], list[float]]
+    tokens: int = 8
+
+
+def _token_ids(choice: dict[str, Any]) -> list[int]:
+    if choice.get("token_ids") is not None:
+        return [int(t) for t in choice["token_ids"]]
+    return [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+
+
+class ServerRolloutEngine:
+    """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
+
+    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 16):
+        import httpx  # only jobs that sample through a server need it
+
+        self.server = server
+        self.tolerance = tolerance
+        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+        self.client = httpx.Client(base_url=server.url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
+        self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
+        self.served = server.model  # what requests name: the base, then the newest verified adapter
+        self.policy_version = 0
+        self.synced_version: int | None = None
+        self.generated_tokens = 0
+        self.generate_seconds = 0.0
+        self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
+
+    # --- sampling ------------------------------------------------------------------------------
+    def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str) -> list[Completion]:
+        body: dict[str, Any] = {
+            "model": model, "prompt": prompts, "max_tokens": budget,
+            "temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+        }
+        if not params.greedy:  # reproducible from the job's seed, like the in-process engine
+            body["seed"] = int(torch.randint(0, 2**31 - 1, ()).item())
+        reply = self.client.post("/v1/completions", json=body)
+        if not reply.is_success:
+            raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
+        data = reply.json()
+        if data.get("model") != model:
+            raise SyncError(f"asked the inference server for {model!r}, it answered as {data.get('model')!r}")
+        out = []
+        for choice in sorted(data["choices"], key=lambda c: c["index"]):
+            ids, logprobs = _token_ids(choice), [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if len(ids) != len(logprobs) or len(ids) > budget:
+                raise RuntimeError(f"the inference server returned {len(ids)} tokens, {len(logprobs)} logprobs for a budget of {budget}")
+            out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length"))
+        return out
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
+        """One completion per prompt, as `HFRolloutEngine.generate`; prompts that share a budget
+        go in one request."""
+        t0 = time.perf_counter()
+        budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]
+        by_budget: dict[int, list[int]] = {}
+        for i, b in enumerate(budgets):
+            by_budget.setdefault(max(1, b), []).append(i)
+        model = self.served
+        futures = {b: self.pool.submit(self._request, [prompts[i] for i in rows], params, b, model) for b, rows in by_budget.items()}
+        results: dict[int, Completion] = {}
+        for b, rows in by_budget.items():
+            results.update(zip(rows, futures[b].result()))
+        completions = [results[i] for i in range(len(prompts))]
+        self.generated_tokens += sum(len(c.token_ids) for c in completions)
+        self.generate_seconds += time.perf_counter() - t0
+        return completions
+
+    def end_phase(self) -> None:
+        """Nothing to free here: the server manages its own cache."""
+
+    # --- weights -------------------------------------------------------------------------------
+    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
+        """Load the adapter (`adapter/…` files as `adapter_files` writes them) as `policy-v<version>`
+        and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise."""
+        name = f"policy-v{version}"
+        folder = self._folders / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for key, data in files.items():
+            (folder / key.removeprefix("adapter/")).write_bytes(data)
+        reply = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+        if not reply.is_success:
+            raise SyncError(f"the inference server refused adapter {name} ({reply.status_code}): {reply.text[:300]}")
+        listed = {m["id"] for m in self.client.get("/v1/models").json().get("data", [])}
+        if name not in listed:
+            raise SyncError(f"the inference server loaded adapter {name} but does not list it (it lists {sorted(listed)})")
+        (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens, name)
+        expected = probe.recompute(probe.prompt, answer.token_ids)
+        gap = sum(abs(a - b) for a, b in zip(answer.logprobs, expected)) / max(1, len(expected))
+        if not gap <= self.tolerance:  # NaN fails too
+            raise SyncError(f"adapter {name} answers the probe {gap:.3g} (mean |logprob difference|) away from the trainer's "
+                            f"weights, over the tolerance {self.tolerance:g}: the server serves other (stale?) weights")
+        previous, self.served, self.synced_version = self.served, name, version
+        self.policy_version = version
+        if previous != self.server.model:
+            self.client.post("/v1/unload_lora_adapter", json={"lora_name": previous})
+            shutil.rmtree(self._folders / previous, ignore_errors=True)
+        return gap
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.client.close()
+        shutil.rmtree(self._folders, ignore_errors=True)
+        self.server.stop()

@@ -1,0 +1,87 @@
+"""The core engine (spec, trainer, rollout engine, a local run) runs on a machine dressed like a
+cluster's GPU node: torch, transformers, peft, accelerate, numpy and pydantic with what they
+depend on (pydantic-settings with pydantic: two small wheels), and nothing else — no Prefect, Ray, MLflow, S3 client, web server or CLI toolkit.
+
+The test builds that machine's site-packages as a folder of links to exactly those distributions
+(the closure of their requirements, read from their metadata) and runs one training step in a
+Python that sees only it and the repository."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = ["torch", "transformers", "peft", "accelerate", "numpy", "pydantic", "pydantic-settings"]
+CONTROL_PLANE = {"prefect", "ray", "mlflow", "s3fs", "boto3", "fastapi", "uvicorn", "tenacity", "httpx", "trl", "openai"}
+
+RUN = """
+import sys, tempfile
+from opentinker.core.spec import parse_spec
+from opentinker.rl import RLJob
+
+spec = parse_spec({"model": {"name": "tiny-random"}, "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+                   "optimization": {"steps": 1}, "evaluation": {"every": 0, "n_samples": 4},
+                   "checkpoint": {"base_url": "file://" + tempfile.mkdtemp()},
+                   "env": {"game": "envs.toy:UppercaseGame", "config": {"val_size": 4}}})
+result = RLJob(spec, job_id="core-only").run()
+loaded = sorted({m.split(".")[0] for m in sys.modules})
+print("steps", result.steps_done, "checkpoint", result.checkpoint is not None)
+print("modules", " ".join(loaded))
+"""
+
+
+def _closure(names: list[str]) -> list[md.Distribution]:
+    seen: dict[str, md.Distribution] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        seen[key] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return list(seen.values())
+
+
+def _site_packages_of(dists: list[md.Distribution], target: Path) -> None:
+    """Link every top-level file or folder the distributions installed (and their metadata)."""
+    for dist in dists:
+        for file in dist.files or []:
+            top = file.parts[0]
+            if top in ("..", "__pycache__") or top.endswith(".pth"):
+                continue
+            source, link = Path(dist.locate_file(top)), target / top
+            if source.exists() and not link.exists():
+                link.symlink_to(source)
+
+
+def test_one_training_step_with_only_the_core_libraries(tmp_path, tiny_path):
+    dists = _closure(CORE)
+    names = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in dists}
+    assert not names & CONTROL_PLANE, names & CONTROL_PLANE
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    _site_packages_of(dists, site)
+    env = {"PYTHONPATH": f"{REPO}{':'}{site}", "PYTHONNOUSERSITE": "1", "HOME": str(Path.home()),
+           "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin:/bin"}
+    # -S: no site-packages but the folder above (the standard library stays).
+    done = subprocess.run([sys.executable, "-S", "-c", RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps 1 checkpoint True" in done.stdout
+    loaded = set(done.stdout.split("modules", 1)[1].split())
+    assert not loaded & {"prefect", "ray", "mlflow", "s3fs", "fastapi", "httpx", "tenacity"}
+    assert sysconfig.get_paths()["purelib"] not in done.stdout

@@ -2,7 +2,8 @@
 
 The flow resolves the checkpoint and checks the engine first (a bad model path or a worker
 without the engine fails the job before it takes a slot), then holds its pool's slots for as
-long as it serves: the transformers engine on CPU (`num_gpus=0`), vLLM on GPUs. Once the server
+long as it serves: the transformers engine on CPU (`num_gpus=0`, in the flow's process), vLLM on
+GPUs, in a Ray actor holding the job's GPUs (distinct devices, see orchestration/serving.py). Once the server
 answers, its address is published as a Prefect artifact (key `endpoint-<job>`; metadata `url`,
 `openai_base_url`, `model`, `engine`, `checkpoint`), which the gateway reads back into the job's
 status. Cancelling the job stops the process, the server with it, and frees the slots.
@@ -15,7 +16,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger, runtime
 
-from opentinker.orchestration.job import held_slots
+from opentinker.orchestration.job import held_slots, ray_connection
+from opentinker.orchestration.serving import serve_in_actor
 from opentinker.inference.launch import check_engine, launch
 from opentinker.inference.spec import InferenceSpec, endpoint_key
 from opentinker.storage.resolve import resolve_checkpoint
@@ -49,8 +51,16 @@ def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | No
     with held_slots(spec.num_gpus, tenant):
         logger.info(f"loading {checkpoint} for engine {spec.engine_kind}")
         settings = get_settings()
-        server = launch(checkpoint, spec, settings.host, 0, name=job_id, max_tokens_cap=settings.max_tokens_cap,
-                        api_key=job_token(settings.stack_secret(), job_id))  # the tenant reads it from the job's status
+        api_key = job_token(settings.stack_secret(), job_id)  # the tenant reads it from the job's status
+        if spec.num_gpus > 0:  # on the job's own GPUs, wherever Ray places it
+            import ray
+
+            address, init_kwargs = ray_connection()
+            ray.init(**(init_kwargs if address is None else {**init_kwargs, "address": address}))
+            server = serve_in_actor(checkpoint, spec, job_id, api_key, settings.max_tokens_cap)
+            logger.info(f"serving on GPU(s) {server.info['gpu_ids']} (CUDA_VISIBLE_DEVICES={server.info['cuda_visible_devices']})")
+        else:
+            server = launch(checkpoint, spec, settings.listen_host, 0, name=job_id, max_tokens_cap=settings.max_tokens_cap, api_key=api_key)
         started = time.monotonic()
         try:
             if runtime.flow_run.id is not None:
@@ -65,4 +75,8 @@ def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | No
                 raise RuntimeError(f"the {server.engine} server for {checkpoint} stopped on its own")
         finally:
             server.stop()
+            if spec.num_gpus > 0:
+                import ray
+
+                ray.shutdown()
     return {"job_id": job_id, "checkpoint": checkpoint, "url": server.url, "seconds": time.monotonic() - started}

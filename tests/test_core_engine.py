@@ -9,12 +9,14 @@ Python that sees only it and the repository."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import re
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
 
+import torch
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +71,8 @@ def _site_packages_of(dists: list[md.Distribution], target: Path) -> None:
                 link.symlink_to(source)
 
 
-def test_one_training_step_with_only_the_core_libraries(tmp_path, tiny_path):
+def _core_only(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """Run python with `args` seeing only the standard library, the core closure and the repo."""
     dists = _closure(CORE)
     names = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower() for d in dists}
     assert not names & CONTROL_PLANE, names & CONTROL_PLANE
@@ -79,9 +82,44 @@ def test_one_training_step_with_only_the_core_libraries(tmp_path, tiny_path):
     env = {"PYTHONPATH": f"{REPO}{':'}{site}", "PYTHONNOUSERSITE": "1", "HOME": str(Path.home()),
            "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin:/bin"}
     # -S: no site-packages but the folder above (the standard library stays).
-    done = subprocess.run([sys.executable, "-S", "-c", RUN], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-S", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_one_training_step_with_only_the_core_libraries(tmp_path, tiny_path):
+    done = _core_only(tmp_path, "-c", RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "steps 1 checkpoint True" in done.stdout
     loaded = set(done.stdout.split("modules", 1)[1].split())
     assert not loaded & {"prefect", "ray", "mlflow", "s3fs", "fastapi", "httpx", "tenacity"}
     assert sysconfig.get_paths()["purelib"] not in done.stdout
+
+
+def test_the_gpu_benchmark_runs_with_only_the_core_libraries(tmp_path):
+    """bench/gpu_step.py on the CPU with a tiny shape: the same code path a GPU node runs."""
+    out = tmp_path / "results"
+    done = _core_only(tmp_path, str(REPO / "bench" / "gpu_step.py"), "--shapes", "tiny", "--device", "cpu", "--steps", "2",
+                      "--prompts", "2", "--group", "2", "--prompt-len", "16", "--new-tokens", "8", "--micro-batch", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "gpu_step_full.json").read_text())["results"][0]
+    assert result["shape"] == "tiny" and result["generated_tokens_per_s"] > 0 and result["update_tokens_per_s"] > 0
+    assert result["update_mfu"] is None  # no bf16 peak for a CPU: never a made-up number
+    assert "| tiny |" in (out / "gpu_step_full.md").read_text()
+
+
+def test_the_benchmarks_flop_count_uses_the_models_true_size():
+    """The decoder parameters in the MFU formula are those transformers builds for the shape."""
+    import importlib.util
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec = importlib.util.spec_from_file_location("gpu_step", REPO / "bench" / "gpu_step.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for shape in ("qwen2.5-0.5b", "qwen2.5-1.5b"):
+        config = Qwen2Config(**bench.SHAPES[shape])
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(config)
+        matrices = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
+        d, v, layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
+        # one sequence of 10 tokens, 4 sampled, full training: 3 x (2·N·S + 2·V·d·R + 2·L·d·S²)
+        assert bench.update_flops(config, [(10, 4)], "full") == 3 * (2 * matrices * 10 + 2 * v * d * 4 + 2 * layers * d * 100)

@@ -44,7 +44,7 @@ class JobActors:
                 ray.kill(handle)
 
 
-def _options(spec: JobSpec, name: str) -> dict[str, Any]:
+def actor_options(spec: JobSpec, name: str) -> dict[str, Any]:
     """Ray options from the spec's resources; torch threads through OMP_NUM_THREADS (Ray would set
     1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine)."""
     r = spec.resources
@@ -61,11 +61,11 @@ def create_actors(spec: JobSpec, job_id: str) -> JobActors:
     from opentinker.rl import Policy, RLJob, Sampler
 
     if spec.resources.colocate:
-        job = ray.remote(RLJob).options(**_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server)
+        job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job)
-    policy = ray.remote(Policy).options(**_options(spec, f"{job_id}-policy")).remote(spec, job_id)
-    sampler = ray.remote(Sampler).options(**_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
+    policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id)
+    sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
     return JobActors(policy=policy, sampler=sampler)
@@ -77,7 +77,7 @@ def create_selfplay_actor(spec: JobSpec, job_id: str) -> Any:
 
     from opentinker.rl.selfplay import SelfPlayJob
 
-    handle = ray.remote(SelfPlayJob).options(**_options(spec, f"{job_id}-agents")).remote(spec, job_id)
+    handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents")).remote(spec, job_id)
     ray.get(handle.__ray_ready__.remote())
     return handle
 

@@ -1,0 +1,157 @@
+"""Coloured shapes on a white picture, one multiple-choice question whose answer is only in the picture.
+
+It exists to show that a vision-language policy learns through the image: the text names the
+question kind and four lettered choices (A-D), the correct letter is uniform and independent of
+the order of the choices, so from the text alone chance is 25%. `blank=True` (a generate_task
+config key, so it travels inside the task) shows a plain white picture of the same size instead:
+the ablation, whose accuracy should stay near 25% whatever the policy learns.
+
+Reward 1 for the correct letter in the strict format `Answer: <letter>` (the last occurrence
+counts; the letter is case-insensitive), 0 otherwise: no format bonus, which would invite
+answering one letter in the right format.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from opentinker.env import AbstractGame, Observation, StepResult
+
+LETTERS = "ABCD"
+ANSWER_RE = re.compile(r"Answer:\s*([A-Da-d])\b")
+COLOURS = {"red": (220, 30, 30), "green": (20, 150, 40), "blue": (30, 60, 220), "yellow": (235, 190, 0)}
+SHAPES = ("circle", "square", "triangle", "star")
+QUESTIONS = {"colour": "What colour is the shape?", "shape": "Which shape is in the picture?",
+             "count": "How many shapes are in the picture?"}
+SYSTEM_PROMPT = ("Look at the picture and answer the multiple-choice question. "
+                 "Reply with the letter of the correct choice in the form 'Answer: <letter>'.")
+EXAMPLE = ("Which of these is a fruit?\nA. hammer\nB. cloud\nC. apple\nD. chair", "Answer: C")
+MAX_IMAGE_SIZE = 1024
+
+
+def parse_letter(text: str) -> str | None:
+    """The letter (upper case) of the last `Answer: X` in the text, or None when the format is missing."""
+    found = ANSWER_RE.findall(text)
+    return found[-1].upper() if found else None
+
+
+def place_answer(rng: Any, correct: str, distractors: list[str]) -> tuple[list[str], str]:
+    """Four choices with the correct one at a uniform letter and the three distractors in random
+    order elsewhere: the letter is then independent of what the choices say."""
+    if len(distractors) != 3 or len({correct, *distractors}) != 4:
+        raise ValueError(f"need 3 distinct distractors besides {correct!r}, got {distractors!r}")
+    index = int(rng.integers(4))
+    rest = [distractors[int(i)] for i in rng.permutation(3)]
+    return rest[:index] + [correct] + rest[index:], LETTERS[index]
+
+
+def choices_text(question: str, choices: list[str]) -> str:
+    return "\n".join([question, *(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))])
+
+
+def _others(rng: Any, names: list[str] | tuple[str, ...], correct: str) -> list[str]:
+    rest = [n for n in names if n != correct]
+    return [rest[int(i)] for i in rng.permutation(len(rest))[:3]]
+
+
+def _shape(rng: Any, x: float, y: float, r: float) -> dict[str, Any]:
+    """One shape; positions and sizes are fractions of the picture's side, so any size renders it."""
+    return {"shape": SHAPES[int(rng.integers(len(SHAPES)))], "colour": list(COLOURS)[int(rng.integers(len(COLOURS)))],
+            "x": round(x, 3), "y": round(y, 3), "r": round(r, 3)}
+
+
+def _polygon(kind: str, cx: float, cy: float, r: float) -> list[tuple[float, float]]:
+    if kind == "square":
+        h = r * 0.85
+        return [(cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h)]
+    if kind == "triangle":
+        return [(cx + r * math.cos(math.radians(a)), cy - r * math.sin(math.radians(a))) for a in (90, 210, 330)]
+    if kind == "star":
+        return [(cx + (r if i % 2 == 0 else r * 0.45) * math.cos(math.radians(90 + 36 * i)),
+                 cy - (r if i % 2 == 0 else r * 0.45) * math.sin(math.radians(90 + 36 * i))) for i in range(10)]
+    raise ValueError(f"unknown shape {kind!r}; use one of {SHAPES}")
+
+
+def render(shapes: list[dict[str, Any]], size: int, blank: bool = False) -> Any:
+    """The picture (RGB, white background); the same shapes give the same pixels."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), "white")
+    if blank:
+        return image
+    draw = ImageDraw.Draw(image)
+    for s in shapes:
+        if s["colour"] not in COLOURS:
+            raise ValueError(f"unknown colour {s['colour']!r}; use one of {list(COLOURS)}")
+        fill, (cx, cy, r) = COLOURS[s["colour"]], (float(s["x"]) * size, float(s["y"]) * size, float(s["r"]) * size)
+        if s["shape"] == "circle":
+            draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+        else:
+            draw.polygon(_polygon(s["shape"], cx, cy, r), fill=fill)
+    return image
+
+
+class ShapesGame(AbstractGame):
+    """One question about one picture per episode (single turn).
+
+    Config keys (generate_task): `kinds` (default ("colour",): one big shape, the easiest),
+    among "colour", "shape", "count" (1-4 shapes); `image_size` (default 128); `blank` (default
+    False: True shows a white picture, the ablation). Task: {"kind", "shapes": [{"shape",
+    "colour", "x", "y", "r"}], "choices": [4 strings], "answer": "A".."D", "image_size", "blank"}.
+    """
+
+    def __init__(self, few_shot: int = 1, system_prompt: str = SYSTEM_PROMPT):
+        if few_shot not in (0, 1):
+            raise ValueError("few_shot must be 0 or 1")
+        self.few_shot = few_shot
+        self.system_prompt = system_prompt
+        self.kind = ""
+        self.answer = ""
+
+    @classmethod
+    def generate_task(cls, rng: Any, kinds: list[str] | tuple[str, ...] = ("colour",), image_size: int = 128,
+                      blank: bool = False) -> dict[str, Any]:
+        """The same draws whether or not `blank` is set, so the ablation sees the same tasks."""
+        unknown = [k for k in kinds if k not in QUESTIONS]
+        if unknown or not kinds:
+            raise ValueError(f"unknown kinds {unknown!r}; use some of {list(QUESTIONS)}")
+        kind = str(kinds[int(rng.integers(len(kinds)))])
+        if kind == "count":
+            n = int(rng.integers(1, 5))
+            cells = [int(c) for c in rng.permutation(4)[:n]]  # a 2x2 grid: shapes never overlap
+            shapes = [_shape(rng, 0.25 + 0.5 * (c % 2) + rng.uniform(-0.05, 0.05), 0.25 + 0.5 * (c // 2) + rng.uniform(-0.05, 0.05),
+                             rng.uniform(0.12, 0.17)) for c in cells]
+            correct, names = str(n), ["1", "2", "3", "4"]
+        else:
+            shapes = [_shape(rng, 0.5 + rng.uniform(-0.08, 0.08), 0.5 + rng.uniform(-0.08, 0.08), rng.uniform(0.28, 0.36))]
+            correct = shapes[0]["colour"] if kind == "colour" else shapes[0]["shape"]
+            names = list(COLOURS) if kind == "colour" else list(SHAPES)
+        choices, answer = place_answer(rng, correct, _others(rng, names, correct))
+        return {"kind": kind, "shapes": shapes, "choices": choices, "answer": answer, "image_size": int(image_size), "blank": bool(blank)}
+
+    def get_system_prompt(self) -> str:
+        return self.system_prompt
+
+    def get_example_turns(self) -> list[dict[str, str]]:
+        """A text-only example of the format (no picture, so it shows nothing about the pictures)."""
+        if not self.few_shot:
+            return []
+        return [{"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]}]
+
+    def reset(self, kind: str, shapes: list[dict[str, Any]], choices: list[str], answer: str, image_size: int = 128,
+              blank: bool = False, **_: Any) -> Observation:
+        if kind not in QUESTIONS or len(choices) != 4 or answer not in LETTERS:
+            raise ValueError(f"malformed task: kind={kind!r}, {len(choices)} choices, answer={answer!r}")
+        if not 8 <= int(image_size) <= MAX_IMAGE_SIZE:
+            raise ValueError(f"image_size {image_size} is outside 8..{MAX_IMAGE_SIZE}")
+        self.kind, self.answer = kind, answer
+        return Observation(choices_text(QUESTIONS[kind], [str(c) for c in choices]), [render(shapes, int(image_size), bool(blank))])
+
+    def step(self, action: str) -> StepResult:
+        given = parse_letter(action)
+        correct = given == self.answer
+        info = {"correct": correct, "format_ok": given is not None, "answer": given, "expected": self.answer, "kind": self.kind}
+        return StepResult(observation="Correct." if correct else f"Incorrect: {self.answer}.", reward=1.0 if correct else 0.0,
+                          done=True, info=info)

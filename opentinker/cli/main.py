@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -81,21 +82,54 @@ def deploy_cmd() -> None:
 
 
 @app.command()
-def worker(pool: str = typer.Option("cpu", help="work pool to poll: gpu or cpu")) -> None:
-    """Run a Prefect process worker for a pool in the foreground, with this stack's settings."""
+def worker(pool: str = typer.Option("cpu", help="work pool to poll: gpu or cpu"),
+           join: Optional[str] = typer.Option(None, help="host:port of the stack's Ray head: this machine also joins it as a Ray node"),
+           num_gpus: Optional[int] = typer.Option(None, help="GPUs the Ray node declares (default: what Ray detects)"),
+           num_cpus: Optional[int] = typer.Option(None, help="CPUs the Ray node declares (default: its cores)"),
+           resources: Optional[str] = typer.Option(None, help='custom Ray resources of the node, JSON, e.g. \'{"node_b": 1}\''),
+           name: Optional[str] = typer.Option(None, help="the Prefect worker's name (default: opentinker-<pool>-<host name>)")) -> None:
+    """Run a Prefect process worker for a pool in the foreground, with this stack's settings; with
+    --join, this machine also becomes a Ray node of the stack's head (one command per GPU machine).
+
+    On another machine than the stack, OPENTINKER_HOST names the stack (default with --join: the
+    head's host), OPENTINKER_SECRET is the stack's, and OPENTINKER_STORAGE_URL is shared (s3://…)."""
+    import json
+    import signal
     import subprocess
 
+    from opentinker.control.node import NodeError, WorkerNode, check_shared_storage, is_this_machine
     from opentinker.control.scheduler import POOLS
-    from opentinker.core.settings import mlflow_env, prefect_env, settings_env
 
     if pool not in POOLS:
         console.print(f"--pool: must be one of {', '.join(POOLS)}", style="red")
         raise typer.Exit(2)
+    if join and "OPENTINKER_HOST" not in os.environ:
+        os.environ["OPENTINKER_HOST"] = join.rpartition(":")[0]
     settings = settings_and_env()
-    env = {**os.environ, **settings_env(settings), **prefect_env(settings), **mlflow_env(settings)}
-    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-               "--name", f"opentinker-{pool}-{os.uname().nodename}", "--install-policy", "never"]
-    raise typer.Exit(subprocess.call(command, env=env))
+    try:
+        extra = json.loads(resources) if resources else {}
+        if not isinstance(extra, dict) or not all(isinstance(v, (int, float)) for v in extra.values()):
+            raise ValueError("must be a JSON object of numbers")
+        check_shared_storage(settings, remote=bool(join) or not is_this_machine(settings.host))
+    except (ValueError, NodeError) as err:
+        console.print(f"worker: {'--resources: ' if isinstance(err, ValueError) else ''}{err}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the node and the worker on the way out
+    if join is None:
+        from opentinker.core.settings import mlflow_env, prefect_env, ray_env, settings_env
+
+        env = {**os.environ, **settings_env(settings), **prefect_env(settings), **mlflow_env(settings), **ray_env(settings)}
+        command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+                   "--name", name or f"opentinker-{pool}-{os.uname().nodename}", "--install-policy", "never"]
+        raise typer.Exit(subprocess.call(command, env=env))
+    node = WorkerNode(settings, pool, join, num_gpus, num_cpus, extra, name or "",
+                      say=lambda line: console.print(f"worker: {line}", markup=False, soft_wrap=True))
+    try:
+        code = node.run()
+    except (ConnectionError, NodeError) as err:
+        console.print(f"worker: {err}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 tenant_app = typer.Typer(help="Tenants and their API keys (stored hashed in the state folder).", no_args_is_help=True)

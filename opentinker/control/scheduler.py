@@ -255,4 +255,14 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
         return "CANCELLED", message
     if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
         return "CANCELLED", f"cancelled; the run ended as {name}: {reason_line(message)}"
-    return "FAILED", reason_line(message) or name  # FAILED, CRASHED
+    if kind == "CRASHED":
+        return "FAILED", crash_line(flow_run, reason_line(message) or name)
+    return "FAILED", reason_line(message) or name
+
+
+def crash_line(flow_run: Any, cause: str) -> str:
+    """A run whose process died under it (Prefect: "Process exited with status code: 1") says what
+    that means and what to do: the job's checkpoints outlive its process."""
+    job = next((tag.removeprefix("job:") for tag in flow_run.tags or [] if tag.startswith("job:")), None)
+    again = f"; resubmit job {job} to resume from its last complete checkpoint" if job else ""
+    return f"the job's process died ({cause.rstrip('.')}): killed, out of memory, or its Ray node or head went away{again}"

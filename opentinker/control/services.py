@@ -98,22 +98,31 @@ def _prefect_server_env(s: Settings) -> dict[str, str]:
 
 
 def _mlflow_command(s: Settings) -> list[str]:
-    """Loopback is in MLflow's default --allowed-hosts; a server others dial must allow the name they use."""
+    """Loopback is in MLflow's default --allowed-hosts; a server others dial must allow the name they
+    use. The backend store comes from the environment (`_mlflow_env`): a command line is public."""
     command = [sys.executable, "-m", "mlflow", "server", "--host", s.listen_host, "--port", str(s.mlflow_port),
-               "--workers", "1", "--backend-store-uri", s.mlflow_backend_store_uri or f"sqlite:///{s.state_dir}/mlflow/mlflow.db",
-               "--artifacts-destination", s.mlflow_artifacts_destination]
+               "--workers", "1", "--artifacts-destination", s.mlflow_artifacts_destination]
     if s.host not in ("127.0.0.1", "localhost"):
         command += ["--allowed-hosts", f"{s.host}:{s.mlflow_port},localhost:*,127.0.0.1:*"]
     return command
 
 
-def ray_temp_dir(s: Settings) -> Path:
-    """The head's own folder (sessions, logs, sockets), in the state folder when its path is short
-    enough for Ray's socket names (AF_UNIX paths stop at 107 bytes), else a short one named after it."""
-    inside = s.state_dir / "ray"
+def short_dir(state_dir: Path, name: str) -> Path:
+    """A Ray node's own folder (sessions, logs, sockets): `<state_dir>/<name>` when that path is short
+    enough for Ray's socket names (AF_UNIX paths stop at 107 bytes), else a short one in the system's
+    temporary folder named after it (`is_stand_in` tells; the stack removes it when it stops)."""
+    inside = state_dir / name
     if len(str(inside)) <= 40:
         return inside
-    return Path(tempfile.gettempdir()) / f"opentinker-ray-{hashlib.sha256(str(s.state_dir).encode()).hexdigest()[:10]}"
+    return Path(tempfile.gettempdir()) / f"opentinker-{name}-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}"
+
+
+def is_stand_in(folder: Path) -> bool:
+    return folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("opentinker-")
+
+
+def ray_temp_dir(s: Settings) -> Path:
+    return short_dir(s.state_dir, "ray")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -135,7 +144,10 @@ RAY_NODE_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_ADDRESS": ""}
 
 
 def _ray_head_command(s: Settings) -> list[str]:
-    """`ray start --head --block`: the stack's long-lived cluster, sized for the jobs of all slots."""
+    """`ray start --head --block`: the stack's long-lived cluster, sized for the jobs of all slots.
+    Forgets the address a dead head recorded: `ray start` refuses to start where it finds a raylet
+    (another node on this machine, still waiting for the dead head) that names it."""
+    (ray_temp_dir(s) / "ray_current_cluster").unlink(missing_ok=True)
     cpus = s.ray_num_cpus if s.ray_num_cpus is not None else (os.cpu_count() or 1) * max(1, s.cpu_slots)
     gpus = s.ray_num_gpus if s.ray_num_gpus is not None else (s.gpu_slots if s.gpu_slots is not None else detect_gpus())
     command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(s.ray_port),
@@ -176,7 +188,8 @@ SPECS: dict[str, Service] = {
         port=lambda s: s.mlflow_port,
         url=lambda s: s.mlflow_url,
         command=_mlflow_command,
-        env=lambda s: {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        env=lambda s: {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+                       "MLFLOW_BACKEND_STORE_URI": s.mlflow_backend_store_uri or f"sqlite:///{s.state_dir}/mlflow/mlflow.db"},
         healthy=lambda s, pid: http_ok(f"{s.mlflow_url}/health") is not None,
     ),
     "ray": Service(
@@ -208,7 +221,8 @@ SPECS: dict[str, Service] = {
         command=lambda s: [sys.executable, "-m", "uvicorn", "--factory", "opentinker.control.gateway.app:create_app",
                            "--host", s.gateway_listen_host, "--port", str(s.gateway_port), "--log-level", "warning",
                            "--timeout-keep-alive", "75"],  # longer than clients keep idle connections
-        env=worker_env,
+        # No Ray token: the public door never drives the cluster.
+        env=lambda s: {**settings_env(s), **prefect_env(s), **mlflow_env(s)},
         healthy=lambda s, pid: http_ok(f"{s.gateway_url}/v1/health") is not None,
     ),
 }

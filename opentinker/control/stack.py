@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
-from opentinker.control.services import SPECS, services_for
+from opentinker.control.services import SPECS, is_stand_in, ray_temp_dir, services_for
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, get_settings
 
@@ -126,6 +127,7 @@ class Stack:
                              "set OPENTINKER_RAY_CLIENT_PORT")
         if pids["mlflow"] is None:
             _check_remote_storage(s)
+        _check_databases(s, [name for name in ("prefect", "mlflow") if pids[name] is None])
         started: list[str] = []
         try:
             for name in ("prefect", "mlflow", "ray"):
@@ -229,6 +231,8 @@ class Stack:
         `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
         with self._locked():
             self._stop(["gateway", "worker", "ray", "prefect", "mlflow"], timeout)
+            if is_stand_in(ray_temp_dir(self.settings)):
+                shutil.rmtree(ray_temp_dir(self.settings), ignore_errors=True)
 
     def _stop(self, names: list[str], timeout: float = 15.0) -> None:
         groups = {}
@@ -262,6 +266,28 @@ def _check_remote_storage(s: Settings) -> None:
                 check_storage(url, name)
             except StorageError as err:
                 raise StackError(str(err)) from None
+
+
+def _check_databases(s: Settings, starting: list[str]) -> None:
+    """A server would start and die (or hang) on a database that does not answer: check that each
+    database a server about to start names (other than SQLite) accepts connections, in one line
+    without its password."""
+    import socket
+    from urllib.parse import urlsplit
+
+    urls = {"prefect": ("OPENTINKER_PREFECT_DATABASE_URL", s.prefect_database_url),
+            "mlflow": ("OPENTINKER_MLFLOW_BACKEND_STORE_URI", s.mlflow_backend_store_uri)}
+    for name in starting:
+        variable, url = urls[name]
+        if not url or url.startswith("sqlite"):
+            continue
+        parts = urlsplit(url)
+        shown = url.replace(f":{parts.password}@", ":***@") if parts.password else url
+        try:
+            with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5432), timeout=5):
+                pass
+        except OSError as err:
+            raise StackError(f"{variable} {shown}: no database answers there ({err})") from None
 
 
 def up(settings: Settings | None = None, timeout: float = 120.0) -> dict[str, ServiceStatus]:

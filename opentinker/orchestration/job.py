@@ -170,7 +170,27 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
             yield context
         except Exception as err:
             get_run_logger().error(f"job {context.job_id} failed", exc_info=True)  # with a Ray worker's traceback, if any
-            raise JobError(f"job {context.job_id}: {one_line(err)}") from err
+            raise JobError(f"job {context.job_id}: {lost_cluster_line(err, spec, context.job_id) or one_line(err)}") from err
+
+
+# Ray's errors for work that vanished with a process or a node (not the job's own fault).
+_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError"}
+
+
+def lost_cluster_line(err: BaseException, spec: Any, job_id: str) -> str | None:
+    """For a job whose actors or node went away (a node killed, the head dead): what happened and
+    where a resubmission resumes, instead of Ray's paragraph about node ids; None for other errors."""
+    if not _LOST & {cls.__name__ for cls in type(err).__mro__}:
+        return None
+    from opentinker.storage.checkpoint import latest_checkpoint
+
+    try:
+        latest = latest_checkpoint(spec.checkpoint.base_url, job_id)
+        resume = f"from step {latest.step} ({latest.url})" if latest else "from the start (no checkpoint yet)"
+    except Exception:  # noqa: BLE001 - the storage may be what failed; the line still says what to do
+        resume = "from its last complete checkpoint"
+    return (f"{type(err).__name__}: the Ray node running its actors left the cluster (killed, or the head went away); "
+            f"resubmit job {job_id} to resume {resume}")
 
 
 def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tracker: JobTracker, *, kind: str,

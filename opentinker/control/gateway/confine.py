@@ -86,8 +86,8 @@ def game(settings: Settings, path: str) -> None:
 
 
 def env_url(settings: Settings, urls: list[str]) -> None:
-    own = {settings.prefect_port, settings.mlflow_port, settings.gateway_port}
-    local = {settings.host, "localhost", "127.0.0.1", "::1", "0.0.0.0"}
+    own = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
+    local = {settings.host, settings.listen_host, settings.dial_host, "localhost", "127.0.0.1", "::1", "0.0.0.0"}
     for url in urls:
         parts = urlsplit(url)
         if parts.hostname in local and parts.port in own:

@@ -149,7 +149,7 @@ class TenantJobs:
             "num_gpus": (spec.get("resources") or {}).get("num_gpus", 0),
             "total_steps": (spec.get("optimization") or {}).get("steps"),
             "created": run.created.isoformat() if run.created else None,
-            "server_url": f"{self.settings.gateway_url}/v1/jobs/{job_id}",
+            "server_url": f"{self.settings.public_gateway_url}/v1/jobs/{job_id}",
             "job_token": job_token(self.settings.stack_secret(), job_id),  # for the servers this job talks to
             "links": {"prefect": f"{self.settings.prefect_ui_url}/runs/flow-run/{run.id}"},
         }

@@ -1,0 +1,293 @@
+"""More than one machine, on one: the stack (with its Ray head) and a second machine joined by
+`opentinker worker --pool gpu --join <head>`, a Ray node with two declared GPUs and a resource of
+its own (`node_b`) plus a Prefect worker for the `gpu` pool, all real processes.
+
+A job that needs the second node's resource runs its actors there (checked by the node id of the
+process hosting them), checkpoints to S3, and when that node's processes are killed mid-job it
+fails in one line; the node joins again by itself, and resubmitting the job id resumes from the last
+complete checkpoint with each step in MLflow once. Bad input: a worker that cannot reach the head,
+a remote worker with local storage, a job no node can place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from opentinker.control.stack import Stack
+from opentinker.core.settings import Settings, mlflow_env, prefect_env, settings_env
+from opentinker.core.spec import ResourcesSpec
+from opentinker.storage import checkpoint as ckpt
+from tests.conftest import tiny_spec
+from tests.stack_fixtures import free_ports, local_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+# Pinning actors by a custom resource needs `resources.ray_resources` in the spec; until then the
+# head offers no CPU (as a production head that runs no work), so actors can only go to node B.
+PINNED = "ray_resources" in ResourcesSpec.model_fields
+NODE_B = {"ray_resources": {"node_b": 1}} if PINNED else {}
+
+
+@dataclass
+class Cluster:
+    settings: Settings
+    node_state: Path
+    log: Path
+    worker: subprocess.Popen
+
+    def node_pid(self) -> int:
+        return int((self.node_state / "pids" / "ray-node-gpu.pid").read_text())
+
+    def node_processes(self) -> list[psutil.Process]:
+        root = psutil.Process(self.node_pid())
+        return [root, *root.children(recursive=True)]
+
+
+def _cli(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "opentinker.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _machine_b_env(settings: Settings, state: Path) -> dict[str, str]:
+    """Another machine's environment: the stack's address, ports, secret and storage, its own state folder."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENTINKER_", "PREFECT_", "MLFLOW_TRACKING", "RAY_"))}
+    return env | {k: v for k, v in settings_env(settings).items() if k != "OPENTINKER_STATE_DIR"} | {
+        "OPENTINKER_STATE_DIR": str(state), "OPENTINKER_SECRET": settings.stack_secret()}
+
+
+def _wait_for_line(path: Path, text: str, count: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while path.read_text(errors="replace").count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not in {path} after {timeout}s:\n{path.read_text()[-3000:]}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, s3_server):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.submit import deploy
+
+    base = tmp_path_factory.mktemp("multinode")
+    storage = f"s3://{s3_server.bucket}/multinode-{uuid.uuid4().hex[:8]}"
+    settings = local_settings(base / "control", cpu_slots=1, gpu_slots=2, ray_num_cpus=2 if PINNED else 0,
+                              storage_url=storage, game_allowlist="envs")
+    stack = Stack(settings)
+    saved = dict(os.environ)
+    os.environ.update(settings_env(settings) | prefect_env(settings) | mlflow_env(settings))
+    log = base / "machine-b.log"
+    worker = None
+    try:
+        stack.up(timeout=180)
+        with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+            deploy(settings)
+            with open(log, "wb") as out:
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "opentinker.cli", "worker", "--pool", "gpu", "--join", settings.ray_head_address,
+                     "--num-gpus", "2", "--num-cpus", "2", "--resources", json.dumps({"node_b": 1}), "--name", "machine-b"],
+                    cwd=ROOT, env=_machine_b_env(settings, base / "machine-b"), stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+            cluster = Cluster(settings, base / "machine-b", log, worker)
+            _wait_for_line(log, "ray node joined")
+            _wait_for_worker(settings, "gpu", "machine-b")
+            yield cluster
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, signal.SIGKILL)
+        stack.down()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _gpu_workers(settings: Settings) -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.scheduler import prefect_client
+
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}), prefect_client() as client:
+        return {w.name: w.status.value for w in client.read_workers_for_work_pool("gpu")}
+
+
+def _wait_for_worker(settings: Settings, pool: str, name: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while _gpu_workers(settings).get(name) != "ONLINE":
+        assert time.monotonic() < deadline, f"worker {name} of pool {pool} not online after {timeout}s"
+        time.sleep(1.0)
+
+
+def _nodes(settings: Settings) -> list[dict]:
+    """ray.nodes() of the cluster, asked as a driver with the stack's token."""
+    import ray
+
+    from opentinker.core.settings import ray_env
+    from opentinker.orchestration.task_runner import authenticate
+
+    authenticate(ray_env(settings))
+    ray.init(address=settings.ray_head_address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return [n for n in ray.nodes() if n["Alive"]]
+    finally:
+        ray.shutdown()
+
+
+def _actor_node(cluster: Cluster) -> str | None:
+    """The node id of machine B's raylet if it hosts the job's actor (a `ray::RLJob` process)."""
+    procs = cluster.node_processes()
+    if not any(p.name().startswith("ray::RLJob") or " ".join(p.cmdline()).startswith("ray::RLJob") for p in procs):
+        return None
+    (raylet,) = [p for p in procs if p.name() == "raylet"]
+    return re.search(r"--node_id=(\w+)", " ".join(raylet.cmdline())).group(1)
+
+
+def _mlflow_steps(settings: Settings, job_id: str, key: str) -> list[int]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    exp = client.get_experiment_by_name(settings.project)
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`opentinker.job_id` = '{job_id}'")
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+
+
+def _end(run_id: str, settings: Settings, timeout: float = 300):
+    """(state, reason) once the flow run ends."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.scheduler import job_state, prefect_client
+
+    deadline = time.monotonic() + timeout
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+        while True:
+            with prefect_client() as client:
+                state, reason = job_state(client.read_flow_run(run_id))
+            if state in ("COMPLETED", "FAILED", "CANCELLED"):
+                return state, reason
+            assert time.monotonic() < deadline, f"run {run_id} still {state} after {timeout}s"
+            time.sleep(1.0)
+
+
+def _submit(spec, job_id: str, settings: Settings) -> str:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.submit import submit_job
+
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+        return submit_job(spec.model_dump(mode="json"), job_id, settings)
+
+
+def test_a_joined_machine_is_a_ray_node_and_a_worker_of_its_pool(cluster):
+    nodes = _nodes(cluster.settings)
+    assert len(nodes) == 2
+    (b,) = [n for n in nodes if n["Resources"].get("node_b")]
+    assert b["Resources"]["GPU"] == 2 and b["Resources"]["CPU"] == 2 and not b["Resources"].get("node:__internal_head__")
+    assert _gpu_workers(cluster.settings) == {"machine-b": "ONLINE"}
+    # Machine B dials the stack for Prefect and MLflow, joins the head for Ray, and binds its own servers here.
+    env = psutil.Process(cluster.worker.pid).children()[-1].environ()
+    assert env["OPENTINKER_RAY_ADDRESS"] == cluster.settings.ray_head_address
+    assert env["PREFECT_API_URL"] == cluster.settings.prefect_api_url and env["OPENTINKER_BIND_HOST"] == "127.0.0.1"
+
+
+STEPS = 8  # tiny steps take about a second: room to kill mid-run on a busy machine
+
+
+def _start_until_step_2(cluster: Cluster, tmp_path: Path, name: str):
+    """Submit a job pinned to machine B's node and wait for its second S3 checkpoint."""
+    job_id, base_url = f"{name}-{uuid.uuid4().hex[:6]}", f"{cluster.settings.storage_url}/jobs"
+    spec = tiny_spec(tmp_path, optimization={"steps": STEPS}, evaluation={"every": 4, "n_samples": 8},
+                     checkpoint={"every": 1, "base_url": base_url}, resources={"num_cpus": 1, **NODE_B})
+    run_id = _submit(spec, job_id, cluster.settings)
+    deadline = time.monotonic() + 300
+    while (latest := ckpt.latest_checkpoint(base_url, job_id)) is None or latest.step < 2:
+        assert time.monotonic() < deadline, "no S3 checkpoint within 300 s"
+        time.sleep(0.2)
+    return job_id, spec, run_id, base_url
+
+
+def _assert_failed_resumably(run_id: str, settings: Settings, job_id: str, base_url: str, driver_may_die: bool = False) -> None:
+    """The job failed in one line that says to resubmit it. Its actors' errors reach the flow
+    (`lost_cluster_line`); or, when the head dies, a flow attached to the head's own raylet dies
+    with it (a Ray driver cannot outlive its node) and the run reads as crashed (`crash_line`)."""
+    killed_at = ckpt.latest_checkpoint(base_url, job_id).step
+    assert killed_at < STEPS, "the job ended before it could be killed"
+    state, reason = _end(run_id, settings)
+    assert state == "FAILED" and "\n" not in reason, reason
+    lost = (rf"job {job_id}: \w+Error: the Ray node running its actors left the cluster \(killed, or the head "
+            rf"went away\); resubmit job {job_id} to resume from step \d+ \(s3://\S+\)")
+    crashed = (r"the job's process died \(Process exited with status code: 1\. Process exited with a general error\): killed, "
+               rf"out of memory, or its Ray node or head went away; resubmit job {job_id} to resume from its last complete checkpoint")
+    assert re.fullmatch(f"{lost}|{crashed}" if driver_may_die else lost, reason), reason
+
+
+def _complete_once(spec, job_id: str, settings: Settings, base_url: str) -> None:
+    """Resubmit the job id: it completes, and MLflow holds each step once (a restart from scratch, or
+    a resume from a later step than the last complete checkpoint, would not)."""
+    state, reason = _end(_submit(spec, job_id, settings), settings)
+    assert state == "COMPLETED", reason
+    assert _mlflow_steps(settings, job_id, "rollout/reward_mean") == list(range(1, STEPS + 1))
+    assert _mlflow_steps(settings, job_id, "eval/accuracy") == [0, 4, 8]
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(base_url, job_id).url).state["policy_version"] == STEPS
+
+
+def test_job_runs_on_the_node_with_its_resource_and_resumes_after_that_node_is_killed(cluster, tmp_path):
+    settings = cluster.settings
+    job_id, spec, run_id, base_url = _start_until_step_2(cluster, tmp_path, "node-b")
+    (b,) = [n for n in _nodes(settings) if n["Resources"].get("node_b")]
+    assert _actor_node(cluster) == b["NodeID"]  # the job's actor lives in machine B's node
+    for proc in cluster.node_processes():  # machine B's Ray: the node and everything it runs
+        proc.kill()
+    _assert_failed_resumably(run_id, settings, job_id, base_url)
+
+    _wait_for_line(cluster.log, "again (pid", timeout=180)  # the worker joined again on its own
+    _complete_once(spec, job_id, settings, base_url)
+
+
+def test_a_job_no_node_can_place_fails_in_one_line(cluster, tmp_path):
+    wants = {"ray_resources": {"node_c": 1}} if PINNED else {"num_cpus": 3}
+    spec = tiny_spec(tmp_path, optimization={"steps": 1}, resources=wants,
+                     checkpoint={"base_url": f"{cluster.settings.storage_url}/jobs"})
+    state, reason = _end(_submit(spec, f"nowhere-{uuid.uuid4().hex[:6]}", cluster.settings), cluster.settings)
+    assert state == "FAILED"
+    assert re.search(r"resources\.(ray_resources|num_cpus).*the Ray cluster has", reason), reason
+
+
+def test_a_worker_that_cannot_reach_the_head_or_keeps_local_storage_refuses_in_one_line(tmp_path):
+    (port,) = free_ports(1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")} | {
+        "OPENTINKER_STATE_DIR": str(tmp_path), "OPENTINKER_SECRET": "x"}
+    out = _cli("worker", "--pool", "gpu", "--join", f"127.0.0.1:{port}", env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr
+    assert out.stdout.startswith(f"worker: OPENTINKER_STORAGE_URL is file://{tmp_path}/storage: a worker on another machine")
+    out = _cli("worker", "--pool", "gpu", "--join", f"127.0.0.1:{port}", env=env | {"OPENTINKER_STORAGE_URL": "s3://b/jobs"})
+    assert out.returncode == 1 and "Traceback" not in out.stdout + out.stderr
+    assert out.stdout.strip() == f"worker: Ray cluster at 127.0.0.1:{port} is not reachable: [Errno 111] Connection refused"
+    assert not (tmp_path / "pids").exists()  # nothing was started
+
+
+def test_a_head_that_dies_mid_job_fails_it_in_one_line_and_it_resumes_on_the_restarted_head(cluster, tmp_path):
+    """The stack's head killed mid-job: the job fails in one line; `opentinker up` (Stack.up) starts
+    a new head, machine B joins it by itself, and the resubmitted job resumes."""
+    settings = cluster.settings
+    job_id, spec, run_id, base_url = _start_until_step_2(cluster, tmp_path, "head")
+    rejoins = cluster.log.read_text().count("again (pid")
+    head = psutil.Process(Stack(settings).pid("ray"))
+    for proc in [head, *head.children(recursive=True)]:
+        proc.kill()
+    _assert_failed_resumably(run_id, settings, job_id, base_url, driver_may_die=True)
+
+    assert Stack(settings).up(timeout=120)["ray"].healthy
+    _wait_for_line(cluster.log, "again (pid", count=rejoins + 1, timeout=240)
+    _complete_once(spec, job_id, settings, base_url)

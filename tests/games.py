@@ -61,3 +61,47 @@ class BrokenResetGame(ScriptedTurns):
 class NoneRewardGame(ScriptedTurns):
     def step(self, action: str) -> StepResult:
         return StepResult(observation="x", reward=None, done=True)
+
+
+def picture(colour: str, size: int = 96) -> Any:
+    """A square of `colour` on white (a PIL image)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(image).rectangle((size // 5, size // 5, size * 4 // 5, size * 4 // 5), fill=colour)
+    return image
+
+
+class PictureGame(AbstractGame):
+    """Images in the first observation and in a later one: a picture, then two more, then done.
+    The first observation's text length depends on the task, so batched prompts differ in length."""
+
+    def reset(self, colour: str = "red", words: int = 1, **_: Any):
+        from opentinker.env import Observation
+
+        self.turn = 0
+        return Observation("What colour is it? " + "please " * words, [picture(colour)])
+
+    def step(self, action: str) -> StepResult:
+        from opentinker.env import Observation
+
+        self.turn += 1
+        if self.turn >= 2:
+            return StepResult("Thanks.", reward=float(len(action) % 3), done=True)
+        return StepResult(Observation("And these two?", [picture("blue"), picture("green", 64)]), reward=0.0)
+
+
+class NotAnImageGame(PictureGame):
+    def step(self, action: str) -> StepResult:
+        from opentinker.env import Observation
+
+        return StepResult(Observation("look", ["not an image"]), reward=0.0)
+
+
+class HugeImageGame(PictureGame):
+    def step(self, action: str) -> StepResult:
+        from PIL import Image
+
+        from opentinker.env import Observation
+
+        return StepResult(Observation("look", [Image.new("RGB", (5000, 5000))]), reward=0.0)

@@ -199,15 +199,16 @@ def test_geometry3k_loader_on_a_fake_folder(tmp_path):
     tasks = load_geometry3k(tmp_path, "train")
     assert [t["id"] for t in tasks] == ["2", "10"] and json.loads(json.dumps(tasks)) == tasks
     assert tasks[0]["choices"] == ["3", "4.5", "5", "6"] and tasks[0]["answer"] == "B"
-    game = GeometryGame(image_root=str(tmp_path))
+    assert all("image_path" not in t and t["image"]["mime"] == "image/png" for t in tasks)  # the pixels, never a path
+    game = GeometryGame()
     observation = game.reset(**tasks[1])
     assert observation.images[0].size == (50, 30) and observation.images[0].getpixel((0, 0)) == (200, 0, 0)
     assert observation.text.splitlines() == ["Find x in problem 10.", "A. 3", "B. 4.5", "C. 5", "D. 6"]
     assert game.step("Answer: B").reward == 1.0 and game.step("Answer: B").info["family"] == "geometry3k"
     env = GameEnvironment(GeometryGame, config={"dataset": tasks, "val_fraction": 0.5})
     assert env.make_game().reset(**env.train_tasks(1)[0]).images
-    with pytest.raises(ValueError, match="outside image_root"):
-        GeometryGame(image_root=str(tmp_path / "val")).reset(**tasks[0])
+    with pytest.raises(ValueError, match="needs `params`"):  # a task naming a file on the worker reads nothing
+        GeometryGame().reset(problem="p", choices=["1", "2", "3", "4"], answer="A", image_path="/etc/hostname")
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -1,10 +1,9 @@
 """Geometry3k (Lu et al., Inter-GPS, ACL 2021) as GeometryGame tasks, for users who have the data.
 
 The public layout: `<root>/{train,val,test}/<number>/data.json` (keys "problem_text", "choices"
-(4 strings), "answer" (a letter A-D), "id", ...) beside `img_diagram.png`. Tasks keep the
-diagram's absolute path, not its pixels, so a dataset stays small as JSON (jobs carry their
-dataset in their config); the game reads the image on the host that runs it, which is why the
-data belongs where the game runs (the user's process, or an environment server they run).
+(4 strings), "answer" (a letter A-D), "id", ...) beside `img_diagram.png`. Tasks carry the
+diagram itself (PNG in base64, as images travel between hosts), never a path: a task is data a
+tenant may write, and a path in it would have the worker read any image file it names.
 """
 
 from __future__ import annotations
@@ -12,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from opentinker.env.observation import decode_image, encode_image
 
 LETTERS = "ABCD"
 SPLITS = ("train", "val", "test")
@@ -34,8 +35,15 @@ def _problem(folder: Path) -> dict[str, Any]:
         raise ValueError(f"{data_path}: choices must be a list of 4 strings, got {choices!r}")
     if not isinstance(answer, str) or answer.strip().upper() not in LETTERS or not answer.strip():
         raise ValueError(f"{data_path}: answer must be a letter A-D, got {answer!r}")
+    try:
+        from PIL import Image
+
+        with Image.open(image_path) as opened:
+            diagram = encode_image(decode_image(encode_image(opened.convert("RGB")), str(image_path)))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{image_path}: not a usable diagram ({err})") from None
     return {"problem": text.strip(), "choices": [str(c) for c in choices], "answer": answer.strip().upper(),
-            "image_path": str(image_path.resolve()), "family": "geometry3k", "id": str(data.get("id", folder.name))}
+            "image": diagram, "family": "geometry3k", "id": str(data.get("id", folder.name))}
 
 
 def load_geometry3k(root: str | Path, split: str = "train") -> list[dict[str, Any]]:

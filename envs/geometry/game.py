@@ -5,7 +5,8 @@ transversal, circle radius/diameter, central angles, isosceles base angles); a n
 needs is drawn only in the diagram, the text is "Find x." and the choices. The three wrong
 choices are answers of other problems of the same family, so the choices alone do not single
 out the right one: the picture has to be read. Real Geometry3k problems (see `envs.geometry.data`)
-go through the same game with `image_path` instead of generated parameters.
+go through the same game with their diagram in the task (`image`: PNG in base64) instead of
+generated parameters; a task never names a file (tasks are data tenants write).
 
 Reward 1 for the correct letter in the strict format `Answer: <letter>` (as in Geometry3k's
 multiple-choice setting), 0 otherwise; `info` has `correct`, `format_ok` and the `family`.
@@ -13,12 +14,12 @@ multiple-choice setting), 0 otherwise; `info` has `correct`, `format_ok` and the
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from envs.geometry.render import FAMILIES, parallel_measure, render
 from envs.shapes.game import LETTERS, choices_text, parse_letter, place_answer
 from opentinker.env import AbstractGame, Observation, StepResult
+from opentinker.env.observation import decode_image
 
 SYSTEM_PROMPT = ("Solve the geometry problem using the diagram. Give the letter of the correct choice "
                  "in the form 'Answer: <letter>'.")
@@ -27,7 +28,6 @@ EXAMPLE = ("The two acute angles of a right triangle are 35° and y°. Find y.\n
 TRIPLES = ((3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25), (20, 21, 29))
 NAMES = ("ABC", "DEF", "JKL", "PQR", "RST", "XYZ", "LMN", "FGH")
 MAX_IMAGE_SIZE = 1024
-MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 def _int(rng: Any, low: int, high: int) -> int:
@@ -105,35 +105,19 @@ def generate_problem(rng: Any, family: str, image_size: int = 256) -> dict[str, 
             "answer": letter, "image_size": int(image_size)}
 
 
-def load_image(path: str, root: str | None = None) -> Any:
-    """A dataset's diagram, read on the host that runs the game; with `root`, only from inside it."""
-    from PIL import Image, UnidentifiedImageError
-
-    resolved = Path(path).expanduser().resolve()
-    if root is not None and not resolved.is_relative_to(Path(root).expanduser().resolve()):
-        raise ValueError(f"image_path {path} is outside image_root {root}")
-    try:
-        with Image.open(resolved) as image:
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"image_path {path}: {image.width}x{image.height} is over {MAX_IMAGE_PIXELS:,} pixels")
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as err:
-        raise ValueError(f"image_path {path}: not a readable image ({err})") from None
-
-
 class GeometryGame(AbstractGame):
     """One geometry problem per episode (single turn).
 
     Config keys (generate_task): `families` (default all of FAMILIES) and `image_size` (default
     256). Generated task: {"family", "params", "problem", "choices": [4 strings], "answer":
-    "A".."D", "image_size"}; a dataset task has "image_path" (and no "params") instead. Game
-    kwargs: `few_shot` (0 or 1), `image_root` (when set, dataset images must lie inside it).
+    "A".."D", "image_size"}; a dataset task has "image" (the diagram, PNG in base64) and no
+    "params" instead. Game kwargs: `few_shot` (0 or 1).
     """
 
-    def __init__(self, few_shot: int = 1, image_root: str | None = None, system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, few_shot: int = 1, system_prompt: str = SYSTEM_PROMPT):
         if few_shot not in (0, 1):
             raise ValueError("few_shot must be 0 or 1")
-        self.few_shot, self.image_root, self.system_prompt = few_shot, image_root, system_prompt
+        self.few_shot, self.system_prompt = few_shot, system_prompt
         self.family, self.answer = "", ""
 
     @classmethod
@@ -151,17 +135,17 @@ class GeometryGame(AbstractGame):
         return [{"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]}]
 
     def reset(self, problem: str, choices: list[str], answer: str, family: str = "geometry3k", params: dict[str, Any] | None = None,
-              image_path: str | None = None, image_size: int = 256, **_: Any) -> Observation:
+              image: dict[str, str] | None = None, image_size: int = 256, **_: Any) -> Observation:
         if len(choices) != 4 or answer not in LETTERS:
             raise ValueError(f"malformed task: {len(choices)} choices, answer={answer!r}")
-        if image_path is not None:
-            image = load_image(image_path, self.image_root)
+        if image is not None:
+            image = decode_image(image, "the task's image")  # size-capped before the pixels are decoded
         elif params is not None:
             if not 32 <= int(image_size) <= MAX_IMAGE_SIZE:
                 raise ValueError(f"image_size {image_size} is outside 32..{MAX_IMAGE_SIZE}")
             image = render(family, params, int(image_size))
         else:
-            raise ValueError("a geometry task needs `params` (generated) or `image_path` (a dataset's diagram)")
+            raise ValueError("a geometry task needs `params` (generated) or `image` (a dataset's diagram)")
         self.family, self.answer = family, answer
         return Observation(choices_text(problem, [str(c) for c in choices]), [image])
 

@@ -2,5 +2,6 @@
 
 from opentinker.agent.chat import ChatFormat
 from opentinker.agent.loop import EpisodeLimits, EpisodeState, run_episodes
+from opentinker.agent.vision_chat import chat_format
 
-__all__ = ["ChatFormat", "EpisodeLimits", "EpisodeState", "run_episodes"]
+__all__ = ["ChatFormat", "EpisodeLimits", "EpisodeState", "chat_format", "run_episodes"]

@@ -7,22 +7,40 @@ measured once on a placeholder conversation, and appended after the sampled toke
 
 from __future__ import annotations
 
-_PLACEHOLDER = "\u2063OPENTINKER_PLACEHOLDER\u2063"
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.core.trajectory import VisualInput
+from opentinker.env.observation import Observation
+
+PLACEHOLDER = "\u2063OPENTINKERPLACEHOLDER\u2063"
+
+
+@dataclass
+class Chunk:
+    """Tokens to append to a record, and the images they show (None: text only)."""
+
+    ids: list[int]
+    visual: VisualInput | None = None
+
+
+def no_images(what: str) -> ValueError:
+    return ValueError(f"{what} has images, and the policy's model is a language model: it takes no images")
 
 
 class ChatFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token or ""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": PLACEHOLDER}]
         closed = self._render(base)
-        self._after_assistant = closed[closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        self._after_assistant = closed[closed.index(PLACEHOLDER) + len(PLACEHOLDER) :]
         # What the template writes after the end-of-turn token (e.g. "\n"): appended when the
         # policy itself stopped with that token.
         self._after_eos = self._after_assistant[len(eos) :] if eos and self._after_assistant.startswith(eos) else None
-        opened = self._render(base + [{"role": "user", "content": _PLACEHOLDER}], add_generation_prompt=True)
+        opened = self._render(base + [{"role": "user", "content": PLACEHOLDER}], add_generation_prompt=True)
         user_part = opened[len(closed) :]
-        self._user_prefix, self._user_suffix = user_part.split(_PLACEHOLDER)
+        self._user_prefix, self._user_suffix = user_part.split(PLACEHOLDER)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -42,6 +60,19 @@ class ChatFormat:
         else:
             closing = self._after_assistant
         return self.encode(closing + self._user_prefix + observation + self._user_suffix)
+
+    # --- chunks: what the agent loop appends (a VLM's format adds images, see vision_chat.py) ---
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> Chunk:
+        if any(not isinstance(m.get("content"), str) for m in messages):
+            raise no_images("the first observation")
+        return Chunk(self.prompt_ids(messages))
+
+    def encode_observation(self, observation: str | Observation, policy_stopped: bool) -> Chunk:
+        if isinstance(observation, Observation):
+            if observation.images:
+                raise no_images("the observation")
+            observation = observation.text
+        return Chunk(self.observation_ids(observation, policy_stopped))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from opentinker.env.base import StepResult
+from opentinker.env.hosting import checked_observation
 
 
 @dataclass
@@ -46,12 +47,11 @@ def call_many_with_timeout(calls: list[tuple[Callable[..., Any], tuple, dict]], 
 
 
 def check_step_result(value: Any) -> StepResult:
-    """Reject what a step must never return: not a StepResult, a non-string observation, a
-    reward that is not a finite number."""
+    """Reject what a step must never return: not a StepResult, an observation that is neither text
+    nor a valid Observation (see env.observation), a reward that is not a finite number."""
     if not isinstance(value, StepResult):
         raise TypeError(f"step returned {type(value).__name__}, expected StepResult")
-    if not isinstance(value.observation, str):
-        raise TypeError(f"observation is {type(value.observation).__name__}, expected str")
+    value.observation = checked_observation(value.observation)
     try:
         reward = float(value.reward)
     except (TypeError, ValueError):

@@ -16,7 +16,8 @@ from opentinker.agent.guard import call_many_with_timeout, check_step_result
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.env.base import AbstractGame
 from opentinker.env.hosting import start_episode
-from opentinker.env.messages import initial_messages
+from opentinker.env.messages import initial_messages, user_content
+from opentinker.env.observation import Observation
 from opentinker.core.trajectory import Trajectory
 
 
@@ -87,15 +88,19 @@ def run_episodes(
 def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> None:
     """PENDING: reset each game and tokenize its prompt once."""
 
-    def reset(ep: Episode) -> list[dict[str, str]]:
-        return initial_messages(ep.game, start_episode(ep.game, ep.task))
+    def reset(ep: Episode) -> tuple[list[dict[str, Any]], Any]:
+        messages = initial_messages(ep.game, start_episode(ep.game, ep.task))
+        return messages, chat.encode_prompt(messages)  # in the episode's thread: images are processed concurrently
 
     outcomes = call_many_with_timeout([(reset, (ep,), {}) for ep in episodes], limits.step_timeout_s)
     for ep, out in zip(episodes, outcomes):
         if out.error:
             _fail(ep, f"reset: {out.error}")
             continue
-        ep.traj = Trajectory(prompt_ids=chat.prompt_ids(out.value), group_id=ep.group_id, task=ep.task, messages=list(out.value))
+        messages, chunk = out.value
+        ep.traj = Trajectory(prompt_ids=chunk.ids, group_id=ep.group_id, task=ep.task, messages=list(messages))
+        if chunk.visual is not None:
+            ep.traj.images.append(chunk.visual)
         if len(ep.traj) >= limits.max_total_tokens:
             ep.traj.stop_reason = "max_total_tokens"
             ep.move(EpisodeState.TERMINATED)
@@ -106,7 +111,10 @@ def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> 
 def _generate(episodes: list[Episode], engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
     """GENERATING: one batched call; sampled tokens enter the record with mask 1."""
     budgets = [limits.max_total_tokens - len(ep.traj) for ep in episodes]
-    completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets)
+    if any(ep.traj.images for ep in episodes):  # a VLM's records: the pixels of their images too
+        completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets, images=[ep.traj.images for ep in episodes])
+    else:
+        completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets)
     for ep, comp in zip(episodes, completions):
         action = chat.decode(comp.token_ids)
         ep.traj.policy_version = engine.policy_version
@@ -129,20 +137,26 @@ def _interact(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) 
             _fail(ep, f"step: {err}")
             continue
         traj = ep.traj
+        observation = result.observation
+        text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
         traj.turns[-1].reward = result.reward
-        traj.turns[-1].observation = result.observation
+        traj.turns[-1].observation = text
         traj.info.update(result.info)
         if result.done:
             traj.stop_reason = "done"
         elif len(traj.turns) >= limits.max_turns:
             traj.stop_reason = "max_turns"
         else:
-            obs_ids = chat.observation_ids(result.observation, ep.last_stopped)
-            if len(traj) + len(obs_ids) >= limits.max_total_tokens:
+            try:
+                chunk = chat.encode_observation(observation, ep.last_stopped)
+            except ValueError as err:  # images for a language model, an image the processor refuses
+                _fail(ep, f"step: {err}")
+                continue
+            if len(traj) + len(chunk.ids) >= limits.max_total_tokens:
                 traj.stop_reason = "max_total_tokens"
             else:
-                traj.append_observation(obs_ids, result.observation)
-                traj.messages.append({"role": "user", "content": result.observation})
+                traj.append_observation(chunk.ids, text, chunk.visual)
+                traj.messages.append({"role": "user", "content": user_content(text, images)})
                 ep.move(EpisodeState.GENERATING)
                 continue
         ep.move(EpisodeState.TERMINATED)

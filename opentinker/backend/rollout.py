@@ -17,6 +17,7 @@ import torch
 
 from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import PrefixCache
+from opentinker.model.vision import pixel_batch
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,10 @@ class Completion:
 class RolloutEngine(Protocol):
     policy_version: int
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
-        """One completion per prompt; `budgets[i]` caps prompt i's new tokens below max_new_tokens."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
+                 images: list[list[Any]] | None = None) -> list[Completion]:
+        """One completion per prompt; `budgets[i]` caps prompt i's new tokens below max_new_tokens;
+        `images[i]`: the VisualInputs of prompt i's record (a vision-language policy)."""
         ...
 
 
@@ -82,14 +85,16 @@ class HFRolloutEngine:
         self.prefix_cache.clear()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
+                 images: list[list[Any]] | None = None) -> list[Completion]:
         budgets = budgets or [params.max_new_tokens] * len(prompts)
         # Similar lengths together waste less padding; results go back in the caller's order.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, Completion] = {}
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
-            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk])):
+            pictures = [images[i] for i in chunk] if images is not None and any(images[i] for i in chunk) else None
+            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures)):
                 results[i] = c
         return [results[i] for i in range(len(prompts))]
 
@@ -111,19 +116,22 @@ class HFRolloutEngine:
         cache.reorder_cache(torch.tensor(index, device=input_ids.device))
         return cache
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int]) -> list[Completion]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                        images: list[list[Any]] | None = None) -> list[Completion]:
         from transformers import GenerationConfig
 
         t0 = time.perf_counter()
-        hits = self.prefix_cache.lookup(prompts)
         device = self.placement.device
+        # Records with images prefill whole (their pixels enter at their image tokens), unshared and uncached.
+        hits = self.prefix_cache.lookup(prompts) if images is None else [(0, None)] * len(prompts)
+        pixels = pixel_batch(images, device) if images is not None else {}
         if any(n for n, _ in hits):
             input_ids, attention, cache = self._continue_cached(prompts, hits)
             input_ids, attention = input_ids.to(device), attention.to(device)
         else:
             input_ids, attention = self._left_padded(prompts)
             input_ids, attention = input_ids.to(device), attention.to(device)
-            cache = self._shared_prefill(prompts, input_ids, attention)
+            cache = self._shared_prefill(prompts, input_ids, attention) if images is None else None
         width = input_ids.shape[1]
         max_new = max(1, min(params.max_new_tokens, max(budgets)))
         config = GenerationConfig(
@@ -146,6 +154,7 @@ class HFRolloutEngine:
                     attention_mask=attention,
                     generation_config=config,
                     past_key_values=cache,
+                    **pixels,
                 )
         finally:
             self.model.train(was_training)
@@ -163,7 +172,8 @@ class HFRolloutEngine:
                 n, reason = min(len(ids), budgets[row]), "length"
             completions.append(Completion(ids[:n], logprobs[row, :n].tolist(), reason))
             self.generated_tokens += n
-        self._remember(prompts, completions, attention, gen.past_key_values)
+        if images is None:
+            self._remember(prompts, completions, attention, gen.past_key_values)
         self.generate_seconds += time.perf_counter() - t0
         return completions
 

@@ -102,9 +102,12 @@ class ServerRolloutEngine:
             out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length"))
         return out
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
+                 images: list[list[Any]] | None = None) -> list[Completion]:
         """One completion per prompt, as `HFRolloutEngine.generate`; prompts that share a budget
-        go in one request."""
+        go in one request. Text only: records with images sample in-process."""
+        if images is not None and any(images):
+            raise ValueError("rollout.engine 'server' samples text only; a vision-language policy samples with engine 'local'")
         t0 = time.perf_counter()
         budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]
         by_budget: dict[int, list[int]] = {}

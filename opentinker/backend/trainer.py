@@ -7,7 +7,7 @@ the clipped policy loss, and counts policy versions so that stale rollouts are r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.model.adapters import wrap_model
+from opentinker.model.vision import hidden_states, pixel_batch
 
 
 class StalePolicyError(RuntimeError):
@@ -31,9 +32,11 @@ class PackedBatch:
     targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, L-1]
     old_logprobs: torch.Tensor  # [B, L-1]
+    pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # a VLM's: pixel_values, pixel_attention_mask
 
     def to(self, device: torch.device) -> PackedBatch:
-        return PackedBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs)))
+        tensors = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs))
+        return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()})
 
 
 def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
@@ -48,7 +51,8 @@ def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
         attn[row, :n] = 1
         mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
-    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:])
+    pixels = pixel_batch([t.images for t in trajs], "cpu") if any(t.images for t in trajs) else {}
+    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels)
 
 
 class PolicyTrainer:
@@ -61,6 +65,9 @@ class PolicyTrainer:
         if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
             model = model.to(dtype=self.placement.weights_dtype(trained=False))
         self.model = wrap_model(model, adapter).to(self.placement.device)
+        for p in self.model.parameters():  # what trains is float32 (a VLM's vision tower may have come in the compute precision)
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim_spec = optim
@@ -84,7 +91,7 @@ class PolicyTrainer:
         """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there)."""
         lm = self._causal_lm(model)
         with self.placement.autocast():
-            hidden = lm.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
             selected = hidden[:, :-1][batch.loss_mask.bool()]
             logits = lm.get_output_embeddings()(selected)
         return logits.float() / self.temperature

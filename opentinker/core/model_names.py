@@ -16,7 +16,14 @@ SMOLLM2 = "smollm2-135m-instruct"
 TINY = "tiny-random"
 """A randomly initialised two-layer Llama with SmolLM2's tokenizer, for tests."""
 
-KNOWN_MODELS = (SMOLLM2, TINY)
+SMOLVLM = "smolvlm-135m-tiny-vision"
+"""A vision-language model in the SmolVLM/Idefics3 family: SmolLM2-135M-Instruct's language weights
+and tokenizer under a small randomly initialised vision encoder (see opentinker.model.vision)."""
+
+TINY_VLM = "tiny-vlm-random"
+"""The tiny random language model under the same small vision encoder, for tests."""
+
+KNOWN_MODELS = (SMOLLM2, TINY, SMOLVLM, TINY_VLM)
 
 
 def is_resolvable(name: str) -> bool:

@@ -91,12 +91,16 @@ class LoraSpec(Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1,
+        min_length=1, description="projections of the language model that get LoRA (a VLM's vision encoder never does)",
     )
+    vision_tower: Literal["frozen", "trainable"] = Field(
+        "frozen", description="vision-language models: train the vision encoder and connector in full beside the LoRA")
 
 
 class FullSpec(Section):
     kind: Literal["full"] = "full"
+    vision_tower: Literal["frozen", "trainable"] = Field(
+        "trainable", description="vision-language models: train the vision encoder and connector too, or keep them frozen")
 
 
 AdapterSpec = Annotated[Union[LoraSpec, FullSpec], Field(discriminator="kind")]

@@ -1,7 +1,9 @@
 """The token record of one episode: the single place that owns ids, masks, logprobs and versions.
 
 Written only by the agent loop (append-only), read by the trainer and the algorithms. Earlier
-tokens are never re-tokenized: what the policy sampled is exactly what the trainer scores.
+tokens are never re-tokenized: what the policy sampled is exactly what the trainer scores. For a
+vision-language policy the record also keeps the images it shows: their image tokens are in
+`token_ids` (loss mask 0, expanded once by the processor), their pixel inputs beside them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,18 @@ class Turn:
 
 
 @dataclass
+class VisualInput:
+    """Images one piece of the record shows: the pictures, and the tiles their image tokens stand
+    for, as the processor made them once (pixel values [tiles, C, H, W], pixel mask [tiles, H, W]);
+    `at` is where the piece's tokens start in the record."""
+
+    images: list[Any]
+    pixel_values: Any
+    pixel_mask: Any
+    at: int = 0
+
+
+@dataclass
 class Trajectory:
     """An episode as tokens. `loss_mask[i] == 1` exactly where token i was sampled by the policy."""
 
@@ -38,6 +52,7 @@ class Trajectory:
     failure: str | None = None
     stop_reason: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    images: list[VisualInput] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -58,8 +73,11 @@ class Trajectory:
         self.sampling_logprobs.extend(float(x) for x in logprobs)
         self.turns.append(Turn(action=action, sampled_start=start, sampled_end=len(self.token_ids)))
 
-    def append_observation(self, ids: list[int], observation: str) -> None:
-        """Add the environment's answer as context (not trained on)."""
+    def append_observation(self, ids: list[int], observation: str, visual: VisualInput | None = None) -> None:
+        """Add the environment's answer as context (not trained on), with the images it shows."""
+        if visual is not None:
+            visual.at = len(self.token_ids)
+            self.images.append(visual)
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.sampling_logprobs.extend([0.0] * len(ids))
@@ -109,6 +127,7 @@ class Trajectory:
             piece = Trajectory(
                 prompt_ids=list(self.token_ids[:start]), group_id=self.group_id, policy_version=self.policy_version,
                 task=self.task, info={**self.info, "turn": j}, stop_reason=self.stop_reason,
+                images=[v for v in self.images if v.at < start],
             )
             piece.token_ids.extend(self.token_ids[start:end])
             piece.loss_mask.extend(self.loss_mask[start:end])

@@ -1,9 +1,11 @@
-"""The environment API users implement. Environments see text only, never tokens or models."""
+"""The environment API users implement. Environments see text (and images), never tokens or models."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from opentinker.env.observation import Observation
 
 SEED_KEY = "__seed__"
 """The one key of a data-free game's task: the seed its host sets before `reset` (see env.hosting)."""
@@ -14,9 +16,9 @@ UNAVAILABLE = "__unavailable__"
 
 @dataclass
 class StepResult:
-    """What one environment step returns."""
+    """What one environment step returns; `observation` is text, or an Observation with images."""
 
-    observation: str
+    observation: str | Observation
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -32,7 +34,9 @@ class AbstractGame:
 
     `reset(**task)` receives one task from the environment's data source (e.g. a math problem)
     and returns the initial observation; when `get_initial_user_message` returns "" the
-    observation is the first user message. `step(action)` receives the model's text.
+    observation is the first user message. `step(action)` receives the model's text. An
+    observation is text, or an `Observation(text, images)` whose PIL images the policy sees
+    before the text (vision-language policies).
 
     Data: a static dataset needs nothing here; a game with generated tasks overrides
     `generate_task`; a data-free game needs neither: its `reset()` draws its own start, from
@@ -51,7 +55,7 @@ class AbstractGame:
         """Optional few-shot chat turns placed between the system prompt and the first user message."""
         return []
 
-    def reset(self, **kwargs: Any) -> str:
+    def reset(self, **kwargs: Any) -> str | Observation:
         raise NotImplementedError
 
     def step(self, action: str) -> StepResult:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from opentinker.env.base import SEED_KEY, AbstractGame, StepResult
+from opentinker.env.observation import Observation, as_observation, to_wire
 
 # Bit generators a caller may hand over by state; never an arbitrary attribute of numpy.random.
 BIT_GENERATORS = {"PCG64", "PCG64DXSM", "Philox", "SFC64", "MT19937"}
@@ -42,8 +43,15 @@ def _fitting(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs) if any_name else {k: v for k, v in kwargs.items() if k in names}
 
 
-def start_episode(game: Any, task: dict[str, Any]) -> str:
-    """`game.reset` for `task` (see the module docstring); the initial observation, checked to be text.
+def checked_observation(value: Any, what: str = "observation") -> str | Observation:
+    """What a game returned as an observation, checked (see env.observation): text stays a
+    string, an Observation keeps its images only when it has some."""
+    observation = as_observation(value, what)
+    return observation if observation.images else observation.text
+
+
+def start_episode(game: Any, task: dict[str, Any]) -> str | Observation:
+    """`game.reset` for `task` (see the module docstring); the initial observation, checked.
     A game hosted elsewhere (`hosted_elsewhere`) gets the task as it is: its host does this."""
     if getattr(game, "hosted_elsewhere", False):
         observation = game.reset(**task)
@@ -62,9 +70,7 @@ def start_episode(game: Any, task: dict[str, Any]) -> str:
                     raise TypeError(f"generate_initial_state returned {type(state).__name__}, expected a dict of reset's keyword arguments")
                 task = state
             observation = game.reset(**_fitting(game.reset, {**task, "seed": seed}) if "seed" not in task else task)
-    if not isinstance(observation, str):
-        raise TypeError(f"reset returned {type(observation).__name__}, expected str")
-    return observation
+    return checked_observation(observation, "reset's observation")
 
 
 def plain_json(value: Any) -> Any:
@@ -99,14 +105,15 @@ def prompts_of(game: AbstractGame) -> dict[str, Any]:
 
 
 def reset_reply(game: AbstractGame, task: dict[str, Any]) -> dict[str, Any]:
-    return {"observation": start_episode(game, task), **prompts_of(game)}
+    return {"observation": to_wire(start_episode(game, task)), **prompts_of(game)}
 
 
 def step_reply(game: AbstractGame, action: str) -> dict[str, Any]:
     result = game.step(action)
     if not isinstance(result, StepResult):
         raise TypeError(f"step returned {type(result).__name__}, expected StepResult")
-    return plain_json({"observation": result.observation, "reward": result.reward, "done": result.done, "info": result.info})
+    observation = to_wire(checked_observation(result.observation))
+    return {"observation": observation, **plain_json({"reward": result.reward, "done": result.done, "info": result.info})}
 
 
 def generate_reply(game_class: Any, rng: np.random.Generator, config: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from opentinker.env.base import AbstractGame, StepResult
+from opentinker.env.observation import Observation, from_wire
 from opentinker.env.remote import RemoteGameError
 
 
@@ -120,15 +121,15 @@ class LinkedGame(AbstractGame):
     def get_example_turns(self) -> list[dict[str, str]]:
         return self._prompts["example_turns"]
 
-    def reset(self, **task: Any) -> str:
+    def reset(self, **task: Any) -> str | Observation:
         self._opened = True
         answer = self._link.ask("reset", session=self._session, game_kwargs=self._game_kwargs, task=task)
         self._prompts = {k: answer[k] for k in self._prompts}
-        return answer["observation"]
+        return from_wire(answer["observation"], "reset's observation")
 
     def step(self, action: str) -> StepResult:
         answer = self._link.ask("step", session=self._session, action=action)
-        return StepResult(answer["observation"], answer["reward"], answer["done"], answer["info"])
+        return StepResult(from_wire(answer["observation"]), answer["reward"], answer["done"], answer["info"])
 
     def close(self) -> None:
         if self._opened:  # fire and forget: the client drops the session

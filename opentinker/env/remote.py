@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from opentinker.env.base import UNAVAILABLE, AbstractGame, StepResult
+from opentinker.env.observation import Observation, from_wire
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _NO_BACKEND = {502, 503, 504}  # a proxy in front of a dead server
@@ -108,15 +109,15 @@ class RemoteGame(AbstractGame):
     def get_example_turns(self) -> list[dict[str, str]]:
         return self._prompt("example_turns")
 
-    def reset(self, **task: Any) -> str:
+    def reset(self, **task: Any) -> str | Observation:
         if UNAVAILABLE in task:
             raise RemoteGameError(f"no task for this episode: {task[UNAVAILABLE]}")
         self._prompts = self._shard.request("POST", self._path("reset"), {"task": task}, idempotent=True)
-        return self._prompts["observation"]
+        return from_wire(self._prompts["observation"], "reset's observation")
 
     def step(self, action: str) -> StepResult:
         answer = self._shard.request("POST", self._path("step"), {"action": action})
-        return StepResult(answer["observation"], answer["reward"], answer["done"], answer["info"])
+        return StepResult(from_wire(answer["observation"]), answer["reward"], answer["done"], answer["info"])
 
     def close(self) -> None:
         """Best effort and quick: one try with a short timeout (the server's sessions die with it)."""

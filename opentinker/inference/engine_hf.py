@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from opentinker.agent.chat import ChatFormat
+from opentinker.agent import chat_format
+from opentinker.agent.chat import Chunk
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.rollout import Completion, HFRolloutEngine, SamplingParams
 
@@ -44,6 +45,7 @@ class _Batchable:
     seed: int | None
     future: Future
     adapter: str | None = None  # a LoRA adapter loaded by name (None: the served model itself)
+    images: list[list[Any]] | None = None  # per prompt, the VisualInputs of a VLM's prompt
 
 
 class HFEngine:
@@ -56,7 +58,7 @@ class HFEngine:
                  prefix_cache_tokens: int = 65536):
         self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size, placement=placement,
                                        prefix_cache_tokens=prefix_cache_tokens)
-        self.chat = ChatFormat(tokenizer)
+        self.chat = chat_format(tokenizer)
         self.tokenizer = tokenizer
         self.info = info or {}
         self.checkpoint = checkpoint
@@ -149,8 +151,14 @@ class HFEngine:
         return cls(model, tokenizer, info, checkpoint=url, max_model_len=max_model_len)
 
     # --- tokens ------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.chat.prompt_ids(messages)
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> Chunk:
+        """The prompt's tokens, and its images' pixel inputs for a VLM (images are content parts
+        `{"type": "image", "image": <PIL image>}`; a language model refuses them, ValueError)."""
+        return self.chat.encode_prompt(messages)
+
+    @property
+    def takes_images(self) -> bool:
+        return getattr(self.tokenizer, "processor", None) is not None
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -169,11 +177,12 @@ class HFEngine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None,
-                 adapter: str | None = None) -> Future:
+                 adapter: str | None = None, images: list[list[Any]] | None = None) -> Future:
         """Future of one Completion per prompt. A request with a seed is generated alone, so its
-        samples do not depend on what else was in the batch; `adapter` names a loaded LoRA adapter."""
+        samples do not depend on what else was in the batch; `adapter` names a loaded LoRA adapter;
+        `images[i]`: prompt i's VisualInputs (a VLM)."""
         future: Future = Future()
-        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter))
+        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter, images))
         return future
 
     def _loop(self) -> None:
@@ -217,12 +226,13 @@ class HFEngine:
 
         prompts = [p for item in batch for p in item.prompts]
         budgets = [b for item in batch for b in item.budgets]
+        images = [row for item in batch for row in (item.images or [[] for _ in item.prompts])]
         params = replace(batch[0].params, max_new_tokens=max(budgets))
         try:
             with self._model_lock, self._adapter(batch[0].adapter):
                 if batch[0].seed is not None:
                     torch.manual_seed(batch[0].seed)
-                completions: list[Completion] = self.rollout.generate(prompts, params, budgets)
+                completions: list[Completion] = self.rollout.generate(prompts, params, budgets, images if any(images) else None)
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:
                 item.future.set_exception(err)

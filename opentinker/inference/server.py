@@ -2,7 +2,8 @@
 
     GET  /health               -> {"ok": true}
     GET  /v1/models            -> the served model (and its LoRA adapters, parent = the model)
-    POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events)
+    POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events);
+                               a vision-language checkpoint also takes `image_url` parts with data: URLs
     POST /v1/completions       raw prompt(s) in (text or token ids), continuation(s) out (stream=true:
                                server-sent events); `logprobs: 0` gives each sampled token's logprob,
                                `return_token_ids` / `return_tokens_as_token_ids` the tokens as ids
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opentinker.backend.rollout import Completion, SamplingParams
 from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.polling import wait_for
+from opentinker.env.observation import MAX_IMAGES, from_data_url
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 from opentinker.inference.lora_routes import add_lora_routes
 
@@ -85,13 +87,28 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = [p for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise OpenAIError(400, "only text content parts are supported", param="messages")
-            return "".join(str(p.get("text", "")) for p in parts)
-        return self.content or ""
+    def content_for(self, takes_images: bool) -> str | list[dict[str, Any]]:
+        """The content the chat format takes: text, or (a VLM's) image parts as PIL images
+        before the text; `image_url` only as `data:image/…;base64` (nothing is fetched)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        parts: list[dict[str, Any]] = []
+        for part in self.content:
+            kind = part.get("type")
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url" and takes_images:
+                url = part.get("image_url", {}).get("url", "") if isinstance(part.get("image_url"), dict) else ""
+                try:
+                    parts.append({"type": "image", "image": from_data_url(str(url), "messages: image_url")})
+                except (TypeError, ValueError) as err:
+                    raise OpenAIError(400, str(err), param="messages") from None
+            else:
+                supported = "text and image_url (data: URLs)" if takes_images else "text (this model takes no images)"
+                raise OpenAIError(400, f"content part type {kind!r} is not supported: {supported}", param="messages")
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
 
 
 class ChatCompletionRequest(_Sampling):
@@ -207,11 +224,13 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             raise OpenAIError(400, f"max_tokens: {asked} is over this server's limit of {max_tokens_cap}", param="max_tokens")
         return allowed
 
-    async def run(prompts: list[list[int]], req: _Sampling, param: str, adapter: str | None) -> list[Completion]:
+    async def run(prompts: list[list[int]], req: _Sampling, param: str, adapter: str | None,
+                  images: list[list[Any]] | None = None) -> list[Completion]:
         expanded = [p for p in prompts for _ in range(req.n)]
+        pictures = [row for row in images for _ in range(req.n)] if images else None
         limits = budgets(expanded, req, param)
         try:
-            return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed, adapter))
+            return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed, adapter, pictures))
         except KeyError:  # unloaded while the request waited
             raise OpenAIError(404, f"The model `{adapter}` does not exist.", param="model", code="model_not_found",
                               kind="NotFoundError") from None
@@ -236,9 +255,16 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         adapter = check(req)
         if (req.model_extra or {}).get("logprobs"):
             raise OpenAIError(400, "`logprobs` is not supported by this server for chat (/v1/completions gives `logprobs: 0`)", param="logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        prompt = engine.chat_prompt(messages)
-        completions = await run([prompt], req, "messages", adapter)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content_for(engine.takes_images)}
+                    for m in req.messages]
+        if sum(1 for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image") > MAX_IMAGES:
+            raise OpenAIError(400, f"messages: at most {MAX_IMAGES} images a request", param="messages")
+        try:
+            chunk = engine.chat_prompt(messages)
+        except ValueError as err:
+            raise OpenAIError(400, f"messages: {err}", param="messages") from None
+        prompt = chunk.ids
+        completions = await run([prompt], req, "messages", adapter, [[chunk.visual]] if chunk.visual else None)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
         rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name
         use = usage([prompt], req.n, completions)

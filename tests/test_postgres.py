@@ -13,7 +13,6 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -161,7 +161,7 @@ def test_the_checkpoint_is_the_trained_policy(trained):
     url = result["checkpoint"]
     assert url.endswith(f"sft-{adapter}/step-00000004")
     info = read_policy_info(url)
-    assert info == {"base_model": "tiny-random", "dtype": "float32", "adapter": job.spec.adapter.model_dump(mode="json"), "init_from": None}
+    assert info == {"base_model": "tiny-random", "dtype": job.spec.model.dtype, "adapter": job.spec.adapter.model_dump(mode="json"), "init_from": None}
     model, _, _ = load_policy(url)
     trained_logits = _logits(job.model)
     torch.testing.assert_close(_logits(model), trained_logits, atol=1e-5, rtol=1e-5)

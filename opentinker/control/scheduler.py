@@ -78,8 +78,13 @@ def tenant_limit(tenant: str) -> str:
 
 def ensure_tenant_limit(tenant: str, running: int) -> None:
     """Create (or resize) the tenant's running-jobs limit before its job is queued."""
+    from prefect.exceptions import ObjectAlreadyExists
+
     with prefect_client() as client:
-        client.upsert_global_concurrency_limit_by_name(tenant_limit(tenant), running)
+        try:
+            client.upsert_global_concurrency_limit_by_name(tenant_limit(tenant), running)
+        except ObjectAlreadyExists:  # a concurrent first submission created it between Prefect's read and create
+            client.upsert_global_concurrency_limit_by_name(tenant_limit(tenant), running)
 
 
 def capacity(settings: Settings, pool: str) -> int:

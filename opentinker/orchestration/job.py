@@ -23,11 +23,16 @@ from prefect.artifacts import create_markdown_artifact
 from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
+from opentinker.core.polling import through_blips
 from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
 from opentinker.orchestration.actors import check_placeable
 from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner, authenticate
 from opentinker.storage.preflight import check_job_storage
 from opentinker.tracking.runs import JobTracker, check_mlflow
+
+
+# How long a job's own calls to Prefect wait out a control plane that does not answer (a restart).
+CONTROL_BLIP_S = 180.0
 
 
 class JobError(RuntimeError):
@@ -120,13 +125,18 @@ def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
 
     from prefect.concurrency.sync import concurrency
 
-    with ExitStack() as held:
-        if tenant:
-            held.enter_context(concurrency(tenant_limit(tenant), occupy=1, strict=True, lease_duration=60))
-        held.enter_context(concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus), strict=True, lease_duration=60))
+    def tag_running() -> None:
         with prefect_client() as client:
             run = client.read_flow_run(runtime.flow_run.id)
             client.update_flow_run(run.id, tags=[*run.tags, SLOTS_HELD_TAG])
+
+    with ExitStack() as held:  # each call rides out a Prefect server restart (a fresh context per attempt)
+        if tenant:
+            through_blips(lambda: held.enter_context(concurrency(tenant_limit(tenant), occupy=1, strict=True, lease_duration=60)),
+                          give_up_after_s=CONTROL_BLIP_S)
+        through_blips(lambda: held.enter_context(concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus),
+                                                             strict=True, lease_duration=60)), give_up_after_s=CONTROL_BLIP_S)
+        through_blips(tag_running, give_up_after_s=CONTROL_BLIP_S)
         yield
 
 
@@ -141,11 +151,11 @@ class JobContext:
         """The job's MLflow run (found again on resume), linked from the Prefect flow run, ended
         FINISHED with the job or FAILED with it."""
         tracker = JobTracker(get_settings().mlflow_url, self.experiment, self.job_id, spec, tags={"prefect.flow_run_id": self.flow_run_id})
-        create_markdown_artifact(
+        through_blips(lambda: create_markdown_artifact(
             key=re.sub(r"[^a-z0-9-]", "-", f"mlflow-{self.job_id}".lower()),
             markdown=f"**OpenTinker job `{self.job_id}`**\n\nMLflow run: [{tracker.run_id}]({tracker.run_url})",
             description="MLflow run of this job",
-        )
+        ), give_up_after_s=CONTROL_BLIP_S)
         try:
             yield tracker
         except BaseException:
@@ -181,6 +191,8 @@ def lost_cluster_line(err: BaseException, spec: Any, job_id: str) -> str | None:
     """For a job whose actors or node went away (a node killed, the head dead): what happened and
     where a resubmission resumes, instead of Ray's paragraph about node ids; None for other errors."""
     if not _LOST & {cls.__name__ for cls in type(err).__mro__}:
+        return None
+    if getattr(err, "actor_init_failed", False):  # its __init__ raised (a bad game, say): the job's own error
         return None
     from opentinker.storage.checkpoint import latest_checkpoint
 

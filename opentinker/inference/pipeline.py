@@ -35,8 +35,9 @@ import httpx
 
 from opentinker.core.credentials import token_for
 from opentinker.env.base import AbstractGame, StepResult
-from opentinker.env.hosting import start_episode
-from opentinker.env.messages import initial_messages
+from opentinker.env.hosting import checked_observation, start_episode
+from opentinker.env.messages import initial_messages, user_content
+from opentinker.tracking.transcripts import readable
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class _Limits:
 def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServer, limits: _Limits) -> EpisodeRecord:
     record = EpisodeRecord(index=index, task=task)
     try:
-        record.messages = initial_messages(game, start_episode(game, task))
+        # OpenAI's form: a picture goes as an image_url part with a data: URL
+        record.messages = [readable(m) for m in initial_messages(game, start_episode(game, task))]
         while True:
             answer = server.chat(record.messages, {"max_tokens": limits.max_tokens, **limits.sampling})
             choice, usage = answer["choices"][0], answer.get("usage") or {}
@@ -151,7 +153,9 @@ def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServ
             result = game.step(action)
             if not isinstance(result, StepResult):
                 raise TypeError(f"step returned {type(result).__name__}, expected StepResult")
-            turn.reward, turn.observation = float(result.reward), result.observation
+            observation = checked_observation(result.observation)
+            text, images = (observation, []) if isinstance(observation, str) else (observation.text, observation.images)
+            turn.reward, turn.observation = float(result.reward), text
             record.info.update(result.info)
             if result.done:
                 record.stop_reason = "done"
@@ -160,7 +164,7 @@ def _play(index: int, task: dict[str, Any], game: AbstractGame, server: ChatServ
             elif limits.max_total_tokens and turn.prompt_tokens + turn.completion_tokens >= limits.max_total_tokens:
                 record.stop_reason = "max_total_tokens"
             else:
-                record.messages.append({"role": "user", "content": result.observation})
+                record.messages.append(readable({"role": "user", "content": user_content(text, images)}))
                 continue
             return record
     except Exception as err:  # noqa: BLE001 - one failed episode, counted, never the whole run

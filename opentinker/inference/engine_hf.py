@@ -62,7 +62,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.info = info or {}
         self.checkpoint = checkpoint
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)  # a VLM keeps it on its language model
         lengths = [x for x in (max_model_len, limit) if x]
         if not lengths:
             raise ModelLoadError("the model states no context length: pass max_model_len")

@@ -1,17 +1,22 @@
 """The policy trainer: transformers + peft, LoRA or full, AdamW with gradient accumulation.
 
 It scores the token records the agent loop wrote (never re-tokenizing), computes advantages and
-the clipped policy loss, and counts policy versions so that stale rollouts are refused.
+the clipped policy loss, and counts policy versions so that stale rollouts are refused. By default
+(`optimization.shared_prefix`) a group's common prompt runs once and its samples' completions
+against it (opentinker.backend.shared_prefix), with the same loss and gradients as scoring every
+record on its own, which is what the trainer does with the flag off or for vision-language models.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
+from opentinker.backend.shared_prefix import Prefix, plan, run_prefix, selected_hidden, supports
 from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
@@ -87,12 +92,16 @@ class PolicyTrainer:
     def _causal_lm(self, model):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
-    def _token_logits(self, model, batch: PackedBatch) -> torch.Tensor:
-        """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there)."""
+    def _token_logits(self, model, batch: PackedBatch, prefix: Prefix | None = None) -> torch.Tensor:
+        """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there).
+        With `prefix`, the batch's records all start with its tokens and only what follows runs."""
         lm = self._causal_lm(model)
         with self.placement.autocast():
-            hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
-            selected = hidden[:, :-1][batch.loss_mask.bool()]
+            if prefix is None:
+                hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
+                selected = hidden[:, :-1][batch.loss_mask.bool()]
+            else:
+                selected = selected_hidden(lm, prefix, batch.input_ids, batch.attention_mask, batch.loss_mask)
             logits = lm.get_output_embeddings()(selected)
         return logits.float() / self.temperature
 
@@ -101,8 +110,8 @@ class PolicyTrainer:
         out[batch.loss_mask.bool()] = values
         return out
 
-    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False):
-        logits = self._token_logits(model, batch)
+    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False, prefix: Prefix | None = None):
+        logits = self._token_logits(model, batch, prefix)
         targets = batch.targets[batch.loss_mask.bool()]
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
@@ -116,12 +125,27 @@ class PolicyTrainer:
         lp, _ = self._logprobs(self.model, batch)
         return [lp[i][batch.loss_mask[i].bool()].tolist() for i in range(len(trajs))]
 
-    @torch.no_grad()
-    def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+    def _reference(self):
+        """The reference policy for KL, and the context it is scored in."""
         if self.reference is not None:
-            return self._logprobs(self.reference, batch)[0]
-        with self.model.disable_adapter():
-            return self._logprobs(self.model, batch)[0]
+            return self.reference, nullcontext()
+        return self.model, self.model.disable_adapter()  # LoRA: the base with the adapter off
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: PackedBatch, prefix: Prefix | None = None) -> torch.Tensor:
+        model, scope = self._reference()
+        with scope:
+            return self._logprobs(model, batch, prefix=prefix)[0]
+
+    @torch.no_grad()
+    def _reference_prefix(self, ids: torch.Tensor) -> Prefix:
+        model, scope = self._reference()
+        with scope, self.placement.autocast():
+            return run_prefix(self._causal_lm(model), ids)
+
+    def shares_prefixes(self) -> bool:
+        """Does `update` score groups against their shared prefix (the flag on, a model that can)?"""
+        return self.optim_spec.shared_prefix and supports(self._causal_lm(self.model))
 
     # -- update ----------------------------------------------------------------------------
     def check_fresh(self, rollout_version: int) -> None:
@@ -144,51 +168,91 @@ class PolicyTrainer:
         if not usable:
             self.version += 1
             return metrics | {"update/skipped": 1.0}
-        rewards = torch.tensor([t.reward for t in usable], dtype=torch.float32)
-        groups = torch.tensor([t.group_id for t in usable])
-        advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std).to(self.placement.device)
-
-        agg = self.algorithm.loss_aggregation
-        normalizer = float(sum(t.num_sampled for t in usable)) if agg == "token-mean" else float(len(usable))
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = {"pg_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio": 0.0, "entropy": 0.0}
-        n_tokens = 0
-        mb = self.optim_spec.micro_batch_size
-        for start in range(0, len(usable), mb):
-            chunk = usable[start : start + mb]
-            batch = pack(chunk, self.pad_id).to(self.placement.device)
-            ref = self._reference_logprobs(batch) if self.algorithm.kl.coef > 0 else None
-            lp, entropy = self._logprobs(self.model, batch, with_entropy=True)
-            out = ppo_clipped_loss(
-                lp, batch.old_logprobs, advantages[start : start + mb], batch.loss_mask,
-                clip_range=self.algorithm.clip_range, aggregation=agg, ref_logprobs=ref,
-                kl_coef=self.algorithm.kl.coef, kl_estimator=self.algorithm.kl.estimator, normalizer=normalizer,
-            )
-            out.loss.backward()
-            tokens = int(batch.loss_mask.sum())
-            n_tokens += tokens
-            sums["pg_loss"] += float(out.pg_loss)
-            sums["kl"] += float(out.kl)
-            sums["clip_fraction"] += float(out.clip_fraction) * tokens
-            sums["ratio"] += float(out.ratio_mean) * tokens
-            sums["entropy"] += float(entropy.sum())
+        metrics |= self.compute_gradients(usable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.eval()
         self.version += 1
-        return metrics | {
+        return metrics | {"update/grad_norm": float(grad_norm), "update/seconds": time.perf_counter() - t0}
+
+    def compute_gradients(self, trajs: list[Trajectory]) -> dict[str, float]:
+        """The loss's gradient over `trajs` (records with sampled tokens) in each trainable
+        parameter's `.grad`, accumulated over micro-batches; returns the loss's statistics.
+
+        update/positions_computed: token positions the policy's forward and backward ran over,
+        padding included (the reference's forward for KL is not counted); update/positions_trained:
+        the positions whose token carries loss."""
+        rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+        groups = torch.tensor([t.group_id for t in trajs])
+        advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std).to(self.placement.device)
+        normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed"), 0.0)
+        shared = self.shares_prefixes()
+        if shared:
+            self._shared_prefix_pass(trajs, advantages, normalizer, sums)
+        else:
+            mb = self.optim_spec.micro_batch_size
+            for start in range(0, len(trajs), mb):
+                batch = pack(trajs[start : start + mb], self.pad_id).to(self.placement.device)
+                self._loss(batch, advantages[start : start + mb], normalizer, sums).backward()
+                sums["computed"] += batch.input_ids.numel()
+        self.model.eval()
+        n_tokens = max(sums["tokens"], 1.0)
+        return {
             "update/policy_loss": sums["pg_loss"],
             "update/kl": sums["kl"],
-            "update/entropy": sums["entropy"] / max(n_tokens, 1),
-            "update/clip_fraction": sums["clip_fraction"] / max(n_tokens, 1),
-            "update/ratio_mean": sums["ratio"] / max(n_tokens, 1),
-            "update/grad_norm": float(grad_norm),
-            "update/tokens": float(n_tokens),
+            "update/entropy": sums["entropy"] / n_tokens,
+            "update/clip_fraction": sums["clip_fraction"] / n_tokens,
+            "update/ratio_mean": sums["ratio"] / n_tokens,
+            "update/tokens": sums["tokens"],
             "update/advantage_abs_mean": float(advantages.abs().mean()),
-            "update/seconds": time.perf_counter() - t0,
+            "update/positions_computed": sums["computed"],
+            "update/positions_trained": sums["tokens"],
+            "update/shared_prefix": float(shared),
         }
+
+    def _shared_prefix_pass(self, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float, sums: dict[str, float]) -> None:
+        """Each group's shared prefix runs once (with gradients), its records' completions packed
+        against it; one backward per group, or per packed row with the prefix's own backward once
+        (opentinker.backend.shared_prefix)."""
+        device = self.placement.device
+        lm = self._causal_lm(self.model)
+        groups = plan([t.token_ids for t in trajs], [t.group_id for t in trajs], self.optim_spec.micro_batch_size)
+        for group in groups:
+            ids = torch.tensor(trajs[group.members[0]].token_ids[: group.prefix_length], dtype=torch.long, device=device)
+            with self.placement.autocast():
+                prefix = run_prefix(lm, ids)
+            ref_prefix = self._reference_prefix(ids) if self.algorithm.kl.coef > 0 else None
+            feed = prefix if len(group.rows) == 1 else prefix.detached()
+            sums["computed"] += group.prefix_length
+            for row in group.rows:
+                batch = pack([trajs[i] for i in row], self.pad_id).to(device)
+                self._loss(batch, advantages[row], normalizer, sums, feed, ref_prefix).backward()
+                sums["computed"] += float(batch.attention_mask.sum()) - len(row) * group.prefix_length
+            if feed is not prefix:
+                prefix.backward_from(feed)
+
+    def _loss(self, batch: PackedBatch, advantages: torch.Tensor, normalizer: float, sums: dict[str, float],
+              prefix: Prefix | None = None, ref_prefix: Prefix | None = None) -> torch.Tensor:
+        """The clipped policy loss (plus KL) of one micro-batch, its statistics added to `sums`."""
+        kl = self.algorithm.kl
+        ref = self._reference_logprobs(batch, ref_prefix) if kl.coef > 0 else None
+        lp, entropy = self._logprobs(self.model, batch, with_entropy=True, prefix=prefix)
+        out = ppo_clipped_loss(
+            lp, batch.old_logprobs, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
+            aggregation=self.algorithm.loss_aggregation, ref_logprobs=ref, kl_coef=kl.coef, kl_estimator=kl.estimator,
+            normalizer=normalizer,
+        )
+        tokens = float(batch.loss_mask.sum())
+        sums["tokens"] += tokens
+        sums["pg_loss"] += float(out.pg_loss)
+        sums["kl"] += float(out.kl)
+        sums["clip_fraction"] += float(out.clip_fraction) * tokens
+        sums["ratio"] += float(out.ratio_mean) * tokens
+        sums["entropy"] += float(entropy.sum())
+        return out.loss
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -153,6 +153,9 @@ class OptimizationSpec(Section):
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
     weight_decay: float = Field(0.0, ge=0)
+    shared_prefix: bool = Field(True, description="a group's common prompt (its records' longest common token prefix) runs "
+                                "once per update and the samples' completions against it, with the same loss and gradients; "
+                                "off: every record runs whole (vision-language models always do)")
 
 
 class HealthSpec(Section):

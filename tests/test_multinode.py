@@ -81,7 +81,7 @@ def cluster(tmp_path_factory, s3_server):
 
     base = tmp_path_factory.mktemp("multinode")
     storage = f"s3://{s3_server.bucket}/multinode-{uuid.uuid4().hex[:8]}"
-    settings = local_settings(base / "control", cpu_slots=1, gpu_slots=2, ray_num_cpus=2 if PINNED else 0,
+    settings = local_settings(base / "control", cpu_slots=1, gpu_slots=None, ray_num_cpus=2 if PINNED else 0,
                               storage_url=storage, game_allowlist="envs")
     stack = Stack(settings)
     saved = dict(os.environ)
@@ -195,6 +195,18 @@ def test_a_joined_machine_is_a_ray_node_and_a_worker_of_its_pool(cluster):
     (b,) = [n for n in nodes if n["Resources"].get("node_b")]
     assert b["Resources"]["GPU"] == 2 and b["Resources"]["CPU"] == 2 and not b["Resources"].get("node:__internal_head__")
     assert _gpu_workers(cluster.settings) == {"machine-b": "ONLINE"}
+    # The control plane's machine has no GPU (gpu_slots unset): the GPU pool's slots are the devices
+    # the joined node counted, and a 2-GPU job fits where a 3-GPU one is refused.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.scheduler import SchedulingError, check_fits, live_capacity
+
+    with temporary_settings({PREFECT_API_URL: cluster.settings.prefect_api_url}):
+        assert live_capacity(cluster.settings, "gpu") == 2
+        assert check_fits(cluster.settings, 2) == "gpu"
+        with pytest.raises(SchedulingError, match="pool 'gpu' has 2 slot"):
+            check_fits(cluster.settings, 3)
+    assert "gpu pool: 2 slot(s)" in cluster.log.read_text()
     # Machine B dials the stack for Prefect and MLflow, joins the head for Ray, and binds its own servers here.
     env = psutil.Process(cluster.worker.pid).children()[-1].environ()
     assert env["OPENTINKER_RAY_ADDRESS"] == cluster.settings.ray_head_address

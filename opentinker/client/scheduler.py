@@ -15,8 +15,8 @@ from opentinker.core.states import TERMINAL
 class SchedulerClient:
     """`SchedulerClient(url=…).submit_job(config=…, num_gpus=…)` as in the reference design."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None):
-        self._gateway = Gateway(url, api_key)
+    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0):
+        self._gateway = Gateway(url, api_key, timeout=timeout)
         self.url = self._gateway.url
 
     def submit_job(self, config: Any, num_gpus: float | None = None) -> dict[str, Any]:

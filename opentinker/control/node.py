@@ -134,6 +134,30 @@ class WorkerNode:
             raise NodeError(f"{err}; last lines of {self.log_file}:\n{tail(self.log_file)}") from None
         return self.node.pid
 
+    def cluster_gpus(self, timeout: float = 120.0) -> int:
+        """The GPUs of the whole Ray cluster, each node having counted its own, asked as a driver
+        (in a child process, so this one never holds a Ray connection)."""
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+                "print(json.dumps(ray.cluster_resources().get('GPU', 0)))") % self.join
+        done = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise NodeError(f"could not ask the Ray cluster at {self.join} for its GPUs: {tail_text(done.stderr)}")
+        return int(float(done.stdout.strip().splitlines()[-1]))
+
+    def count_gpu_slots(self) -> None:
+        """The GPU pool gets one slot per GPU of the cluster, as its nodes counted them (not what
+        the control plane's machine has)."""
+        if self.pool != "gpu":
+            return
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from opentinker.control.scheduler import resize_pool
+
+        gpus = self.cluster_gpus()
+        with temporary_settings({PREFECT_API_URL: self.settings.prefect_api_url}):
+            resize_pool("gpu", gpus)
+        self.say(f"gpu pool: {gpus} slot(s), one per GPU the cluster's nodes report")
+
     def start_worker(self) -> int:
         name = self.name or f"opentinker-{self.pool}-{os.uname().nodename}"
         command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process",
@@ -180,6 +204,7 @@ class WorkerNode:
 
         pid = wait_for(rejoined, interval=5.0, what=f"the Ray head at {self.join}")
         self.say(f"ray node joined {self.join} again (pid {pid})")
+        self.count_gpu_slots()
 
     def run(self) -> int:
         """Start both, watch both: the worker's exit ends the command (with its code); the node's
@@ -187,6 +212,7 @@ class WorkerNode:
         check_ray_address(self.join)
         self.start_node()
         self.say(f"ray node joined {self.join} (pid {self.node.pid}, log {self.log_file})")
+        self.count_gpu_slots()
         self.start_worker()
         try:
             while self.worker.poll() is None:
@@ -196,6 +222,10 @@ class WorkerNode:
             return self.worker.returncode
         finally:
             self.stop()
+
+
+def tail_text(text: str, lines: int = 3) -> str:
+    return " | ".join(x.strip() for x in text.strip().splitlines()[-lines:])
 
 
 def _exit(code: int | None) -> str:

@@ -96,7 +96,7 @@ def capacity(settings: Settings, pool: str) -> int:
 def check_fits(settings: Settings, num_gpus: float) -> str:
     """The pool for a job; SchedulingError when the job could never be placed."""
     pool = pool_for(num_gpus)
-    have, need = capacity(settings, pool), slots_for(num_gpus)
+    have, need = live_capacity(settings, pool), slots_for(num_gpus)
     if need > have:
         what = f"{num_gpus:g} GPUs" if num_gpus else "a CPU slot"
         raise SchedulingError(f"resources.num_gpus: the job asks for {what}; pool {pool!r} has {have} slot(s)")
@@ -104,33 +104,53 @@ def check_fits(settings: Settings, num_gpus: float) -> str:
 
 
 def ensure_pools(settings: Settings) -> None:
-    """Create or resize both process pools and their slot limits to the configured capacity."""
-    from prefect.client.orchestration import get_client
+    """Create or resize both process pools and their slot limits to the configured capacity. The
+    GPU pool, unless `gpu_slots` is set, keeps what joined GPU workers counted in the cluster
+    (see opentinker/control/node.py) when that is more than this machine has."""
+    for pool in POOLS:
+        slots = capacity(settings, pool)
+        if pool == "gpu" and settings.gpu_slots is None:
+            slots = max(slots, live_capacity(settings, pool))
+        resize_pool(pool, slots)
+
+
+def resize_pool(pool: str, slots: int) -> None:
+    """Create or resize `pool` and its slot limit to `slots` (the GPU pool: one per device)."""
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
 
-    with get_client(sync_client=True) as client:
-        for pool in POOLS:
-            slots = capacity(settings, pool)
-            # One job more than slots may start: it loads (imports, Ray) while the others run,
-            # then waits for a slot, so a finished job's slot is refilled in seconds, not after
-            # a whole process start-up (bench/scheduler_load.py). The slots bound what runs.
-            limit = slots + WARM_JOBS if slots else 0
-            try:
-                existing = client.read_work_pool(pool)
-            except ObjectNotFound:
-                client.create_work_pool(WorkPoolCreate(
-                    name=pool, type="process", concurrency_limit=limit,
-                    base_job_template=ProcessWorker.get_default_base_job_template(),
-                    description=f"OpenTinker {pool} jobs: {slots} slots",
-                ))
-            else:
-                if existing.type != "process":
-                    raise SchedulingError(f"work pool {pool!r} has type {existing.type!r}, not 'process'")
-                if existing.concurrency_limit != limit:
-                    client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
-            client.upsert_global_concurrency_limit_by_name(slot_limit(pool), slots)
+    # One job more than slots may start: it loads (imports, Ray) while the others run, then
+    # waits for a slot, so a finished job's slot is refilled in seconds, not after a whole
+    # process start-up (bench/scheduler_load.py). The slots bound what runs.
+    limit = slots + WARM_JOBS if slots else 0
+    with prefect_client() as client:
+        try:
+            existing = client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(
+                name=pool, type="process", concurrency_limit=limit,
+                base_job_template=ProcessWorker.get_default_base_job_template(),
+                description=f"OpenTinker {pool} jobs: {slots} slots",
+            ))
+        else:
+            if existing.type != "process":
+                raise SchedulingError(f"work pool {pool!r} has type {existing.type!r}, not 'process'")
+            if existing.concurrency_limit != limit:
+                client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
+        client.upsert_global_concurrency_limit_by_name(slot_limit(pool), slots)
+
+
+def live_capacity(settings: Settings, pool: str) -> int:
+    """The pool's slots as the scheduler holds them now (GPU workers that joined set the GPU pool's
+    to the cluster's devices); the configured capacity when the limit does not exist yet."""
+    from prefect.exceptions import ObjectNotFound
+
+    with prefect_client() as client:
+        try:
+            return int(client.read_global_concurrency_limit_by_name(slot_limit(pool)).limit)
+        except ObjectNotFound:
+            return capacity(settings, pool)
 
 
 def load_deployments(path: Path = DEPLOYMENTS_FILE) -> list[dict[str, Any]]:

@@ -1,10 +1,10 @@
 """Rollout engines: prompts as token ids in, sampled token ids with their logprobs out.
 
 `RolloutEngine` is the interface the agent loop calls; `HFRolloutEngine` implements it with
-batched transformers generation (KV cache) on CPU. A vLLM engine implements the same two
-members. Logprobs are those of the sampling distribution softmax(logits / temperature), which
-is the policy the trainer scores (top-p truncation is not part of it; keep top_p=1 for exact
-ratios).
+batched decoding over a transformers model (KV cache). A vLLM engine implements the same two
+members. Logprobs are those of softmax(logits / temperature), which is the policy the trainer
+scores; top-k and top-p truncation of the sampling distribution are not part of them (top_k=None
+and top_p=1 sample exactly that distribution).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from opentinker.backend.decode import decode
 from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import PrefixCache
 from opentinker.model.vision import pixel_batch
@@ -26,6 +27,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
+    # Sampling keeps the 50 likeliest tokens: what `model.generate` did by default (transformers'
+    # top_k=50) when this engine sampled through it. The recorded logprobs are those of the full
+    # softmax(logits / T); None samples from that full distribution.
+    top_k: int | None = 50
 
 
 @dataclass
@@ -62,11 +67,13 @@ def score_tokens(model, placement: Placement, prompt: list[int], tokens: list[in
 
 
 class HFRolloutEngine:
-    """Batched `model.generate` with left padding; per-token logprobs from the raw logits.
+    """Batched decoding with left padding (opentinker/backend/decode.py: a row leaves the batch
+    when its completion ends); per-token logprobs from the raw logits.
     The next turn of an episode reuses the key/values of its record so far (`PrefixCache`), so
     a turn prefills only its observation; `prefix_cache_tokens=0` turns that off."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536, placement: Placement | None = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536, placement: Placement | None = None,
+                 early_stop: bool = True):
         self.model = model
         self.placement = placement or Placement(model.device, torch.float32)
         self.tokenizer = tokenizer
@@ -79,6 +86,14 @@ class HFRolloutEngine:
         self.stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
         self.generated_tokens = 0
         self.generate_seconds = 0.0
+        # Decode cost: forward passes, and batch rows summed over them (next-token distributions
+        # computed), against the positions whose token a completion kept. With `early_stop` a row
+        # leaves the batch right after its last kept token, so the two position counts are equal;
+        # without it every row runs until the batch's longest one ends, as in `model.generate`.
+        self.early_stop = early_stop
+        self.decode_forwards = 0
+        self.decode_positions = 0
+        self.useful_positions = 0
 
     def end_phase(self) -> None:
         """The phase's episodes are over: free their cached states (dead now, and they slow the update)."""
@@ -118,8 +133,6 @@ class HFRolloutEngine:
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                         images: list[list[Any]] | None = None) -> list[Completion]:
-        from transformers import GenerationConfig
-
         t0 = time.perf_counter()
         device = self.placement.device
         # Records with images prefill whole (their pixels enter at their image tokens), unshared and uncached.
@@ -132,48 +145,25 @@ class HFRolloutEngine:
             input_ids, attention = self._left_padded(prompts)
             input_ids, attention = input_ids.to(device), attention.to(device)
             cache = self._shared_prefill(prompts, input_ids, attention) if images is None else None
-        width = input_ids.shape[1]
-        max_new = max(1, min(params.max_new_tokens, max(budgets)))
-        config = GenerationConfig(
-            max_new_tokens=max_new,
-            do_sample=not params.greedy,
-            temperature=None if params.greedy else params.temperature,
-            top_p=None if params.greedy or params.top_p >= 1.0 else params.top_p,
-            top_k=None,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_id,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.placement.autocast():
-                gen = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention,
-                    generation_config=config,
-                    past_key_values=cache,
-                    **pixels,
-                )
+            out = decode(self.model, input_ids, attention, cache, budgets=budgets, max_new_tokens=params.max_new_tokens,
+                         stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None if params.greedy else params.temperature,
+                         top_k=params.top_k, top_p=params.top_p, placement=self.placement, extra=pixels, compact=self.early_stop,
+                         keep_states=images is None and bool(self.prefix_cache.max_tokens))
         finally:
             self.model.train(was_training)
-        new_tokens = gen.sequences[:, width:]
-        temperature = 1.0 if params.greedy else params.temperature
-        logits = torch.stack(gen.logits, dim=1).float() / temperature  # [B, T, V]
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens[..., None]).squeeze(-1)
-        completions = []
-        for row in range(len(prompts)):
-            ids = new_tokens[row].tolist()
-            stop_at = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
-            if stop_at is not None and stop_at < budgets[row]:
-                n, reason = stop_at + 1, "stop"
-            else:
-                n, reason = min(len(ids), budgets[row]), "length"
-            completions.append(Completion(ids[:n], logprobs[row, :n].tolist(), reason))
-            self.generated_tokens += n
-        if images is None:
-            self._remember(prompts, completions, attention, gen.past_key_values)
+        completions = [Completion(ids, lps, reason) for ids, lps, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)]
+        useful = sum(len(c.token_ids) for c in completions)
+        self.generated_tokens += useful
+        self.decode_forwards += out.forwards
+        self.decode_positions += out.positions
+        self.useful_positions += useful
+        for prompt, comp, states in zip(prompts, completions, out.states):
+            # a row's states: its prompt's real columns, then the sampled tokens the model ran (all but the last)
+            if states is not None:
+                self.prefix_cache.store(prompt + comp.token_ids[: max(0, len(comp.token_ids) - 1)], states)
         self.generate_seconds += time.perf_counter() - t0
         return completions
 
@@ -210,17 +200,3 @@ class HFRolloutEngine:
                 keys[row, :, cached - n :] = k
                 values[row, :, cached - n :] = v
         return input_ids, attention, DynamicCache(ddp_cache_data=layers)
-
-    def _remember(self, prompts: list[list[int]], completions: list[Completion], attention: torch.Tensor, cache) -> None:
-        """Keep each row's states (its prompt's real columns, then the sampled tokens the model
-        has run: all but the last) for the episode's next turn."""
-        from transformers import DynamicCache
-
-        if not self.prefix_cache.max_tokens or not isinstance(cache, DynamicCache) or any(layer.is_sliding for layer in cache.layers):
-            return
-        width = attention.shape[1]
-        for row, (prompt, comp) in enumerate(zip(prompts, completions)):
-            ran = max(0, len(comp.token_ids) - 1)
-            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + ran, device=attention.device)])
-            states = [(layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in cache.layers]
-            self.prefix_cache.store(prompt + comp.token_ids[:ran], states)

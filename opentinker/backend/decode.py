@@ -1,0 +1,179 @@
+"""The rollout engine's decode loop: a row leaves the batch the moment its completion ends.
+
+`model.generate` keeps every row of a batch until the last one ends: a row that stopped early
+is still run on padding at every step (a group of 32 short answers held to its longest one).
+Here a row that produced an end-of-turn token or reached its token budget is dropped from the
+running batch at once, its key/values too (`Cache.reorder_cache` on the batch dimension), and
+the batch ends when no row is left.
+
+What a row gets is what `model.generate` gave it: the same inputs to the model (positions from
+the attention mask, the mask dropped when it has no padding, `logits_to_keep=1`), the same
+sampling distribution (temperature, top-k, top-p: transformers' warpers), and the same random
+draws: `torch.multinomial` is called on the full batch's shape at every step (the rows that left
+have a placeholder distribution), so each row reads the same noise as before. Only the row
+count of the forward passes changes. With `compact=False` rows stay to the end as they do in
+`model.generate` (finished ones fed padding): the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from opentinker.backend.device import Placement
+from opentinker.backend.prefix_cache import LayerStates
+
+
+@dataclass
+class Decoded:
+    """Per row of the batch: sampled tokens (cut at the first end token or at the budget), their
+    logprobs, "stop" or "length", and (when asked for) the key/values of the tokens the model
+    ran for it. `forwards`: forward passes; `positions`: batch rows summed over them, each a
+    next-token distribution computed."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    states: list[LayerStates | None] = field(default_factory=list)
+    forwards: int = 0
+    positions: int = 0
+
+
+def finish(tokens: list[int], budget: int, stop_ids: set[int]) -> tuple[int, str]:
+    """How many of a row's sampled `tokens` it keeps, and why it ended."""
+    stop_at = next((k for k, t in enumerate(tokens) if t in stop_ids), None)
+    if stop_at is not None and stop_at < budget:
+        return stop_at + 1, "stop"
+    return max(0, min(len(tokens), budget)), "length"
+
+
+def logits_kwargs(model) -> dict[str, Any]:
+    """`logits_to_keep=1` where the model takes it (as `generate` passes it): only the last
+    position's logits are computed."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+
+def keeps_states(cache) -> bool:
+    """Whether a row's key/values can be taken out of `cache` for the prefix cache."""
+    from transformers import DynamicCache
+
+    return isinstance(cache, DynamicCache) and not any(layer.is_sliding for layer in cache.layers)
+
+
+def row_states(cache, row: int, columns: torch.Tensor) -> LayerStates:
+    return [(layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns)) for layer in cache.layers]
+
+
+class Chooser:
+    """Next tokens from logits: argmax when greedy, else a draw from softmax(logits / T) after
+    top-k and top-p (transformers' warpers, in `generate`'s order), with `torch.multinomial`
+    called on the shape of the whole batch."""
+
+    def __init__(self, rows: int, temperature: float | None, top_k: int | None, top_p: float):
+        from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+        self.rows, self.temperature, self.warpers = rows, temperature, []
+        if temperature is not None and top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=top_k))
+        if temperature is not None and top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=top_p))
+
+    def __call__(self, logits: torch.Tensor, batch_rows: list[int]) -> torch.Tensor:
+        if self.temperature is None:
+            return torch.argmax(logits, dim=-1)
+        scores = logits / self.temperature if self.temperature != 1.0 else logits
+        for warp in self.warpers:
+            scores = warp(None, scores)
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        if len(batch_rows) == self.rows:
+            return torch.multinomial(probs, num_samples=1).squeeze(1)
+        index = torch.tensor(batch_rows, device=probs.device)
+        full = probs.new_zeros((self.rows, probs.shape[-1]))
+        full[:, 0] = 1.0  # rows that left: any valid distribution; their draws are not used
+        full[index] = probs
+        return torch.multinomial(full, num_samples=1).squeeze(1)[index]
+
+
+@torch.no_grad()
+def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, budgets: list[int], max_new_tokens: int,
+           stop_ids: list[int], pad_id: int, temperature: float | None, top_k: int | None = None, top_p: float = 1.0,
+           placement: Placement, extra: dict[str, Any] | None = None, compact: bool = True, keep_states: bool = False) -> Decoded:
+    """Sample up to `min(budgets[i], max_new_tokens)` tokens for each left-padded row of
+    `input_ids` (the first `cache.get_seq_length()` columns already in `cache`, when given).
+    `temperature=None`: greedy (logprobs at temperature 1). `extra`: inputs of the first forward
+    only (pixels). `keep_states`: return each row's key/values of its prompt's real columns and
+    the sampled tokens the model ran (all but the last)."""
+    rows, width = input_ids.shape
+    device = input_ids.device
+    stop_set = set(stop_ids)
+    max_new = max(1, min(max_new_tokens, max(budgets)))
+    # compact: a row ends at its own budget; else all rows run to the batch's end, as in `generate`
+    caps = [max(1, min(b, max_new)) if compact else max_new for b in budgets]
+    past = cache.get_seq_length() if cache is not None else 0
+    positions = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)
+    mask = None if bool((attention == 1).all()) else attention
+    next_position = positions[:, -1]
+    inputs = {"input_ids": input_ids[:, past:], "position_ids": positions[:, past:], **(extra or {})}
+    keep = logits_kwargs(model)
+    chooser = Chooser(rows, temperature, top_k, top_p)
+    log_temperature = 1.0 if temperature is None else temperature
+    sampled: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    states: list[LayerStates | None] = [None] * rows
+    stopped = [False] * rows
+    batch = list(range(rows))  # the original row of each row of the running batch
+    out = Decoded([], [], [])
+
+    def take_states(row: int, at: int) -> None:
+        if keep_states and keeps_states(cache):
+            ran = max(0, finish(sampled[row], budgets[row], stop_set)[0] - 1)
+            columns = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + ran, device=device)])
+            states[row] = row_states(cache, at, columns)
+
+    for step in range(max_new):
+        with placement.autocast():
+            result = model(**inputs, attention_mask=mask, past_key_values=cache, use_cache=True, **keep)
+        out.forwards += 1
+        out.positions += len(batch)
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float()
+        del result
+        tokens = chooser(logits, batch)
+        chosen = torch.log_softmax(logits / log_temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        token_list = tokens.tolist()
+        staying, feed = [], []
+        for at, row in enumerate(batch):
+            if not stopped[row]:
+                sampled[row].append(token_list[at])
+                logprobs[row].append(chosen[at])
+                stopped[row] = token_list[at] in stop_set
+            if compact and (stopped[row] or len(sampled[row]) >= caps[row]):
+                take_states(row, at)
+            else:
+                staying.append(at)
+                feed.append(pad_id if stopped[row] else token_list[at])
+        if not staying or all(stopped) or step + 1 == max_new:
+            break
+        if len(staying) < len(batch):
+            index = torch.tensor(staying, device=device)
+            cache.reorder_cache(index)
+            next_position = next_position[index]
+            mask = mask[index] if mask is not None else None
+            batch = [batch[at] for at in staying]
+        next_position = next_position + 1
+        mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=-1) if mask is not None else None
+        inputs = {"input_ids": torch.tensor(feed, device=device)[:, None], "position_ids": next_position[:, None]}
+    if not compact:  # every row is still in the batch (compacting, each took its states as it left)
+        for at, row in enumerate(batch):
+            take_states(row, at)
+    for row in range(rows):
+        n, reason = finish(sampled[row], budgets[row], stop_set)
+        out.token_ids.append(sampled[row][:n])
+        out.logprobs.append(logprobs[row][:n])
+        out.finish_reasons.append(reason)
+    out.states = states if keep_states else []
+    return out

@@ -242,3 +242,11 @@ def test_hosting_round_trip_carries_the_picture(game_class, config):
     game.reset(**task)
     stepped = json.loads(json.dumps(step_reply(game, f"Answer: {task['answer']}")))
     assert stepped["observation"] == "Correct." and stepped["reward"] == 1.0 and stepped["info"]["correct"] is True
+
+
+def test_shapes_fixed_choices_make_the_text_identical_and_the_letter_the_pictures():
+    tasks = _tasks(ShapesGame, 200, fixed_choices=True)
+    assert {tuple(t["choices"]) for t in tasks} == {("red", "green", "blue", "yellow")}
+    assert all(t["choices"]["ABCD".index(t["answer"])] == t["shapes"][0]["colour"] for t in tasks)
+    counts = Counter(t["answer"] for t in tasks)
+    assert set(counts) == set("ABCD") and min(counts.values()) > 30

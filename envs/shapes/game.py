@@ -98,7 +98,8 @@ class ShapesGame(AbstractGame):
 
     Config keys (generate_task): `kinds` (default ("colour",): one big shape, the easiest),
     among "colour", "shape", "count" (1-4 shapes); `image_size` (default 128); `blank` (default
-    False: True shows a white picture, the ablation). Task: {"kind", "shapes": [{"shape",
+    False: True shows a white picture, the ablation); `fixed_choices` (default False: True lists the
+    choices in one fixed order, the same text for every task). Task: {"kind", "shapes": [{"shape",
     "colour", "x", "y", "r"}], "choices": [4 strings], "answer": "A".."D", "image_size", "blank"}.
     """
 
@@ -112,8 +113,10 @@ class ShapesGame(AbstractGame):
 
     @classmethod
     def generate_task(cls, rng: Any, kinds: list[str] | tuple[str, ...] = ("colour",), image_size: int = 128,
-                      blank: bool = False) -> dict[str, Any]:
-        """The same draws whether or not `blank` is set, so the ablation sees the same tasks."""
+                      blank: bool = False, fixed_choices: bool = False) -> dict[str, Any]:
+        """The same draws whether or not `blank` is set, so the ablation sees the same tasks.
+        `fixed_choices`: the four choices always in one order (red, green, blue, yellow; ...), so the
+        text is the same for every task and the letter depends on the picture alone (still uniform)."""
         unknown = [k for k in kinds if k not in QUESTIONS]
         if unknown or not kinds:
             raise ValueError(f"unknown kinds {unknown!r}; use some of {list(QUESTIONS)}")
@@ -128,7 +131,10 @@ class ShapesGame(AbstractGame):
             shapes = [_shape(rng, 0.5 + rng.uniform(-0.08, 0.08), 0.5 + rng.uniform(-0.08, 0.08), rng.uniform(0.28, 0.36))]
             correct = shapes[0]["colour"] if kind == "colour" else shapes[0]["shape"]
             names = list(COLOURS) if kind == "colour" else list(SHAPES)
-        choices, answer = place_answer(rng, correct, _others(rng, names, correct))
+        if fixed_choices:
+            choices, answer = list(names), LETTERS[list(names).index(correct)]
+        else:
+            choices, answer = place_answer(rng, correct, _others(rng, names, correct))
         return {"kind": kind, "shapes": shapes, "choices": choices, "answer": answer, "image_size": int(image_size), "blank": bool(blank)}
 
     def get_system_prompt(self) -> str:

@@ -135,8 +135,8 @@ def test_shared_prefix_gradients_equal_per_sequence(tiny, adapter, advantage, ag
 def test_multi_turn_records_share_their_common_first_turn(tiny, adapter, aggregation):
     shared, per_sequence = _pair(tiny, adapter, AlgorithmSpec(advantage="rloo", loss_aggregation=aggregation))
     trajs = multi_turn()
-    groups = plan([t.token_ids for t in trajs], [t.group_id for t in trajs], micro_batch_size=8)
-    assert [g.prefix_length for g in groups] == [18 + 4 + 6, 18]
+    packs = plan([t.token_ids for t in trajs], [t.group_id for t in trajs], micro_batch_size=8)
+    assert [p.prefix_lengths for p in packs] == [[18 + 4 + 6, 18]]
     _assert_same(shared, per_sequence, trajs)
 
 
@@ -146,7 +146,7 @@ def test_groups_split_into_rows_backpropagate_the_prefix_once_with_the_same_grad
     one prefix, whose backward runs once with what both rows sent it."""
     shared, per_sequence = _pair(tiny, adapter, AlgorithmSpec(), micro_batch_size=3)
     trajs = single_turn(seed=4) + multi_turn(seed=5)
-    assert any(len(g.rows) > 1 for g in plan([t.token_ids for t in trajs], [t.group_id for t in trajs], 3))
+    assert any(len(p.rows) > 1 for p in plan([t.token_ids for t in trajs], [t.group_id for t in trajs], 3))
     _assert_same(shared, per_sequence, trajs)
 
 
@@ -172,6 +172,15 @@ def test_records_identical_to_their_shared_prefix_and_unrelated_groups(tiny):
     _assert_same(shared, per_sequence, trajs)
 
 
+def test_eager_attention_takes_the_mask_as_additive(tiny):
+    model, tok = tiny
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    shared, per_sequence = _pair((eager, tok), LoraSpec(r=4, alpha=8), AlgorithmSpec(loss_aggregation="seq-mean"), micro_batch_size=3)
+    assert shared.model.get_base_model().config._attn_implementation == "eager"
+    _assert_same(shared, per_sequence, single_turn(seed=10) + multi_turn(seed=11))
+
+
 def test_an_update_with_the_flag_on_and_off_takes_the_same_step(tiny):
     shared, per_sequence = _pair(tiny, LoraSpec(r=4, alpha=8), AlgorithmSpec())
     trajs = single_turn(seed=9)
@@ -182,11 +191,17 @@ def test_an_update_with_the_flag_on_and_off_takes_the_same_step(tiny):
     assert ma["update/positions_computed"] < mb["update/positions_computed"]
 
 
-def test_plan_groups_records_and_packs_their_completions():
+def test_plan_packs_whole_groups_and_splits_only_large_ones():
     assert common_prefix_length([[1, 2, 3], [1, 2, 4, 5], [1, 2]]) == 2
     assert common_prefix_length([[1, 2], [1, 2]]) == 2 and common_prefix_length([[1], [2]]) == 0
-    ids = [[1, 2, 3, 4], [5, 6], [1, 2, 9, 9, 9], [1, 2, 3], [5, 7, 7]]
-    groups = plan(ids, [0, 1, 0, 0, 1], micro_batch_size=2)
-    assert [(g.members, g.prefix_length, g.rows) for g in groups] == [([0, 2, 3], 2, [[0, 2], [3]]), ([1, 4], 1, [[1, 4]])]
-    # a packed row holds at most pack_tokens completion tokens (a longer completion gets its own row)
-    assert plan(ids, [0, 1, 0, 0, 1], micro_batch_size=8, pack_tokens=3)[0].rows == [[0], [2], [3]]
+    ids = [[1, 2, 3, 4], [5, 6], [1, 2, 9, 9, 9], [1, 2, 3], [5, 7, 7], [8, 8, 8]]
+    packs = plan(ids, [0, 1, 0, 0, 1, 2], micro_batch_size=5)
+    # groups 0 and 1 (3 + 2 records) fill a pack; group 2 starts the next
+    assert [(p.groups, p.prefix_lengths, p.rows) for p in packs] == [([[0, 2, 3], [1, 4]], [2, 1], [[0, 2, 3, 1, 4]]),
+                                                                   ([[5]], [3], [[5]])]
+    assert packs[0].slot(4) == 1 and packs[0].slot(3) == 0
+    # a group above micro_batch_size is a pack of its own, its completions in rows of at most that many
+    packs = plan(ids, [0, 1, 0, 0, 1, 2], micro_batch_size=2)
+    assert [(p.groups, p.rows) for p in packs] == [([[0, 2, 3]], [[0, 2], [3]]), ([[1, 4]], [[1, 4]]), ([[5]], [[5]])]
+    # and a pack holds at most pack_tokens tokens (its prefixes once, completions); a large group's rows as many completion tokens
+    assert [p.rows for p in plan(ids, [0, 1, 0, 0, 1, 2], micro_batch_size=8, pack_tokens=4)] == [[[0], [2, 3]], [[1, 4]], [[5]]]

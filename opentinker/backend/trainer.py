@@ -24,6 +24,14 @@ from opentinker.model.adapters import wrap_model
 from opentinker.model.vision import hidden_states, pixel_batch
 
 
+@dataclass
+class AgainstPrefix:
+    """A micro-batch scored against shared prefixes: record b continues the prefix of group `slots[b]`."""
+
+    prefix: Prefix
+    slots: torch.Tensor
+
+
 class StalePolicyError(RuntimeError):
     """A rollout sampled from a policy older than the configured off-policy allowance."""
 
@@ -92,16 +100,16 @@ class PolicyTrainer:
     def _causal_lm(self, model):
         return model.get_base_model() if hasattr(model, "get_base_model") else model
 
-    def _token_logits(self, model, batch: PackedBatch, prefix: Prefix | None = None) -> torch.Tensor:
+    def _token_logits(self, model, batch: PackedBatch, prefix: AgainstPrefix | None = None) -> torch.Tensor:
         """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there).
-        With `prefix`, the batch's records all start with its tokens and only what follows runs."""
+        With `prefix`, each record starts with its group's shared prefix and only what follows runs."""
         lm = self._causal_lm(model)
         with self.placement.autocast():
             if prefix is None:
                 hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
                 selected = hidden[:, :-1][batch.loss_mask.bool()]
             else:
-                selected = selected_hidden(lm, prefix, batch.input_ids, batch.attention_mask, batch.loss_mask)
+                selected = selected_hidden(lm, prefix.prefix, prefix.slots, batch.input_ids, batch.attention_mask, batch.loss_mask)
             logits = lm.get_output_embeddings()(selected)
         return logits.float() / self.temperature
 
@@ -110,7 +118,7 @@ class PolicyTrainer:
         out[batch.loss_mask.bool()] = values
         return out
 
-    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False, prefix: Prefix | None = None):
+    def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False, prefix: AgainstPrefix | None = None):
         logits = self._token_logits(model, batch, prefix)
         targets = batch.targets[batch.loss_mask.bool()]
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
@@ -132,13 +140,13 @@ class PolicyTrainer:
         return self.model, self.model.disable_adapter()  # LoRA: the base with the adapter off
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: PackedBatch, prefix: Prefix | None = None) -> torch.Tensor:
+    def _reference_logprobs(self, batch: PackedBatch, prefix: AgainstPrefix | None = None) -> torch.Tensor:
         model, scope = self._reference()
         with scope:
             return self._logprobs(model, batch, prefix=prefix)[0]
 
     @torch.no_grad()
-    def _reference_prefix(self, ids: torch.Tensor) -> Prefix:
+    def _reference_prefix(self, ids: list[torch.Tensor]) -> Prefix:
         model, scope = self._reference()
         with scope, self.placement.autocast():
             return run_prefix(self._causal_lm(model), ids)
@@ -214,28 +222,29 @@ class PolicyTrainer:
         }
 
     def _shared_prefix_pass(self, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float, sums: dict[str, float]) -> None:
-        """Each group's shared prefix runs once (with gradients), its records' completions packed
-        against it; one backward per group, or per packed row with the prefix's own backward once
-        (opentinker.backend.shared_prefix)."""
+        """Each group's shared prefix runs once (with gradients), the completions of its records
+        against it; small groups are packed together. One backward per pack, or per row of a large
+        group's completions with the prefix's own backward once (opentinker.backend.shared_prefix)."""
         device = self.placement.device
         lm = self._causal_lm(self.model)
-        groups = plan([t.token_ids for t in trajs], [t.group_id for t in trajs], self.optim_spec.micro_batch_size)
-        for group in groups:
-            ids = torch.tensor(trajs[group.members[0]].token_ids[: group.prefix_length], dtype=torch.long, device=device)
+        for work in plan([t.token_ids for t in trajs], [t.group_id for t in trajs], self.optim_spec.micro_batch_size):
+            ids = [torch.tensor(trajs[g[0]].token_ids[:n], dtype=torch.long, device=device) for g, n in zip(work.groups, work.prefix_lengths)]
             with self.placement.autocast():
                 prefix = run_prefix(lm, ids)
             ref_prefix = self._reference_prefix(ids) if self.algorithm.kl.coef > 0 else None
-            feed = prefix if len(group.rows) == 1 else prefix.detached()
-            sums["computed"] += group.prefix_length
-            for row in group.rows:
+            feed = prefix if len(work.rows) == 1 else prefix.detached()
+            sums["computed"] += sum(work.prefix_lengths)
+            for row in work.rows:
                 batch = pack([trajs[i] for i in row], self.pad_id).to(device)
-                self._loss(batch, advantages[row], normalizer, sums, feed, ref_prefix).backward()
-                sums["computed"] += float(batch.attention_mask.sum()) - len(row) * group.prefix_length
+                slots = torch.tensor([work.slot(i) for i in row], device=device)
+                ref = AgainstPrefix(ref_prefix, slots) if ref_prefix is not None else None
+                self._loss(batch, advantages[row], normalizer, sums, AgainstPrefix(feed, slots), ref).backward()
+                sums["computed"] += float(batch.attention_mask.sum() - sum(work.prefix_lengths[s] for s in slots.tolist()))
             if feed is not prefix:
                 prefix.backward_from(feed)
 
     def _loss(self, batch: PackedBatch, advantages: torch.Tensor, normalizer: float, sums: dict[str, float],
-              prefix: Prefix | None = None, ref_prefix: Prefix | None = None) -> torch.Tensor:
+              prefix: AgainstPrefix | None = None, ref_prefix: AgainstPrefix | None = None) -> torch.Tensor:
         """The clipped policy loss (plus KL) of one micro-batch, its statistics added to `sums`."""
         kl = self.algorithm.kl
         ref = self._reference_logprobs(batch, ref_prefix) if kl.coef > 0 else None

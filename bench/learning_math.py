@@ -39,21 +39,24 @@ sys.path.insert(0, str(ROOT))
 TARGETS = {"rl": {"accuracy": 0.75, "gain": 0.30}, "sft_rl": {"accuracy": 0.90, "gain": 0.0}}
 
 
-def sft_first(tmp: str) -> tuple[str, dict]:
-    """Run examples/sft_math.yaml on freshly generated chats in `tmp`; its checkpoint URL and summary."""
+def sft_first(tmp: str, chats: int, epochs: int) -> tuple[str, dict]:
+    """Run examples/sft_math.yaml on `chats` freshly generated chats (in `tmp`) for `epochs`; its
+    checkpoint URL and summary."""
     from opentinker.sft.game_chats import math_chats, write_jsonl
     from opentinker.sft.job import SFTJob
     from opentinker.sft.spec import load_sft_spec
 
     data = f"{tmp}/math_sft.jsonl"
-    write_jsonl(math_chats(64), data)
+    write_jsonl(math_chats(chats), data)
     spec = load_sft_spec(ROOT / "examples" / "sft_math.yaml")
     spec = spec.model_copy(update={"data": spec.data.model_copy(update={"path": data}),
-                                   "storage": spec.storage.model_copy(update={"base_url": f"file://{tmp}"})})
+                                   "training": spec.training.model_copy(update={"epochs": epochs}),
+                                   "checkpoint": spec.checkpoint.model_copy(update={"base_url": f"file://{tmp}"})})
     t0 = time.perf_counter()
     result = SFTJob(spec, job_id="bench-sft").run()
     print(f"SFT: {result['steps']} steps in {time.perf_counter() - t0:.0f}s -> {result['checkpoint']}", flush=True)
-    return result["checkpoint"], {"seconds": time.perf_counter() - t0, "steps": result["steps"], "checkpoint": result["checkpoint"]}
+    return result["checkpoint"], {"seconds": time.perf_counter() - t0, "steps": result["steps"], "chats": chats, "epochs": epochs,
+                                  "checkpoint": result["checkpoint"]}
 
 
 def main() -> int:
@@ -62,6 +65,9 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--spec", default=None, help="the RL spec (default: examples/math_grpo.yaml, or math_grpo_from_sft.yaml)")
     parser.add_argument("--sft-first", action="store_true", help="SFT on generated worked answers first, then RL from it")
+    parser.add_argument("--sft-chats", type=int, default=64, help="--sft-first: generated chats (1/8 held out for the SFT eval loss)")
+    parser.add_argument("--sft-epochs", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=None, help="the RL learning rate (default: the spec's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     recipe = "sft_rl" if args.sft_first else "rl"
@@ -81,10 +87,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sft = None
         if args.sft_first:
-            checkpoint, sft = sft_first(tmp)
+            checkpoint, sft = sft_first(tmp, args.sft_chats, args.sft_epochs)
             spec = spec.model_copy(update={"model": spec.model.model_copy(update={"init_from": checkpoint})})
         spec = spec.model_copy(update={
-            "optimization": spec.optimization.model_copy(update={"steps": args.steps}),
+            "optimization": spec.optimization.model_copy(update={"steps": args.steps, "lr": args.lr or spec.optimization.lr}),
             "evaluation": spec.evaluation.model_copy(update={"every": args.every}),
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
         })
@@ -141,9 +147,10 @@ def main() -> int:
     Path(args.out + ".json").write_text(json.dumps(out, indent=2))
     lines = [
         "# Learning curve: SmolLM2-135M-Instruct, 1..20 addition, LoRA r16 + GRPO (CPU)"
-        + (", from one SFT epoch on 64 generated worked answers" if sft else ""),
+        + (", from an SFT warm start on generated worked answers" if sft else ""),
         "",
-        *([f"SFT first: {sft['steps']} optimizer steps, {sft['seconds']:.0f} s; step 0 below is the SFT policy.", ""] if sft else []),
+        *([f"SFT first: {sft['chats']} generated chats, {sft['epochs']} epoch(s), {sft['steps']} optimizer steps, {sft['seconds']:.0f} s; "
+           f"step 0 below is the SFT policy. RL learning rate {spec.optimization.lr:g}.", ""] if sft else []),
         f"{args.steps} steps of 8 prompts x 4 samples, 24 new tokens; greedy evaluation on 64 held-out problems.",
         f"Wall time {result.seconds:.0f} s (median step {out['median_step_seconds']:.1f} s, evaluations included in the wall time).",
         "",

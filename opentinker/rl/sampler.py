@@ -151,6 +151,7 @@ class Sampler:
         expanded = [t for t in tasks for _ in range(r.group_size)]
         groups = [step * r.prompts_per_step + i for i in range(len(tasks)) for _ in range(r.group_size)]
         tokens0, gen0 = self.engine.generated_tokens, self.engine.generate_seconds
+        decoded0, useful0 = (getattr(self.engine, name, 0) for name in ("decode_positions", "useful_positions"))  # local engine only
         trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups)
         self.engine.end_phase()  # the episodes are over: free their states before the update
         gen_tokens = self.engine.generated_tokens - tokens0
@@ -159,6 +160,8 @@ class Sampler:
             "rollout/generated_tokens": float(gen_tokens),
             "rollout/tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0,
             "rollout/seconds": time.perf_counter() - t0,
+            "rollout/decode_positions": float(getattr(self.engine, "decode_positions", 0) - decoded0),
+            "rollout/useful_positions": float(getattr(self.engine, "useful_positions", 0) - useful0),
             "rollout/policy_version": float(self.engine.policy_version),
         } | self.sync_metrics
         self._batch = RolloutBatch(step=step, policy_version=self.engine.policy_version, trajectories=trajs, metrics=metrics)

@@ -3,8 +3,8 @@ pictures and, in the same run, with blank pictures (the ablation), on this CPU.
 
 Setting (examples/vlm_shapes.yaml): smolvlm-135m-tiny-vision (SmolLM2-135M's real language
 weights and tokenizer under a small randomly initialised vision encoder, assembled from config),
-LoRA r16 on the language model with the vision tower trained; GRPO, 8 prompts x 4 samples,
-8 new tokens. The answer is only in the picture and the order of the 4 choices is random, so
+LoRA r16 on the language model (vision tower frozen or trained, by the spec); GRPO, 8 prompts x 4 samples,
+8 new tokens. The answer is only in the picture and the 4 choices are always listed in one order, so
 from the text alone the best is 25%. Reward 1 for the right letter in the strict 'Answer: X'
 format. Every evaluation: greedy accuracy on 64 held-out tasks (never trained on), the format
 rate and the share of distinct answers (a policy that always says 'Answer: A' shows ~25% with

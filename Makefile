@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-STEPS ?= 10
+STEPS ?= 25
 
 .PHONY: install demo demo-long demo-local down test test-slow bench clean
 
@@ -24,7 +24,7 @@ demo: install  ## SmolLM2-135M learns arithmetic (LoRA + GRPO) as a Prefect flow
 	$(VENV)/bin/opentinker train examples/math_grpo.yaml --steps $(STEPS)
 
 demo-long: install
-	$(MAKE) demo STEPS=25
+	$(MAKE) demo STEPS=40
 
 demo-local: install  ## the same training in this process, without the stack
 	$(VENV)/bin/opentinker run examples/math_grpo.yaml --steps $(STEPS)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from envs.geometry.render import FAMILIES, parallel_measure, render
-from envs.shapes.game import LETTERS, choices_text, parse_letter, place_answer
-from opentinker.env import AbstractGame, Observation, StepResult
+from envs.shapes.game import LETTERS, LetterChoiceGame, choices_text, parse_letter, place_answer
+from opentinker.env import Observation, StepResult
 from opentinker.env.observation import decode_image
 
 SYSTEM_PROMPT = ("Solve the geometry problem using the diagram. Give the letter of the correct choice "
@@ -105,7 +105,7 @@ def generate_problem(rng: Any, family: str, image_size: int = 256) -> dict[str, 
             "answer": letter, "image_size": int(image_size)}
 
 
-class GeometryGame(AbstractGame):
+class GeometryGame(LetterChoiceGame):
     """One geometry problem per episode (single turn).
 
     Config keys (generate_task): `families` (default all of FAMILIES) and `image_size` (default
@@ -114,25 +114,17 @@ class GeometryGame(AbstractGame):
     "params" instead. Game kwargs: `few_shot` (0 or 1).
     """
 
-    def __init__(self, few_shot: int = 1, system_prompt: str = SYSTEM_PROMPT):
-        if few_shot not in (0, 1):
-            raise ValueError("few_shot must be 0 or 1")
-        self.few_shot, self.system_prompt = few_shot, system_prompt
-        self.family, self.answer = "", ""
+    SYSTEM_PROMPT = SYSTEM_PROMPT
+    EXAMPLE = EXAMPLE  # a worked example whose numbers are in its text: it has no picture
+
+    def __init__(self, few_shot: int = 1, system_prompt: str | None = None):
+        super().__init__(few_shot, system_prompt)
+        self.family = ""
 
     @classmethod
     def generate_task(cls, rng: Any, families: list[str] | tuple[str, ...] | None = None, image_size: int = 256) -> dict[str, Any]:
         families = list(families or FAMILIES)
         return generate_problem(rng, str(families[int(rng.integers(len(families)))]), image_size)
-
-    def get_system_prompt(self) -> str:
-        return self.system_prompt
-
-    def get_example_turns(self) -> list[dict[str, str]]:
-        """One text-only worked example of the format (its numbers are in its text: it has no picture)."""
-        if not self.few_shot:
-            return []
-        return [{"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]}]
 
     def reset(self, problem: str, choices: list[str], answer: str, family: str = "geometry3k", params: dict[str, Any] | None = None,
               image: dict[str, str] | None = None, image_size: int = 256, **_: Any) -> Observation:

@@ -93,7 +93,31 @@ def render(shapes: list[dict[str, Any]], size: int, blank: bool = False) -> Any:
     return image
 
 
-class ShapesGame(AbstractGame):
+class LetterChoiceGame(AbstractGame):
+    """A single-turn multiple-choice game answered `Answer: <letter>`: its system prompt and, with
+    `few_shot=1`, one text-only example turn (`EXAMPLE`: user text, assistant reply) of the format."""
+
+    SYSTEM_PROMPT = SYSTEM_PROMPT
+    EXAMPLE = EXAMPLE
+
+    def __init__(self, few_shot: int = 1, system_prompt: str | None = None):
+        if few_shot not in (0, 1):
+            raise ValueError("few_shot must be 0 or 1")
+        self.few_shot = few_shot
+        self.system_prompt = system_prompt if system_prompt is not None else self.SYSTEM_PROMPT
+        self.answer = ""
+
+    def get_system_prompt(self) -> str:
+        return self.system_prompt
+
+    def get_example_turns(self) -> list[dict[str, str]]:
+        """The example has no picture, so it shows the format and nothing about the pictures."""
+        if not self.few_shot:
+            return []
+        return [{"role": "user", "content": self.EXAMPLE[0]}, {"role": "assistant", "content": self.EXAMPLE[1]}]
+
+
+class ShapesGame(LetterChoiceGame):
     """One question about one picture per episode (single turn).
 
     Config keys (generate_task): `kinds` (default ("colour",): one big shape, the easiest),
@@ -103,13 +127,9 @@ class ShapesGame(AbstractGame):
     "colour", "x", "y", "r"}], "choices": [4 strings], "answer": "A".."D", "image_size", "blank"}.
     """
 
-    def __init__(self, few_shot: int = 1, system_prompt: str = SYSTEM_PROMPT):
-        if few_shot not in (0, 1):
-            raise ValueError("few_shot must be 0 or 1")
-        self.few_shot = few_shot
-        self.system_prompt = system_prompt
+    def __init__(self, few_shot: int = 1, system_prompt: str | None = None):
+        super().__init__(few_shot, system_prompt)
         self.kind = ""
-        self.answer = ""
 
     @classmethod
     def generate_task(cls, rng: Any, kinds: list[str] | tuple[str, ...] = ("colour",), image_size: int = 128,
@@ -136,15 +156,6 @@ class ShapesGame(AbstractGame):
         else:
             choices, answer = place_answer(rng, correct, _others(rng, names, correct))
         return {"kind": kind, "shapes": shapes, "choices": choices, "answer": answer, "image_size": int(image_size), "blank": bool(blank)}
-
-    def get_system_prompt(self) -> str:
-        return self.system_prompt
-
-    def get_example_turns(self) -> list[dict[str, str]]:
-        """A text-only example of the format (no picture, so it shows nothing about the pictures)."""
-        if not self.few_shot:
-            return []
-        return [{"role": "user", "content": EXAMPLE[0]}, {"role": "assistant", "content": EXAMPLE[1]}]
 
     def reset(self, kind: str, shapes: list[dict[str, Any]], choices: list[str], answer: str, image_size: int = 128,
               blank: bool = False, **_: Any) -> Observation:

@@ -262,7 +262,7 @@ def test_tenant_names_that_could_collide_or_are_reserved_are_refused(tmp_path, n
 
 def test_env_url_may_not_point_at_the_stacks_own_servers(world, tmp_path):
     settings = world["settings"]
-    for port in (settings.mlflow_port, settings.prefect_port, settings.gateway_port):
+    for port in (settings.mlflow_port, settings.prefect_port, settings.gateway_port, settings.ray_port, settings.ray_client_port):
         config = _spec(tmp_path, env={"game": None, "url": f"http://127.0.0.1:{port}"})
         assert _submit(world, config).json()["detail"].startswith("env.url: ")
 

@@ -143,12 +143,16 @@ def run_load(settings, args, tmp: Path) -> dict:
             print(f"\r{now - start:6.0f}s  running {len(running)}  slots {held}  done {len(ended)}/{args.jobs}  ", end="", flush=True)
             time.sleep(0.5)
     print()
+    failures = {j: client.job_status(j) for j, (_, state) in ended.items() if state != "COMPLETED"}
+    for job_id, status in failures.items():
+        print(f"{job_id}: {status.get('state')}: {status.get('reason')}", flush=True)
     total = max((t for t, _ in ended.values()), default=time.perf_counter()) - start
     waits = [first_running[j] - submit_at[j] for j in first_running]
     runs = [ended[j][0] - first_running[j] for j in ended]
     return {
         "jobs": args.jobs, "slots": args.slots, "cpus": os.cpu_count(),
         "completed": sum(s == "COMPLETED" for _, s in ended.values()),
+        "not_completed": {j: f"{st.get('state')}: {st.get('reason')}" for j, st in failures.items()},
         "max_slots_held": max_slots, "max_running_seen": max_running,
         "submit_call_s": {"median": statistics.median(submit_call), "p95": p95(submit_call)},
         "queue_wait_s": {"median": statistics.median(waits), "p95": p95(waits)},

@@ -78,7 +78,7 @@ def test_mlflow_client_logs_and_reads_back_through_server(stack):
     from mlflow.tracking import MlflowClient
 
     settings, _ = stack
-    assert mlflow_env(settings) == {"MLFLOW_TRACKING_URI": settings.mlflow_url}
+    assert mlflow_env(settings) == {"MLFLOW_TRACKING_URI": settings.mlflow_url, "MLFLOW_DISABLE_TELEMETRY": "true"}
     client = MlflowClient(tracking_uri=settings.mlflow_url)
     experiment_id = client.create_experiment(f"{settings.project}/stack-test")
     run = client.create_run(experiment_id)

@@ -1,7 +1,7 @@
 """The scheduler is Prefect: this module only names and configures Prefect's own parts.
 
 - Work pools per hardware class (`gpu`, `cpu`), process type, whose concurrency limit bounds how
-  many job processes exist at once (the slots plus one warming up).
+  many job processes exist at once (the slots plus one warming up per slot).
 - A global concurrency limit per pool, `slots-<pool>`, with one slot per GPU (or per concurrent
   CPU job): a job asking for N GPUs holds N slots for its whole life (see opentinker/orchestration/job.py).
   Slots are leases: released on completion, failure or cancellation, and expired by the server
@@ -39,7 +39,6 @@ CANCEL_REQUESTED_TAG = "opentinker:cancel-requested"
 AWAITING_ENV = "AwaitingEnvironment"
 # A run waiting for its environment is parked far in the future, out of every worker's reach.
 _PARKED = timedelta(days=3650)
-WARM_JOBS = 1
 
 
 class SchedulingError(ValueError):
@@ -120,10 +119,11 @@ def resize_pool(pool: str, slots: int) -> None:
     from prefect.exceptions import ObjectNotFound
     from prefect.workers.process import ProcessWorker
 
-    # One job more than slots may start: it loads (imports, Ray) while the others run, then
-    # waits for a slot, so a finished job's slot is refilled in seconds, not after a whole
-    # process start-up (bench/scheduler_load.py). The slots bound what runs.
-    limit = slots + WARM_JOBS if slots else 0
+    # One waiting job per slot may start: it loads (imports, checks) while the others run, then
+    # waits for a slot, so each freed slot is refilled in about a second, not after a whole
+    # process start-up, even when jobs started together end together (bench/scheduler_load.py).
+    # The slots bound what runs.
+    limit = 2 * slots
     with prefect_client() as client:
         try:
             existing = client.read_work_pool(pool)

@@ -27,11 +27,17 @@ def services_for(s: Settings) -> tuple[str, ...]:
     return SERVICES if s.ray_head and not s.ray_address else tuple(n for n in SERVICES if n != "ray")
 
 
+# A worker polls every 2 s instead of Prefect's 10 (a freed slot is refilled sooner), and it and its
+# flow runs retry a busy Prefect server (503 while its database is locked) for about four minutes
+# instead of one: under a burst on 2 cores the embedded SQLite server stalled past Prefect's
+# 5 retries, and the worker failed a job it could not label (bench/scheduler_load.py).
+WORKER_PREFECT_ENV = {"PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLIENT_MAX_RETRIES": "7"}
+
+
 def worker_env(s: Settings) -> dict[str, str]:
     """Flow runs inherit the worker's environment: they find Prefect, MLflow, the settings and the
-    stack's Ray head (with its token). The worker polls every 2 s instead of Prefect's 10: a freed
-    slot is refilled sooner."""
-    env = {**settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), "PREFECT_WORKER_QUERY_SECONDS": "2"}
+    stack's Ray head (with its token)."""
+    env = {**settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), **WORKER_PREFECT_ENV}
     if "ray" in services_for(s):
         env["OPENTINKER_RAY_ADDRESS"] = s.ray_head_address
     return env
@@ -93,6 +99,9 @@ def _prefect_server_env(s: Settings) -> dict[str, str]:
         # Slot leases on disk, not in the server's memory: a restarted server still knows the
         # leases of running jobs (releases them, expires them), so no slot leaks across a restart.
         "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+        # A job waiting for a slot retries after at most this long. Prefect's default (30 s, scaled
+        # by how long slots are held) left a freed slot idle for up to half a minute.
+        "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
         "PREFECT_SERVER_UI_ENABLED": "true",
     }
 

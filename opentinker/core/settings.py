@@ -303,8 +303,10 @@ def plain_http_ca_file(settings: Settings) -> Path:
 
 
 def mlflow_env(settings: Settings) -> dict[str, str]:
-    """Variables that point an MLflow client at this stack's tracking server."""
-    return {"MLFLOW_TRACKING_URI": settings.mlflow_url}
+    """Variables that point an MLflow client at this stack's tracking server. Telemetry off: it sends
+    data off the machine, and its thread sets and unsets an environment variable that another
+    thread's request read mid-change (a job failed with KeyError '_MLFLOW_TELEMETRY_SESSION_ID')."""
+    return {"MLFLOW_TRACKING_URI": settings.mlflow_url, "MLFLOW_DISABLE_TELEMETRY": "true"}
 
 
 SERVER_ONLY = ("prefect_database_url", "mlflow_backend_store_uri")

@@ -102,6 +102,14 @@ def test_lora_goes_on_the_language_model_and_the_vision_tower_is_frozen_or_train
     full = PolicyTrainer(load_model("tiny-vlm-random")[0], tok, FullSpec(vision_tower="frozen"), AlgorithmSpec(), OptimizationSpec())
     assert not any(p.requires_grad for n, p in full.model.named_parameters() if "vision_model" in n)
 
+    # the connector alone (LLaVA-style): the projection into the language model trains, the encoder not
+    projector = PolicyTrainer(load_model("tiny-vlm-random")[0], tok, LoraSpec(r=8, alpha=16, vision_tower="connector"),
+                              AlgorithmSpec(), OptimizationSpec())
+    named = dict(projector.model.named_parameters())
+    assert [n for n in named if "connector" in n] and all(p.requires_grad for n, p in named.items() if "connector" in n)
+    assert not any(p.requires_grad for n, p in named.items() if "vision_model" in n)
+    assert {n for n in projector.trainable_state() if "connector" in n}  # and it travels in checkpoints
+
 
 def test_smolvlm_keeps_smollm2s_language_weights():
     from opentinker.model import load_model

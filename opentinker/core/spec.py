@@ -93,14 +93,16 @@ class LoraSpec(Section):
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="projections of the language model that get LoRA (a VLM's vision encoder never does)",
     )
-    vision_tower: Literal["frozen", "trainable"] = Field(
-        "frozen", description="vision-language models: train the vision encoder and connector in full beside the LoRA")
+    vision_tower: Literal["frozen", "connector", "trainable"] = Field(
+        "frozen", description="vision-language models: beside the LoRA, train nothing of the vision side, only the "
+                              "connector (the projection into the language model), or the vision encoder and connector")
 
 
 class FullSpec(Section):
     kind: Literal["full"] = "full"
-    vision_tower: Literal["frozen", "trainable"] = Field(
-        "trainable", description="vision-language models: train the vision encoder and connector too, or keep them frozen")
+    vision_tower: Literal["frozen", "connector", "trainable"] = Field(
+        "trainable", description="vision-language models: train the vision encoder and connector too, only the connector, "
+                                 "or keep both frozen")
 
 
 AdapterSpec = Annotated[Union[LoraSpec, FullSpec], Field(discriminator="kind")]

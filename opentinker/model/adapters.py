@@ -7,9 +7,9 @@ from opentinker.core.spec import FullSpec, LoraSpec
 
 def wrap_model(model, adapter: LoraSpec | FullSpec):
     """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable. For
-    a vision-language model LoRA goes on the language model only, and `vision_tower` says whether
-    the vision encoder and connector train too."""
-    from opentinker.model.vision import language_modules, vision_parameters
+    a vision-language model LoRA goes on the language model only, and `vision_tower` says what of
+    the vision side trains too: nothing, the connector, or the encoder and the connector."""
+    from opentinker.model.vision import connector_parameters, language_modules, vision_parameters
 
     if isinstance(adapter, LoraSpec):
         from peft import LoraConfig, get_peft_model
@@ -28,6 +28,8 @@ def wrap_model(model, adapter: LoraSpec | FullSpec):
             p.requires_grad_(True)
     for p in vision_parameters(model):
         p.requires_grad_(adapter.vision_tower == "trainable")
+    for p in connector_parameters(model):
+        p.requires_grad_(adapter.vision_tower in ("connector", "trainable"))
     return wrapped
 
 

@@ -110,6 +110,11 @@ def vision_parameters(model: Any) -> list[Any]:
     return [*inner.vision_model.parameters(), *inner.connector.parameters()]
 
 
+def connector_parameters(model: Any) -> list[Any]:
+    """The connector's parameters (the projection of image features into the language model)."""
+    return list(model.model.connector.parameters()) if is_vision_model(model) else []
+
+
 def hidden_states(lm: Any, input_ids: Any, attention_mask: Any, pixel_values: Any = None, pixel_attention_mask: Any = None) -> Any:
     """Last hidden states of a causal LM or a VLM (images merged at their tokens)."""
     if is_vision_model(lm):

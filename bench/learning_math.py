@@ -78,6 +78,7 @@ def main() -> int:
     import torch
 
     from opentinker.cli.common import quiet_libraries
+    from bench.progress import eval_line, step_line
     from opentinker.rl import RLJob
     from opentinker.core.spec import load_spec
 
@@ -103,14 +104,11 @@ def main() -> int:
 
         def on_step(r):
             sampled[r.step] = r.metrics["rollout/reward_mean"]
-            print(f"step {r.step:>3}: sampled reward {r.metrics['rollout/reward_mean']:.3f} "
-                  f"format {r.metrics.get('rollout/format_ok', 0):.2f} ({r.metrics['step/seconds']:.1f}s)", flush=True)
+            print(step_line(r), flush=True)
 
         def on_eval(e):
-            m = e.metrics
             eval_at[e.step] = time.perf_counter() - t_run
-            print(f"eval {e.step:>3}: accuracy {m['eval/accuracy']:.3f} format {m['eval/format_ok']:.3f} "
-                  f"distinct {m['eval/distinct_answer_share']:.3f}", flush=True)
+            print(eval_line(e), flush=True)
 
         result = job.run(on_step=on_step, on_eval=on_eval)
 

@@ -33,6 +33,7 @@ TARGET, CHANCE = 0.60, 0.25
 
 def train(spec, blank: bool, tmp: str) -> dict:
     """One run of `spec` with real (blank=False) or blank pictures; its greedy held-out curve."""
+    from bench.progress import eval_line, step_line
     from opentinker.rl import RLJob
 
     env = spec.env.model_copy(update={"config": {**spec.env.config, "blank": blank}})
@@ -45,13 +46,10 @@ def train(spec, blank: bool, tmp: str) -> dict:
 
     def on_step(r):
         sampled[r.step] = r.metrics["rollout/reward_mean"]
-        print(f"[{name}] step {r.step:>3}: sampled reward {r.metrics['rollout/reward_mean']:.3f} "
-              f"format {r.metrics.get('rollout/format_ok', 0):.2f} ({r.metrics['step/seconds']:.1f}s)", flush=True)
+        print(f"[{name}] {step_line(r)}", flush=True)
 
     def on_eval(e):
-        m = e.metrics
-        print(f"[{name}] eval {e.step:>3}: accuracy {m['eval/accuracy']:.3f} format {m['eval/format_ok']:.3f} "
-              f"distinct {m['eval/distinct_answer_share']:.3f}", flush=True)
+        print(f"[{name}] {eval_line(e)}", flush=True)
 
     result = job.run(on_step=on_step, on_eval=on_eval)
     curve = [{"step": ev.step, "greedy_accuracy": ev.metrics["eval/accuracy"], "format_rate": ev.metrics["eval/format_ok"],

@@ -9,7 +9,7 @@ def wrap_model(model, adapter: LoraSpec | FullSpec):
     """Apply the adapter choice: a peft LoRA model (base frozen) or the full model trainable. For
     a vision-language model LoRA goes on the language model only, and `vision_tower` says what of
     the vision side trains too: nothing, the connector, or the encoder and the connector."""
-    from opentinker.model.vision import connector_parameters, language_modules, vision_parameters
+    from opentinker.model.vision import connector_parameters, encoder_parameters, language_modules
 
     if isinstance(adapter, LoraSpec):
         from peft import LoraConfig, get_peft_model
@@ -26,10 +26,10 @@ def wrap_model(model, adapter: LoraSpec | FullSpec):
         wrapped = model
         for p in model.parameters():
             p.requires_grad_(True)
-    for p in vision_parameters(model):
+    for p in encoder_parameters(model):
         p.requires_grad_(adapter.vision_tower == "trainable")
     for p in connector_parameters(model):
-        p.requires_grad_(adapter.vision_tower in ("connector", "trainable"))
+        p.requires_grad_(adapter.vision_tower != "frozen")
     return wrapped
 
 

@@ -102,12 +102,9 @@ def language_modules(model: Any, names: list[str] | tuple[str, ...]) -> str | li
     return rf"^(.*\.)?text_model\..*\.({'|'.join(names)})$"
 
 
-def vision_parameters(model: Any) -> list[Any]:
-    """The vision encoder's and the connector's parameters (empty for a language model)."""
-    if not is_vision_model(model):
-        return []
-    inner = model.model
-    return [*inner.vision_model.parameters(), *inner.connector.parameters()]
+def encoder_parameters(model: Any) -> list[Any]:
+    """The vision encoder's parameters (empty for a language model)."""
+    return list(model.model.vision_model.parameters()) if is_vision_model(model) else []
 
 
 def connector_parameters(model: Any) -> list[Any]:

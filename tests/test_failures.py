@@ -109,6 +109,56 @@ def test_train_reports_the_real_end_state_across_a_prefect_restart(stack, stack_
     assert "Traceback" not in out
 
 
+def test_a_jobs_slot_lease_outlives_a_prefect_restart_and_a_second_holder_waits(stack, stack_env):
+    """The lease a job holds its slots by is renewed through a Prefect server restart (Prefect's
+    own `concurrency()` gave up within seconds, with a fresh client that does not retry a refused
+    connection, and failed the job); a second holder of a full limit waits until it is released."""
+    import contextvars
+    import threading
+    import uuid
+
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    from opentinker.control.scheduler import prefect_client
+    from opentinker.control.stack import Stack
+    from opentinker.core.polling import wait_for
+    from opentinker.orchestration.slot_lease import leased_slots
+
+    settings, _ = stack_env
+    name = f"lease-test-{uuid.uuid4().hex[:8]}"
+    with prefect_client() as client:
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+
+    def held() -> int:
+        with prefect_client() as client:
+            return client.read_global_concurrency_limit_by_name(name).active_slots
+
+    second: dict = {}
+
+    def second_holder() -> None:
+        with leased_slots(name, 1, lease_s=60, blip_s=120):
+            second["at"] = time.monotonic()
+
+    with leased_slots(name, 1, lease_s=60, blip_s=120, renew_every_s=1) as lease:
+        assert held() == 1
+        waiter = threading.Thread(target=contextvars.copy_context().run, args=(second_holder,), daemon=True)
+        waiter.start()
+        services, stack_status = Stack(settings), stack[1]
+        os.kill(services.pid("prefect"), signal.SIGKILL)
+        time.sleep(4)  # renewals fall due while nothing answers
+        stack_status.update(services.up(timeout=180))
+        before = lease.renewals
+        wait_for(lambda: lease.renewals > before or None, interval=0.5, timeout=60, what="a renewal after the restart")
+        assert lease.lost is None and held() == 1 and "at" not in second
+        released = time.monotonic()
+    waiter.join(timeout=60)
+    assert second["at"] >= released  # it got the slot only once the first holder let go
+    assert held() == 0
+    with pytest.raises(LookupError, match=r"^the concurrency limit 'no-such-limit' does not exist"):
+        with leased_slots("no-such-limit", 1, lease_s=60, blip_s=5):
+            pass
+
+
 def _job_state(job_id, settings) -> str:
     from opentinker.control.follow import latest_flow_run
     from opentinker.control.scheduler import job_state

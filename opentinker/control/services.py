@@ -30,8 +30,12 @@ def services_for(s: Settings) -> tuple[str, ...]:
 # A worker polls every 2 s instead of Prefect's 10 (a freed slot is refilled sooner), and it and its
 # flow runs retry a busy Prefect server (503 while its database is locked) for about four minutes
 # instead of one: under a burst on 2 cores the embedded SQLite server stalled past Prefect's
-# 5 retries, and the worker failed a job it could not label (bench/scheduler_load.py).
-WORKER_PREFECT_ENV = {"PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLIENT_MAX_RETRIES": "7"}
+# 5 retries, and the worker failed a job it could not label (bench/scheduler_load.py). No API
+# version handshake per process: a flow's tasks start Ray worker processes whose first call to
+# Prefect would be that handshake, and during a Prefect restart it fails the task at once (a fresh
+# client does not retry a refused connection); the worker and the server are one install.
+WORKER_PREFECT_ENV = {"PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLIENT_MAX_RETRIES": "7",
+                      "PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false"}
 
 
 def worker_env(s: Settings) -> dict[str, str]:

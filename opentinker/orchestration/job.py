@@ -26,6 +26,7 @@ from opentinker.core.errors import one_line
 from opentinker.core.polling import through_blips
 from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
 from opentinker.orchestration.actors import check_placeable
+from opentinker.orchestration.slot_lease import leased_slots
 from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner, authenticate
 from opentinker.storage.preflight import check_job_storage
 from opentinker.tracking.runs import JobTracker, check_mlflow
@@ -33,6 +34,8 @@ from opentinker.tracking.runs import JobTracker, check_mlflow
 
 # How long a job's own calls to Prefect wait out a control plane that does not answer (a restart).
 CONTROL_BLIP_S = 180.0
+# A crashed job's slots come free this long after its last lease renewal.
+SLOT_LEASE_S = 60.0
 
 
 class JobError(RuntimeError):
@@ -115,27 +118,26 @@ def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
     and for a tenant's job first one slot of the tenant's running-jobs limit.
 
     Only deployment runs take slots (the scheduler's runs); a direct call, as in a notebook or a
-    benchmark, runs unscheduled. The leases are renewed while the run lives and expire a minute
-    after a crash; the flow-run tag tells clients the job left the queue.
+    benchmark, runs unscheduled. The leases are renewed while the run lives, through a Prefect
+    server restart (`slot_lease`), and expire a minute after a crash; the flow-run tag tells
+    clients the job left the queue.
     """
     if runtime.deployment.id is None:
         yield
         return
     from contextlib import ExitStack
 
-    from prefect.concurrency.sync import concurrency
-
     def tag_running() -> None:
         with prefect_client() as client:
             run = client.read_flow_run(runtime.flow_run.id)
             client.update_flow_run(run.id, tags=[*run.tags, SLOTS_HELD_TAG])
 
-    with ExitStack() as held:  # each call rides out a Prefect server restart (a fresh context per attempt)
+    logger = get_run_logger()
+    with ExitStack() as held:
         if tenant:
-            through_blips(lambda: held.enter_context(concurrency(tenant_limit(tenant), occupy=1, strict=True, lease_duration=60)),
-                          give_up_after_s=CONTROL_BLIP_S)
-        through_blips(lambda: held.enter_context(concurrency(slot_limit(pool_for(num_gpus)), occupy=slots_for(num_gpus),
-                                                             strict=True, lease_duration=60)), give_up_after_s=CONTROL_BLIP_S)
+            held.enter_context(leased_slots(tenant_limit(tenant), 1, lease_s=SLOT_LEASE_S, blip_s=CONTROL_BLIP_S, logger=logger))
+        held.enter_context(leased_slots(slot_limit(pool_for(num_gpus)), slots_for(num_gpus), lease_s=SLOT_LEASE_S,
+                                        blip_s=CONTROL_BLIP_S, logger=logger))
         through_blips(tag_running, give_up_after_s=CONTROL_BLIP_S)
         yield
 

@@ -40,6 +40,12 @@ def test_group_size_one_with_grpo():
     assert "rollout.group_size" in msg and "at least 2" in msg and "grpo" in msg
 
 
+def test_a_vision_learning_rate_needs_a_vision_side_that_trains():
+    msg = _error({**BASE, "adapter": {"kind": "lora", "vision_lr": 1e-3}})
+    assert msg.startswith("adapter") and "vision_lr is set but vision_tower is frozen" in msg
+    assert parse_spec({**BASE, "adapter": {"kind": "lora", "vision_tower": "connector", "vision_lr": 1e-3}}).adapter.vision_lr == 1e-3
+
+
 def test_missing_model():
     assert "model: Field required" in _error({"env": {"game": "envs.math:MathGame"}})
 

@@ -109,6 +109,17 @@ def test_lora_goes_on_the_language_model_and_the_vision_tower_is_frozen_or_train
     assert [n for n in named if "connector" in n] and all(p.requires_grad for n, p in named.items() if "connector" in n)
     assert not any(p.requires_grad for n, p in named.items() if "vision_model" in n)
     assert {n for n in projector.trainable_state() if "connector" in n}  # and it travels in checkpoints
+    assert len(projector.optimizer.param_groups) == 1  # one learning rate unless the spec gives the vision side its own
+
+    # the vision side at its own learning rate: the connector in a group of its own, the LoRA at optimization.lr
+    own = PolicyTrainer(load_model("tiny-vlm-random")[0], tok, LoraSpec(r=8, alpha=16, vision_tower="connector", vision_lr=3e-3),
+                        AlgorithmSpec(), OptimizationSpec(lr=1e-4))
+    names = {id(p): n for n, p in own.model.named_parameters()}
+    by_lr = {g["lr"]: {names[id(p)] for p in g["params"]} for g in own.optimizer.param_groups}
+    assert set(by_lr) == {1e-4, 3e-3}
+    assert by_lr[3e-3] and all("connector" in n for n in by_lr[3e-3])
+    assert by_lr[1e-4] and all("lora_" in n for n in by_lr[1e-4])
+    assert sum(len(g["params"]) for g in own.optimizer.param_groups) == len(own.params)
 
 
 def test_smolvlm_keeps_smollm2s_language_weights():

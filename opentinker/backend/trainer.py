@@ -68,6 +68,18 @@ def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
     return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels)
 
 
+def param_groups(model, trained: list, lr: float, vision_lr: float | None) -> list[dict]:
+    """The optimizer's groups: everything at `lr`, or, with `vision_lr`, a VLM's trained vision side
+    (connector, encoder) in a group of its own at that rate (LLaVA-style: a fresh projection wants
+    a larger step than the LoRA on a pretrained language model)."""
+    from opentinker.model.vision import connector_parameters, encoder_parameters
+
+    vision = {id(p) for p in encoder_parameters(model) + connector_parameters(model)} if vision_lr is not None else set()
+    groups = [{"params": [p for p in trained if id(p) not in vision], "lr": lr},
+              {"params": [p for p in trained if id(p) in vision], "lr": vision_lr}]
+    return [g for g in groups if g["params"]]
+
+
 class PolicyTrainer:
     """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
 
@@ -88,7 +100,8 @@ class PolicyTrainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.version = 0
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
+                                           lr=optim.lr, weight_decay=optim.weight_decay)
         self.reference = None
         if algorithm.kl.coef > 0 and not self.is_lora:
             # Full fine-tuning needs a frozen copy; LoRA uses the base with the adapter disabled.

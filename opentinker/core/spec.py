@@ -84,7 +84,20 @@ class ModelSpec(Section):
         return name
 
 
-class LoraSpec(Section):
+class _AdapterBase(Section):
+    """What LoRA and full training share: a vision-language model's vision side may learn at its own rate."""
+
+    vision_lr: float | None = Field(None, gt=0, description="learning rate of the vision side that trains (connector, "
+                                                           "encoder); default: optimization.lr")
+
+    @model_validator(mode="after")
+    def _vision_lr_needs_training(self):
+        if self.vision_lr is not None and self.vision_tower == "frozen":
+            raise ValueError("vision_lr is set but vision_tower is frozen: nothing of the vision side trains (use connector or trainable)")
+        return self
+
+
+class LoraSpec(_AdapterBase):
     kind: Literal["lora"] = "lora"
     r: int = Field(16, gt=0)
     alpha: float = Field(32.0, gt=0)
@@ -98,7 +111,7 @@ class LoraSpec(Section):
                               "connector (the projection into the language model), or the vision encoder and connector")
 
 
-class FullSpec(Section):
+class FullSpec(_AdapterBase):
     kind: Literal["full"] = "full"
     vision_tower: Literal["frozen", "connector", "trainable"] = Field(
         "trainable", description="vision-language models: train the vision encoder and connector too, only the connector, "

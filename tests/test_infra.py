@@ -346,9 +346,11 @@ def test_kubernetes_gpu_group():
 
 def test_files_agree_with_the_code():
     """Names the infra files rely on exist in the code: settings, the gateway factory, the pools,
-    the Ray version, the head Service KubeRay makes, the one host serving Prefect and MLflow."""
+    the Ray version, the head Service KubeRay makes, the one host serving Prefect and MLflow; and
+    they carry the client settings the code gives workers and MLflow clients."""
     from opentinker.control.scheduler import POOLS
-    from opentinker.core.settings import Settings
+    from opentinker.control.services import WORKER_PREFECT_ENV
+    from opentinker.core.settings import Settings, mlflow_env
 
     fields = {f"OPENTINKER_{name.upper()}" for name in Settings.model_fields}
     config = next(doc for _, doc in k8s_documents() if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "opentinker-config")["data"]
@@ -358,6 +360,9 @@ def test_files_agree_with_the_code():
         assert env["OPENTINKER_STORAGE_URL"].startswith("s3://")
         assert env["PREFECT_API_URL"] == f"http://{env['OPENTINKER_HOST']}:{env['OPENTINKER_PREFECT_PORT']}/api"
         assert env["MLFLOW_TRACKING_URI"] == f"http://{env['OPENTINKER_HOST']}:{env['OPENTINKER_MLFLOW_PORT']}"
+        # what the embedded stack gives its workers and MLflow clients, the deployed ones get too
+        assert WORKER_PREFECT_ENV.items() <= env.items()
+        assert {k: v for k, v in mlflow_env(Settings()).items() if k != "MLFLOW_TRACKING_URI"}.items() <= env.items()
     assert callable(importlib.import_module("opentinker.control.gateway.app").create_app)
 
     docs = [doc for _, doc in k8s_documents()]

@@ -58,6 +58,7 @@ def main() -> int:
 
     import torch
 
+    from bench.progress import eval_line
     from opentinker.cli.common import quiet_libraries
     from opentinker.core.spec import load_spec
     from opentinker.rl import RLJob
@@ -72,10 +73,7 @@ def main() -> int:
 
         def evaluate(step: int) -> None:
             ev = job.evaluate(step)
-            m = ev.metrics
-            replies = [t["messages"][-1]["content"] for t in ev.transcripts[:3]]
-            print(f"eval {step}: accuracy {m['eval/accuracy']:.3f} format {m['eval/format_ok']:.3f} "
-                  f"distinct {m['eval/distinct_answer_share']:.3f} replies {replies}", flush=True)
+            print(f"{eval_line(ev)} replies {[t['messages'][-1]['content'] for t in ev.transcripts[:3]]}", flush=True)
 
         evaluate(0)
         for step in range(1, args.steps + 1):

@@ -17,16 +17,15 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from uuid import UUID
 
 from opentinker.control.scheduler import prefect_client
-from opentinker.core.polling import through_blips
+from opentinker.core.polling import through_blips, wait_for
 
-_LOCKED = 423  # the limit is full: the server says when to ask again (Retry-After)
+_LOCKED = 423  # the limit is full
 
 
 @dataclass
@@ -64,27 +63,32 @@ def leased_slots(limit: str, occupy: int, *, lease_s: float, blip_s: float, rene
 
 
 def _acquire(limit: str, occupy: int, lease_s: float) -> UUID:
-    from httpx import HTTPStatusError
+    """The lease id once the slots are granted, asking again each second while the limit is full
+    (the stack and infra/ cap Prefect's Retry-After at a second)."""
     from prefect import runtime
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
 
     run_id = runtime.flow_run.id  # the UI shows which run holds the slots
     holder = ConcurrencyLeaseHolder(type="flow_run", id=UUID(run_id)) if run_id else None
+    return wait_for(lambda: _try_acquire(limit, occupy, lease_s, holder), interval=1.0, what=f"slots of {limit!r}")
+
+
+def _try_acquire(limit: str, occupy: int, lease_s: float, holder) -> UUID | None:
+    from httpx import HTTPStatusError
+    from prefect.client.schemas.responses import ConcurrencyLimitWithLeaseResponse
+
     with prefect_client() as client:
-        while True:
-            try:
-                response = client.increment_concurrency_slots_with_lease(names=[limit], slots=occupy, mode="concurrency",
-                                                                         lease_duration=lease_s, holder=holder)
-            except HTTPStatusError as err:
-                if err.response.status_code != _LOCKED:
-                    raise
-                time.sleep(float(err.response.headers.get("Retry-After", 1)))
-                continue
-            granted = ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
-            if not granted.limits:
-                raise LookupError(f"the concurrency limit {limit!r} does not exist (the scheduler creates it: `opentinker deploy`)")
-            return granted.lease_id
+        try:
+            response = client.increment_concurrency_slots_with_lease(names=[limit], slots=occupy, mode="concurrency",
+                                                                     lease_duration=lease_s, holder=holder)
+        except HTTPStatusError as err:
+            if err.response.status_code == _LOCKED:
+                return None
+            raise
+    granted = ConcurrencyLimitWithLeaseResponse.model_validate(response.json())
+    if not granted.limits:
+        raise LookupError(f"the concurrency limit {limit!r} does not exist (the scheduler creates it: `opentinker deploy`)")
+    return granted.lease_id
 
 
 def _keep(lease: SlotLease, lease_s: float, every_s: float, blip_s: float, stop: threading.Event, log) -> None:

@@ -121,6 +121,36 @@ def test_shapes_config_reaches_the_generator():
         ShapesGame.generate_task(np.random.default_rng(0), kinds=["size"])
 
 
+@pytest.mark.parametrize("reply, reward, format_ok", [
+    ("{w}", 1.0, True), ("{w}.", 1.0, True), ("  {w}\n", 1.0, True), ("{o}", 0.0, True),
+    ("{W}", 0.0, False), ("{w} {o}", 0.0, False), ("The shape is {w}.", 0.0, False), ("{w}!", 0.0, False),
+    ("Answer: {a}", 0.0, False), ("{a}", 0.0, False), ("", 0.0, False),
+])
+def test_shapes_word_reply_rewards_exactly_the_right_choice_as_written(reply, reward, format_ok):
+    task = _tasks(ShapesGame, 1, seed=11, fixed_choices=True)[0]
+    right = task["choices"]["ABCD".index(task["answer"])]
+    other = next(c for c in task["choices"] if c != right)
+    game = ShapesGame(reply="word")
+    game.reset(**task)
+    result = game.step(reply.format(w=right, W=right.capitalize(), o=other, a=task["answer"]))
+    assert result.done and result.reward == reward
+    assert result.info["correct"] is (reward == 1.0) and result.info["format_ok"] is format_ok
+    assert result.info["expected"] == right and result.info["answer"] == (reply.format(w=right, o=other).strip(" .\n") if format_ok else None)
+
+
+def test_shapes_word_reply_names_the_choices_inline_with_its_own_prompt_and_example():
+    task = _tasks(ShapesGame, 1, fixed_choices=True)[0]
+    word, letter = ShapesGame(reply="word"), ShapesGame()
+    assert word.reset(**task).text == "What colour is the shape: red, green, blue or yellow?"
+    assert letter.reset(**task).text.splitlines()[1] == "A. red"
+    assert "one word" in word.get_system_prompt() and "Answer: <letter>" in letter.get_system_prompt()
+    assert word.get_example_turns()[1] == {"role": "assistant", "content": "apple"}
+    assert letter.get_example_turns()[1]["content"] == "Answer: C"
+    count = _tasks(ShapesGame, 1, kinds=("count",), fixed_choices=True)[0]
+    assert ShapesGame(reply="word").reset(**count).text == "How many shapes are in the picture: 1, 2, 3 or 4?"
+    with pytest.raises(ValueError, match="reply must be one of"):
+        ShapesGame(reply="sentence")
+
 # -- geometry ----------------------------------------------------------------------------------
 def _expected(task) -> int:
     """The answer worked out again from the parameters, independently of the generator."""

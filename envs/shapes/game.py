@@ -1,14 +1,19 @@
 """Coloured shapes on a white picture, one multiple-choice question whose answer is only in the picture.
 
 It exists to show that a vision-language policy learns through the image: the text names the
-question kind and four lettered choices (A-D), the correct letter is uniform and independent of
-the order of the choices, so from the text alone chance is 25%. `blank=True` (a generate_task
+question kind and four choices, the correct one uniform and independent of their order, so from
+the text alone chance is 25%. `blank=True` (a generate_task
 config key, so it travels inside the task) shows a plain white picture of the same size instead:
 the ablation, whose accuracy should stay near 25% whatever the policy learns.
 
-Reward 1 for the correct letter in the strict format `Answer: <letter>` (the last occurrence
-counts; the letter is case-insensitive), 0 otherwise: no format bonus, which would invite
-answering one letter in the right format.
+Two reply formats (game kwarg `reply`): "letter" (default), lettered choices answered in the
+strict format `Answer: <letter>` (the last occurrence counts; the letter is case-insensitive), as
+the geometry game does; "word", the choices named inline and the reply exactly one of them as
+written ("green", a full stop allowed), so the answer is the reply's first token. Reward 1 for the
+correct choice, 0 otherwise: no format bonus, which would invite answering one choice in the
+right format. Why "word" exists: for a small untrained policy the first token of an `Answer: X`
+reply is a near tie between "Answer" and "A", and RL updates that move the letter tip it, so the
+format breaks before the picture is learned (README, learning through the picture).
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ QUESTIONS = {"colour": "What colour is the shape?", "shape": "Which shape is in 
 SYSTEM_PROMPT = ("Look at the picture and answer the multiple-choice question. "
                  "Reply with the letter of the correct choice in the form 'Answer: <letter>'.")
 EXAMPLE = ("Which of these is a fruit?\nA. hammer\nB. cloud\nC. apple\nD. chair", "Answer: C")
+WORD_SYSTEM_PROMPT = "Look at the picture and answer the question with one word."
+WORD_EXAMPLE = ("Which of these is a fruit: hammer, cloud, apple or chair?", "apple")
+REPLIES = ("letter", "word")
+WORD_RE = re.compile(r"\s*(\S+?)\.?\s*")
 MAX_IMAGE_SIZE = 1024
 
 
@@ -47,8 +56,19 @@ def place_answer(rng: Any, correct: str, distractors: list[str]) -> tuple[list[s
     return rest[:index] + [correct] + rest[index:], LETTERS[index]
 
 
+def parse_choice(text: str, choices: list[str]) -> str | None:
+    """The choice the whole reply is, exactly as written (a full stop and spaces around allowed), or None."""
+    found = WORD_RE.fullmatch(text)
+    return found.group(1) if found and found.group(1) in choices else None
+
+
 def choices_text(question: str, choices: list[str]) -> str:
     return "\n".join([question, *(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))])
+
+
+def choices_inline(question: str, choices: list[str]) -> str:
+    """`What colour is the shape: red, green, blue or yellow?`"""
+    return f"{question.rstrip('?')}: {', '.join(choices[:-1])} or {choices[-1]}?"
 
 
 def _others(rng: Any, names: list[str] | tuple[str, ...], correct: str) -> list[str]:
@@ -125,11 +145,17 @@ class ShapesGame(LetterChoiceGame):
     False: True shows a white picture, the ablation); `fixed_choices` (default False: True lists the
     choices in one fixed order, the same text for every task). Task: {"kind", "shapes": [{"shape",
     "colour", "x", "y", "r"}], "choices": [4 strings], "answer": "A".."D", "image_size", "blank"}.
+    Game kwargs: `few_shot` (0 or 1), `reply` ("letter" or "word", see the module's docstring).
     """
 
-    def __init__(self, few_shot: int = 1, system_prompt: str | None = None):
-        super().__init__(few_shot, system_prompt)
-        self.kind = ""
+    def __init__(self, few_shot: int = 1, system_prompt: str | None = None, reply: str = "letter"):
+        if reply not in REPLIES:
+            raise ValueError(f"reply must be one of {REPLIES}, got {reply!r}")
+        word = reply == "word"
+        super().__init__(few_shot, system_prompt if system_prompt is not None else WORD_SYSTEM_PROMPT if word else SYSTEM_PROMPT)
+        self.reply, self.kind, self.choices = reply, "", []
+        if word:
+            self.EXAMPLE = WORD_EXAMPLE
 
     @classmethod
     def generate_task(cls, rng: Any, kinds: list[str] | tuple[str, ...] = ("colour",), image_size: int = 128,
@@ -163,11 +189,13 @@ class ShapesGame(LetterChoiceGame):
             raise ValueError(f"malformed task: kind={kind!r}, {len(choices)} choices, answer={answer!r}")
         if not 8 <= int(image_size) <= MAX_IMAGE_SIZE:
             raise ValueError(f"image_size {image_size} is outside 8..{MAX_IMAGE_SIZE}")
-        self.kind, self.answer = kind, answer
-        return Observation(choices_text(QUESTIONS[kind], [str(c) for c in choices]), [render(shapes, int(image_size), bool(blank))])
+        self.kind, self.choices = kind, [str(c) for c in choices]
+        self.answer = self.choices[LETTERS.index(answer)] if self.reply == "word" else answer
+        text = (choices_inline if self.reply == "word" else choices_text)(QUESTIONS[kind], self.choices)
+        return Observation(text, [render(shapes, int(image_size), bool(blank))])
 
     def step(self, action: str) -> StepResult:
-        given = parse_letter(action)
+        given = parse_choice(action, self.choices) if self.reply == "word" else parse_letter(action)
         correct = given == self.answer
         info = {"correct": correct, "format_ok": given is not None, "answer": given, "expected": self.answer, "kind": self.kind}
         return StepResult(observation="Correct." if correct else f"Incorrect: {self.answer}.", reward=1.0 if correct else 0.0,

@@ -3,12 +3,12 @@ pictures and, in the same run, with blank pictures (the ablation), on this CPU.
 
 Setting (examples/vlm_shapes.yaml): smolvlm-135m-tiny-vision (SmolLM2-135M's real language
 weights and tokenizer under a small randomly initialised vision encoder, assembled from config),
-LoRA r16 on the language model (vision tower frozen or trained, by the spec); GRPO, 8 prompts x 4 samples,
-8 new tokens. The answer is only in the picture and the 4 choices are always listed in one order, so
-from the text alone the best is 25%. Reward 1 for the right letter in the strict 'Answer: X'
-format. Every evaluation: greedy accuracy on 64 held-out tasks (never trained on), the format
-rate and the share of distinct answers (a policy that always says 'Answer: A' shows ~25% with
-few distinct answers). Target: the image run >= 60%, the blank run near chance.
+LoRA r16 on the language model and the connector trained at its own rate (by the spec); GRPO.
+The answer is only in the picture and the 4 choices are always named in one order, so from the
+text alone the best is 25%. Reward 1 for the right choice in the game's strict reply format (the
+example: the colour word alone). Every evaluation: greedy accuracy on the held-out tasks (never
+trained on), the format rate and the share of distinct answers (a policy that always gives one
+answer shows ~25% with few distinct answers). Target: the image run >= 60%, the blank run near chance.
 
     python bench/learning_vlm.py [--steps 20] [--every 5] [--ways image,blank]
 writes bench/results/learning_vlm.json and bench/results/learning_vlm.md
@@ -93,9 +93,12 @@ def main() -> int:
     Path(args.out + ".json").write_text(json.dumps(out, indent=2))
     steps = sorted({c["step"] for r in runs for c in r["curve"]})
     cell = {(r["way"], c["step"]): c for r in runs for c in r["curve"]}
-    lines = ["# Learning through the image: smolvlm-135m-tiny-vision on ShapesGame (colour, 4 choices), LoRA r16 + GRPO (CPU)", "",
-             f"{args.steps} steps of 8 prompts x 4 samples, 8 new tokens; greedy evaluation on 64 held-out tasks. "
-             "The blank run is the same training with white pictures (chance: 25%).", "",
+    lines = [f"# Learning through the image: {spec.model.name} on ShapesGame (colour, 4 choices), LoRA + GRPO (CPU)", "",
+             f"{args.steps} steps of {spec.rollout.prompts_per_step} prompts x {spec.rollout.group_size} samples, "
+             f"{spec.rollout.max_new_tokens} new tokens, {spec.adapter.kind} at lr {spec.optimization.lr:g}, vision side "
+             f"{spec.adapter.vision_tower} at {spec.adapter.vision_lr or spec.optimization.lr:g}, reply "
+             f"{spec.env.config.get('game_kwargs', {}).get('reply', 'letter')!r}; greedy evaluation on {spec.env.config.get('val_size', 64)} "
+             "held-out tasks. The blank run is the same training with white pictures (chance: 25%).", "",
              "| step | " + " | ".join(f"{r['way']}: accuracy (format, distinct)" for r in runs) + " |",
              "|---:|" + "---:|" * len(runs)]
     for s in steps:

@@ -1,8 +1,9 @@
 """Diagnostic for the VLM learning check (not a benchmark): the RL loss on exhaustive groups.
 
 Each step draws the step's pictures through the job's own sampler, then replaces every group by
-the four answers `Answer: A`..`Answer: D` to its picture (reward 1 for the right letter, so GRPO
-gives +1.5 / -0.5 with no sampling noise), with their logprobs recomputed under the current
+the four answers to its picture in the game's reply format (`Answer: A`..`Answer: D`, or the four
+choice words with `reply: word`; reward 1 for the right one, so GRPO gives +1.5 / -0.5 with no
+sampling noise), with their logprobs recomputed under the current
 policy (ratio 1), and takes one optimizer step on them. Greedy held-out accuracy, format rate and
 answer diversity are printed every `--every` steps, with a few greedy replies. It separates the
 trainer's path through the picture from exploration: if this does not learn, sampling is not
@@ -26,8 +27,15 @@ sys.path.insert(0, str(ROOT))
 LETTERS = "ABCD"
 
 
-def exhaustive_groups(trajs, tokenizer) -> list:
-    """Per group, its first record's prompt answered with each of the four letters (and the
+def replies(task: dict, reply: str) -> list[tuple[str, bool]]:
+    """The four answers to a shapes/geometry task as the game wants them written, each with whether it is right."""
+    if reply == "word":
+        return [(choice, letter == task["answer"]) for letter, choice in zip(LETTERS, task["choices"])]
+    return [(f"Answer: {letter}", letter == task["answer"]) for letter in LETTERS]
+
+
+def exhaustive_groups(trajs, tokenizer, reply: str) -> list:
+    """Per group, its first record's prompt answered with each of the four answers (and the
     sampled reply's last token, the end of the turn)."""
     from opentinker.core.trajectory import Trajectory
 
@@ -38,13 +46,13 @@ def exhaustive_groups(trajs, tokenizer) -> list:
     for group, t in firsts.items():
         turn = t.turns[0]
         end_of_turn = t.token_ids[turn.sampled_end - 1]
-        for letter in LETTERS:
-            ids = tokenizer.encode(f"Answer: {letter}", add_special_tokens=False) + [end_of_turn]
+        for text, right in replies(t.task, reply):
+            ids = tokenizer.encode(text, add_special_tokens=False) + [end_of_turn]
             new = Trajectory(prompt_ids=t.prompt_ids, group_id=group, policy_version=t.policy_version,
                              token_ids=list(t.token_ids[:turn.sampled_start]), loss_mask=list(t.loss_mask[:turn.sampled_start]),
                              sampling_logprobs=list(t.sampling_logprobs[:turn.sampled_start]), images=t.images, task=t.task)
-            new.append_sampled(ids, [0.0] * len(ids), f"Answer: {letter}")
-            new.turns[-1].reward = 1.0 if letter == t.task["answer"] else 0.0
+            new.append_sampled(ids, [0.0] * len(ids), text)
+            new.turns[-1].reward = 1.0 if right else 0.0
             out.append(new)
     return out
 
@@ -70,6 +78,7 @@ def main() -> int:
         spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"})})
         job = RLJob(spec, job_id="vlm-oracle")
         trainer, tokenizer = job.policy.trainer, job.policy.tokenizer
+        reply = spec.env.config.get("game_kwargs", {}).get("reply", "letter")
 
         def evaluate(step: int) -> None:
             ev = job.evaluate(step)
@@ -79,7 +88,7 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             job.rollout(step)
-            groups = exhaustive_groups(job.sampler.batch(step).trajectories, tokenizer)
+            groups = exhaustive_groups(job.sampler.batch(step).trajectories, tokenizer, reply)
             for t, lp in zip(groups, trainer.logprobs(groups)):
                 t.sampling_logprobs[t.turns[-1].sampled_start:] = lp
             metrics = trainer.update(groups)

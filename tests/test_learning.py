@@ -1,5 +1,6 @@
 """Learning, measured: the tiny model learns a toy task within a minute (CI); the real model
-learns arithmetic (slow, `pytest -m slow`; the full curve is bench/learning_math.py)."""
+learns arithmetic and the small VLM learns through the picture (slow, `pytest -m slow`; the full
+curves are bench/learning_math.py and bench/learning_vlm.py)."""
 
 import statistics
 
@@ -35,3 +36,20 @@ def test_smollm2_learns_addition(tmp_path):
     first, last = result.evaluations[0].metrics, result.evaluations[-1].metrics
     assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.1
     assert last["eval/distinct_answer_share"] >= 0.5 * first["eval/distinct_answer_share"]  # no collapse onto one answer
+
+
+@pytest.mark.slow
+def test_smolvlm_learns_through_the_picture_and_not_from_blank_ones(tmp_path):
+    """examples/vlm_shapes.yaml for 10 steps, with the pictures and with blank ones (~9 minutes)."""
+    from opentinker.core.spec import load_spec
+
+    spec = load_spec("examples/vlm_shapes.yaml")
+    spec = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": 10}),
+                                   "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp_path}"})})
+    last = {}
+    for blank in (False, True):
+        env = spec.env.model_copy(update={"config": {**spec.env.config, "blank": blank}})
+        result = RLJob(spec.model_copy(update={"env": env}), job_id=f"vlm-{blank}").run()
+        last[blank] = result.evaluations[-1].metrics
+    assert last[False]["eval/accuracy"] >= 0.6 and last[False]["eval/distinct_answer_share"] >= 3 / 64, last[False]
+    assert last[True]["eval/accuracy"] <= 0.4, last[True]

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -242,25 +243,28 @@ def test_vllm_serves_the_lora_checkpoint(trained):
 
 
 def test_opentinker_serve_command(trained):
-    """The README's command: serve a checkpoint in the foreground, then talk to it over HTTP."""
+    """The README's command: serve a checkpoint in the foreground, then talk to it over HTTP. The
+    command says where it serves once it is ready: the test waits for that line (the server's
+    /health can answer a moment before the line is printed)."""
     _, url, _, _ = trained
     (port,) = free_ports(1)
     process = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "serve", url, "--port", str(port), "--name", "mine"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    ready = f"at http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).is_success:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        while time.monotonic() < deadline and process.poll() is None and not any(ready in line for line in lines):
+            time.sleep(0.2)
+        assert any(ready in line for line in lines), "".join(lines)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["mine"] and models["data"][0]["root"] == url
     finally:
         process.terminate()
-        output = process.communicate(timeout=30)[0]
-    assert f"at http://127.0.0.1:{port}/v1" in output, output
+        process.wait(timeout=30)
+        reader.join(timeout=10)
 
 
 def test_a_server_with_a_key_asks_for_it_caps_completions_and_limits_bodies(trained):

@@ -2,7 +2,7 @@
 
 Each step draws the step's pictures through the job's own sampler, then replaces every group by
 the four answers to its picture in the game's reply format (`Answer: A`..`Answer: D`, or the four
-choice words with `reply: word`; reward 1 for the right one, so GRPO gives +1.5 / -0.5 with no
+choice words with `reply: word`; the game's own reward, 1 for the right one, so GRPO gives +1.5 / -0.5 with no
 sampling noise), with their logprobs recomputed under the current
 policy (ratio 1), and takes one optimizer step on them. Greedy held-out accuracy, format rate and
 answer diversity are printed every `--every` steps, with a few greedy replies. It separates the
@@ -27,32 +27,34 @@ sys.path.insert(0, str(ROOT))
 LETTERS = "ABCD"
 
 
-def replies(task: dict, reply: str) -> list[tuple[str, bool]]:
-    """The four answers to a shapes/geometry task as the game wants them written, each with whether it is right."""
-    if reply == "word":
-        return [(choice, letter == task["answer"]) for letter, choice in zip(LETTERS, task["choices"])]
-    return [(f"Answer: {letter}", letter == task["answer"]) for letter in LETTERS]
+def answers(task: dict, game) -> list[str]:
+    """The four answers to a shapes/geometry task, written as the game wants them."""
+    if getattr(game, "reply", "letter") == "word":
+        return list(task["choices"])
+    return [f"Answer: {letter}" for letter in LETTERS]
 
 
-def exhaustive_groups(trajs, tokenizer, reply: str) -> list:
+def exhaustive_groups(trajs, tokenizer, make_game) -> list:
     """Per group, its first record's prompt answered with each of the four answers (and the
-    sampled reply's last token, the end of the turn)."""
+    sampled reply's last token, the end of the turn), each rewarded by the game itself."""
     from opentinker.core.trajectory import Trajectory
 
     firsts: dict[int, object] = {}
     for t in trajs:
         firsts.setdefault(t.group_id, t)
     out = []
+    game = make_game()
     for group, t in firsts.items():
         turn = t.turns[0]
         end_of_turn = t.token_ids[turn.sampled_end - 1]
-        for text, right in replies(t.task, reply):
+        for text in answers(t.task, game):
+            game.reset(**t.task)
             ids = tokenizer.encode(text, add_special_tokens=False) + [end_of_turn]
             new = Trajectory(prompt_ids=t.prompt_ids, group_id=group, policy_version=t.policy_version,
                              token_ids=list(t.token_ids[:turn.sampled_start]), loss_mask=list(t.loss_mask[:turn.sampled_start]),
                              sampling_logprobs=list(t.sampling_logprobs[:turn.sampled_start]), images=t.images, task=t.task)
             new.append_sampled(ids, [0.0] * len(ids), text)
-            new.turns[-1].reward = 1.0 if right else 0.0
+            new.turns[-1].reward = game.step(text).reward
             out.append(new)
     return out
 
@@ -78,7 +80,6 @@ def main() -> int:
         spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"})})
         job = RLJob(spec, job_id="vlm-oracle")
         trainer, tokenizer = job.policy.trainer, job.policy.tokenizer
-        reply = spec.env.config.get("game_kwargs", {}).get("reply", "letter")
 
         def evaluate(step: int) -> None:
             ev = job.evaluate(step)
@@ -88,7 +89,7 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             t0 = time.perf_counter()
             job.rollout(step)
-            groups = exhaustive_groups(job.sampler.batch(step).trajectories, tokenizer, reply)
+            groups = exhaustive_groups(job.sampler.batch(step).trajectories, tokenizer, job.sampler.env.make_game)
             for t, lp in zip(groups, trainer.logprobs(groups)):
                 t.sampling_logprobs[t.turns[-1].sampled_start:] = lp
             metrics = trainer.update(groups)

@@ -165,7 +165,7 @@ def test_tenant_cli_prints_a_key_once_and_stores_its_hash(tmp_path):
                          env={"OPENTINKER_STATE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert out.returncode == 0, out.stderr
     key = out.stdout.strip().splitlines()[-1]
-    assert key.startswith("otk_") and key not in (tmp_path / "tenants.json").read_text()
+    assert key.startswith("tml-") and key not in (tmp_path / "tenants.json").read_text()
     from opentinker.control.gateway.tenants import TenantStore
 
     assert TenantStore(tmp_path / "tenants.json").authenticate(key) == "initech"

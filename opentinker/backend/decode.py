@@ -18,6 +18,7 @@ count of the forward passes changes. With `compact=False` rows stay to the end a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,12 +102,14 @@ class Chooser:
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, budgets: list[int], max_new_tokens: int,
            stop_ids: list[int], pad_id: int, temperature: float | None, top_k: int | None = None, top_p: float = 1.0,
-           placement: Placement, extra: dict[str, Any] | None = None, compact: bool = True, keep_states: bool = False) -> Decoded:
+           placement: Placement, extra: dict[str, Any] | None = None, compact: bool = True, keep_states: bool = False,
+           stop_rule: Callable[[list[int]], bool] | None = None) -> Decoded:
     """Sample up to `min(budgets[i], max_new_tokens)` tokens for each left-padded row of
     `input_ids` (the first `cache.get_seq_length()` columns already in `cache`, when given).
     `temperature=None`: greedy (logprobs at temperature 1). `extra`: inputs of the first forward
     only (pixels). `keep_states`: return each row's key/values of its prompt's real columns and
-    the sampled tokens the model ran (all but the last)."""
+    the sampled tokens the model ran (all but the last). `stop_rule`: instead of `stop_ids`, whether
+    a row's sampled tokens so far end it (a stop string completed, say); the row keeps that token."""
     rows, width = input_ids.shape
     device = input_ids.device
     stop_set = set(stop_ids)
@@ -150,7 +153,7 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
             if not stopped[row]:
                 sampled[row].append(token_list[at])
                 logprobs[row].append(chosen[at])
-                stopped[row] = token_list[at] in stop_set
+                stopped[row] = stop_rule(sampled[row]) if stop_rule is not None else token_list[at] in stop_set
             if compact and (stopped[row] or len(sampled[row]) >= caps[row]):
                 take_states(row, at)
             else:
@@ -172,6 +175,8 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
             take_states(row, at)
     for row in range(rows):
         n, reason = finish(sampled[row], budgets[row], stop_set)
+        if stop_rule is not None:  # a stopped row took no token after its stop
+            n, reason = (len(sampled[row]), "stop") if stopped[row] and len(sampled[row]) <= budgets[row] else (min(len(sampled[row]), budgets[row]), "length")
         out.token_ids.append(sampled[row][:n])
         out.logprobs.append(logprobs[row][:n])
         out.finish_reasons.append(reason)

@@ -10,6 +10,7 @@ and top_p=1 sample exactly that distribution).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -101,7 +102,8 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
-                 images: list[list[Any]] | None = None) -> list[Completion]:
+                 images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None) -> list[Completion]:
+        """`stop_rule`: when a completion ends, in place of the end-of-turn tokens (see decode)."""
         budgets = budgets or [params.max_new_tokens] * len(prompts)
         # Similar lengths together waste less padding; results go back in the caller's order.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -109,7 +111,7 @@ class HFRolloutEngine:
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
             pictures = [images[i] for i in chunk] if images is not None and any(images[i] for i in chunk) else None
-            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures)):
+            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures, stop_rule)):
                 results[i] = c
         return [results[i] for i in range(len(prompts))]
 
@@ -132,7 +134,7 @@ class HFRolloutEngine:
         return cache
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
-                        images: list[list[Any]] | None = None) -> list[Completion]:
+                        images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None) -> list[Completion]:
         t0 = time.perf_counter()
         device = self.placement.device
         # Records with images prefill whole (their pixels enter at their image tokens), unshared and uncached.
@@ -151,7 +153,7 @@ class HFRolloutEngine:
             out = decode(self.model, input_ids, attention, cache, budgets=budgets, max_new_tokens=params.max_new_tokens,
                          stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None if params.greedy else params.temperature,
                          top_k=params.top_k, top_p=params.top_p, placement=self.placement, extra=pixels, compact=self.early_stop,
-                         keep_states=images is None and bool(self.prefix_cache.max_tokens))
+                         keep_states=images is None and bool(self.prefix_cache.max_tokens) and stop_rule is None, stop_rule=stop_rule)
         finally:
             self.model.train(was_training)
         completions = [Completion(ids, lps, reason) for ids, lps, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)]

@@ -126,6 +126,16 @@ class Settings(BaseSettings):
     tenant_max_running: int = Field(4, ge=0)
     """Jobs of one tenant that run at once; the others wait in the queue."""
 
+    tinker_max_sessions: int = Field(4, ge=0)
+    """Live Tinker API sessions a tenant may hold at once (each is a job holding a slot); one more is refused."""
+
+    tinker_session_gpus: float = Field(0.0, ge=0)
+    """GPUs each Tinker API session holds (0: the CPU pool); its model sits on them in a Ray actor."""
+
+    tinker_heartbeat_timeout_s: float = Field(120.0, gt=0)
+    """A Tinker session whose client sent nothing (heartbeats included: the SDK sends one every 10 s)
+    for this long ends, and frees its slot."""
+
     game_allowlist: str = "envs"
     """Comma-separated module prefixes whose games workers import (`env.game`); anything else is
     refused before it is imported. Tenants' own games run in their process (the client link)."""

@@ -46,6 +46,7 @@ class _Batchable:
     future: Future
     adapter: str | None = None  # a LoRA adapter loaded by name (None: the served model itself)
     images: list[list[Any]] | None = None  # per prompt, the VisualInputs of a VLM's prompt
+    stop_rule: Any = None  # when a completion ends (None: the model's end-of-turn tokens); compared with ==
 
 
 class HFEngine:
@@ -177,13 +178,33 @@ class HFEngine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None,
-                 adapter: str | None = None, images: list[list[Any]] | None = None) -> Future:
+                 adapter: str | None = None, images: list[list[Any]] | None = None, stop_rule: Any = None) -> Future:
         """Future of one Completion per prompt. A request with a seed is generated alone, so its
         samples do not depend on what else was in the batch; `adapter` names a loaded LoRA adapter;
-        `images[i]`: prompt i's VisualInputs (a VLM)."""
+        `images[i]`: prompt i's VisualInputs (a VLM); `stop_rule(tokens) -> bool` ends a completion
+        in place of the end-of-turn tokens (requests batch together only with an equal rule)."""
         future: Future = Future()
-        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter, images))
+        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter, images, stop_rule))
         return future
+
+    def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Each prompt token's logprob given the tokens before it (NaN for the first), and, with
+        `top_k`, the k likeliest tokens at each position with their logprobs (none at the first)."""
+        import torch
+
+        with self._model_lock, self._adapter(adapter), torch.no_grad():
+            model = self.rollout.model
+            model.eval()
+            ids = torch.tensor([prompt], device=self.rollout.placement.device)
+            with self.rollout.placement.autocast():
+                logits = model(input_ids=ids).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            chosen = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+            top: list[list[tuple[int, float]]] = []
+            if top_k > 0:
+                values, indices = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+                top = [[]] + [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+        return [float("nan")] + chosen, top
 
     def _loop(self) -> None:
         pending: list[_Batchable] = []
@@ -214,7 +235,8 @@ class HFEngine:
         batch, rest, size = [first], [], len(first.prompts)
         for item in pending[1:]:
             fits = size + len(item.prompts) <= self.max_batch_size
-            if first.seed is None and item.seed is None and item.params == first.params and item.adapter == first.adapter and fits:
+            same = item.params == first.params and item.adapter == first.adapter and item.stop_rule == first.stop_rule
+            if first.seed is None and item.seed is None and same and fits:
                 batch.append(item)
                 size += len(item.prompts)
             else:
@@ -232,7 +254,8 @@ class HFEngine:
             with self._model_lock, self._adapter(batch[0].adapter):
                 if batch[0].seed is not None:
                     torch.manual_seed(batch[0].seed)
-                completions: list[Completion] = self.rollout.generate(prompts, params, budgets, images if any(images) else None)
+                completions: list[Completion] = self.rollout.generate(prompts, params, budgets, images if any(images) else None,
+                                                                      stop_rule=batch[0].stop_rule)
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:
                 item.future.set_exception(err)

@@ -33,12 +33,12 @@ def wrap_model(model, adapter: LoraSpec | FullSpec):
     return wrapped
 
 
-def adapter_files(model) -> dict[str, bytes]:
+def adapter_files(model, **save_options) -> dict[str, bytes]:
     """The LoRA adapter in peft's own layout (`adapter/…`), so a checkpoint loads with
-    PeftModel.from_pretrained and vLLM serves it."""
+    PeftModel.from_pretrained and vLLM serves it; `save_options` go to `save_pretrained`."""
     import tempfile
     from pathlib import Path
 
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **save_options)
         return {f"adapter/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}

@@ -19,20 +19,18 @@ import json
 import pickle
 import random
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-COMMIT = "COMMIT.json"
+from opentinker.storage.committed import (COMMIT, CheckpointWriteError, committed_manifest, is_complete, join_url, read_manifest,  # noqa: F401 - re-exported
+                                          remove_committed, url_to_fs, write_committed)
+
 _STEP_DIR = re.compile(r"step-(\d{8})$")
-# Stores without folders: s3fs's makedirs would create a missing *bucket* instead of failing.
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az"}
 
 
 class CheckpointError(FileNotFoundError):
@@ -41,48 +39,14 @@ class CheckpointError(FileNotFoundError):
     callers asking "is there a checkpoint here" treat all of them alike; the message says which."""
 
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written; the message names the URL, the file and the cause
-    (e.g. `[Errno 28] No space left on device`). The partial folder is removed."""
-
-
-def _cause(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.errno is not None:
-        return f"[Errno {err.errno}] {err.strerror or err}"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
-def _remove_quietly(fs, path: str) -> None:
-    try:
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
-    except Exception:  # noqa: BLE001 - best effort: without COMMIT.json it is never trusted anyway
-        pass
-
-
 @dataclass
 class CheckpointRef:
     url: str
     step: int
 
 
-def url_to_fs(url: str):
-    """(filesystem, path without a trailing slash) for an fsspec URL."""
-    fs, path = fsspec.core.url_to_fs(url)
-    return fs, path.rstrip("/")
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def _makedirs(fs, path: str) -> None:
-    if not _OBJECT_STORES & set(fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        fs.makedirs(path, exist_ok=True)
-
-
 def job_url(base_url: str, job_id: str) -> str:
-    return _join(base_url, job_id)
+    return join_url(base_url, job_id)
 
 
 def rng_state() -> dict[str, Any]:
@@ -119,8 +83,7 @@ def save_checkpoint(
     keep_last: int | None = None,
 ) -> CheckpointRef:
     """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
-    url = _join(job_url(base_url, job_id), f"step-{step:08d}")
-    fs, path = url_to_fs(url)
+    url = join_url(job_url(base_url, job_id), f"step-{step:08d}")
     opt_buf = io.BytesIO()
     torch.save(optimizer_state, opt_buf)
     files = {
@@ -130,22 +93,7 @@ def save_checkpoint(
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }
-    manifest = {"step": step, "time": time.time(), "files": {n: len(d) for n, d in files.items()},
-                "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
-    name = "the folder"
-    try:
-        fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
-        if fs.exists(path):
-            fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
-        _makedirs(fs, path)
-        for name, data in [*files.items(), (COMMIT, json.dumps(manifest).encode())]:
-            if "/" in name:
-                _makedirs(fs, _join(path, name.rsplit("/", 1)[0]))
-            with fs.open(_join(path, name), "wb") as f:
-                f.write(data)
-    except Exception as err:  # noqa: BLE001 - a full disk, no permission, a missing bucket: one line, no half folder
-        _remove_quietly(fs, path)
-        raise CheckpointWriteError(f"cannot write checkpoint {url} ({name}): {_cause(err)}") from err
+    write_committed(url, files, {"step": step})
     if keep_last:
         prune(base_url, job_id, keep_last)
     return CheckpointRef(url=url, step=step)
@@ -159,24 +107,8 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"cannot store {type(obj).__name__} in checkpoint state")
 
 
-def _manifest(fs, path: str) -> dict[str, Any] | None:
-    """COMMIT.json of a complete checkpoint (every listed file has its size), else None."""
-    fs.invalidate_cache(path)  # sizes from the store: a cached listing may predate a rewrite
-    try:
-        manifest = json.loads(fs.cat_file(_join(path, COMMIT)))
-        complete = all(fs.size(_join(path, name)) == size for name, size in manifest["files"].items())
-    except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
-        return None
-    return manifest if complete else None
-
-
-def is_complete(fs, path: str) -> bool:
-    """Does `path` hold a committed checkpoint (COMMIT.json, every listed file at its size)?"""
-    return _manifest(fs, path) is not None
-
-
 def _verified(fs, path: str, url: str, manifest: dict[str, Any], name: str) -> bytes:
-    data = fs.cat_file(_join(path, name))
+    data = fs.cat_file(join_url(path, name))
     expected = manifest.get("sha256", {}).get(name)  # absent in checkpoints written before hashes
     if expected is not None and hashlib.sha256(data).hexdigest() != expected:
         raise CheckpointError(f"{url} is not a complete checkpoint: {name} differs from the sha256 in {COMMIT} "
@@ -188,7 +120,7 @@ def read_file(url: str, name: str, missing_ok: bool = False) -> bytes | None:
     """One file of a complete checkpoint, verified against COMMIT.json; None when the checkpoint
     has no such file and `missing_ok` (e.g. policy.json in checkpoints older than it)."""
     fs, path = url_to_fs(url)
-    manifest = _manifest(fs, path)
+    manifest = read_manifest(fs, path)
     if manifest is None:
         raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
     if name not in manifest["files"]:
@@ -209,7 +141,7 @@ def list_checkpoints(base_url: str, job_id: str) -> list[CheckpointRef]:
     for entry in fs.ls(root, detail=False):
         m = _STEP_DIR.search(entry.rstrip("/"))
         if m and is_complete(fs, entry.rstrip("/")):
-            out.append(CheckpointRef(url=_join(root_url, m.group(0)), step=int(m.group(1))))
+            out.append(CheckpointRef(url=join_url(root_url, m.group(0)), step=int(m.group(1))))
     return sorted(out, key=lambda c: c.step)
 
 
@@ -221,9 +153,7 @@ def latest_checkpoint(base_url: str, job_id: str) -> CheckpointRef | None:
 def prune(base_url: str, job_id: str, keep_last: int) -> None:
     complete = list_checkpoints(base_url, job_id)
     for ref in complete[:-keep_last]:
-        fs, path = url_to_fs(ref.url)
-        fs.rm(_join(path, COMMIT))  # uncommit first: a half-deleted folder is never trusted
-        fs.rm(path, recursive=True)
+        remove_committed(ref.url)
 
 
 @dataclass
@@ -244,7 +174,7 @@ def _tensors_only(data: bytes) -> Any:
 def load_checkpoint(url: str) -> LoadedCheckpoint:
     """Read a complete checkpoint; CheckpointError names the URL and the file when it is not usable."""
     fs, path = url_to_fs(url)
-    manifest = _manifest(fs, path)
+    manifest = read_manifest(fs, path)
     if manifest is None:
         raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
 

@@ -53,7 +53,7 @@ class InferenceRequest(BaseModel):
     ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
 
 
-def create_app(settings: Settings | None = None):
+def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     settings = settings or get_settings()
     store = TenantStore(settings.state_dir / "tenants.json")
     hub = LinkHub()
@@ -167,4 +167,8 @@ def create_app(settings: Settings | None = None):
         return guarded(lambda: inference.submit(jobs, body.model_path, body.num_gpus, engine=body.engine,
                                                 max_model_len=body.max_model_len, ttl_s=body.ttl_s))
 
+    from opentinker.control.gateway.tinker_api import add_tinker_routes
+    from opentinker.control.gateway.tinker_sessions import PrefectSessions
+
+    add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
     return BodyLimit(app, settings.max_request_bytes)

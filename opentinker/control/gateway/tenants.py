@@ -21,7 +21,8 @@ TENANT_NAME = re.compile(r"^[a-z][a-z0-9]{1,31}$")
 # Names that already mean something to the service: the operator's project, its experiments, ...
 RESERVED = frozenset({"default", "admin", "root", "operator", "system", "opentinker", "internal", "registry",
                       "evaluation", "inference", "tenants", "public", "api", "prefect", "mlflow", "ray"})
-KEY_PREFIX = "otk_"
+# `tml-`: the tinker SDK refuses a key without it, so one key serves both doors (keys made before, `otk_…`, still work natively).
+KEY_PREFIX = "tml-"
 
 
 def _digest(key: str) -> str:

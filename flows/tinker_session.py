@@ -1,0 +1,84 @@
+"""A Tinker API session as a Prefect flow: one client's training and sampling, held as one job.
+
+    hold the pool's slot → open the MLflow run → start the session actor on Ray → publish its
+    server (artifact `endpoint-<session>`) → live until the client finishes, goes quiet past
+    `tinker_heartbeat_timeout_s`, or the run is cancelled → stop the actor, free the slot
+
+The client's calls never pass through Prefect: the gateway relays them to the actor's server,
+so a call costs little more than its computation. Prefect sees the session (its state, its
+slot, its logs: one line per minute of how many optimizer steps ran); MLflow sees every step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger, runtime
+
+from opentinker.core.settings import get_settings
+from opentinker.core.tokens import job_token
+from opentinker.inference.spec import endpoint_key
+from opentinker.orchestration.job import held_slots, ray_connection
+from opentinker.orchestration.tinker_actor import TinkerSessionActor
+from opentinker.tinker.spec import TinkerSessionSpec
+from opentinker.tracking.runs import JobTracker, check_mlflow
+
+
+def _publish(session_id: str, url: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_artifact(ArtifactCreate(
+            key=endpoint_key(session_id), type="markdown", description="the session's server (the gateway relays to it)",
+            data=f"Tinker session `{session_id}` serving at `{url}` (reached through the gateway only)",
+            metadata_={"url": url}, flow_run_id=runtime.flow_run.id))
+
+
+@flow(name="tinker-session", persist_result=False, log_prints=True)
+def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_metadata: dict[str, str] | None = None,
+                   sdk_version: str = "") -> dict[str, Any]:
+    import ray
+
+    from opentinker.control.gateway.confine import tenant_storage
+
+    logger = get_run_logger()
+    settings = get_settings()
+    spec = TinkerSessionSpec(session_id=session_id, num_gpus=num_gpus, user_metadata=user_metadata or {}, sdk_version=sdk_version)
+    check_mlflow(settings.mlflow_url)
+    with held_slots(num_gpus, tenant):
+        tracker = JobTracker(settings.mlflow_url, tenant, session_id, spec, tags={"prefect.flow_run_id": str(runtime.flow_run.id),
+                                                                                   "opentinker.kind": "tinker-session"})
+        address, init_kwargs = ray_connection()
+        ray.init(**(init_kwargs if address is None else {**init_kwargs, "address": address}))
+        actor = ray.remote(TinkerSessionActor).options(name=f"{session_id}-session", num_cpus=1, num_gpus=num_gpus, max_restarts=0).remote(
+            session_id, tenant, tenant_storage(settings, tenant), job_token(settings.stack_secret(), session_id), num_gpus,
+            (tracker.tracking_uri, tracker.experiment_id, tracker.run_id))
+        ended = "cancelled"
+        try:
+            info = ray.get(actor.info.remote(), timeout=600)
+            if runtime.flow_run.id is not None:
+                _publish(session_id, info["url"])
+            logger.info(f"session {session_id} serving at {info['url']} (MLflow run {tracker.run_url})")
+            last_report = time.monotonic()
+            while True:
+                status = ray.get(actor.status.remote(), timeout=60)
+                if status["finished"]:
+                    ended = f"finished by its client ({status['finished']})"
+                    break
+                if status["idle_s"] > settings.tinker_heartbeat_timeout_s:
+                    ended = f"expired: no call or heartbeat for {status['idle_s']:.0f} s"
+                    break
+                if time.monotonic() - last_report > 60:
+                    logger.info(f"{status['models']} model(s), {status['steps']} optimizer steps so far")
+                    last_report = time.monotonic()
+                time.sleep(1.0)
+            final = ray.get(actor.status.remote(), timeout=60)
+            ray.get(actor.stop.remote(), timeout=60)
+        finally:
+            ray.kill(actor)
+            ray.shutdown()
+            tracker.finish("FINISHED")
+        logger.info(f"session {session_id} {ended}")
+    return {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id}

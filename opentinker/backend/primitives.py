@@ -1,0 +1,255 @@
+"""Training primitives on token data: forward, forward-backward with a named loss, optimizer step.
+
+This is the trainer the Tinker API's training clients drive: a LoRA (rank, seed, which of
+attention / MLP / unembedding train) on a frozen base; `forward_backward` adds the gradient of a
+loss from `opentinker.algo.primitive_losses` to what earlier calls left (nothing happens to the
+weights), `optim_step` applies AdamW with the parameters the caller sends (learning rate, betas,
+eps, decoupled weight decay, gradient clipping) and clears the gradients. Every datum is scored
+at every position: position t predicts `target_tokens[t]` (the client sends inputs and targets
+already shifted), and its log-probability comes back per datum.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from opentinker.algo.primitive_losses import LOSSES, loss_config, primitive_loss
+from opentinker.backend.device import Placement, cpu
+from opentinker.core.spec import LoraSpec
+from opentinker.model.adapters import adapter_files, wrap_model
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+UNEMBED = ["lm_head"]
+LORA_ALPHA = 32.0  # not on the wire; Tinker's default
+MICRO_BATCH_TOKENS = 4096  # padded positions per forward pass
+
+
+class BadRequest(ValueError):
+    """Input the caller got wrong; the message names the datum and the field."""
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """A training client's LoRA as the SDK configures it."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def spec(self) -> LoraSpec:
+        modules = ATTENTION * self.train_attn + MLP * self.train_mlp + UNEMBED * self.train_unembed
+        if not modules:
+            raise BadRequest("lora_config: train_attn, train_mlp and train_unembed are all false: nothing would train")
+        if not 1 <= self.rank <= 512:
+            raise BadRequest(f"lora_config.rank: {self.rank} (1 to 512)")
+        return LoraSpec(r=self.rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=modules)
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def check(self) -> None:
+        values = asdict(self)
+        bad = [k for k, v in values.items() if not math.isfinite(v) or v < 0]
+        if bad or not (self.beta1 < 1 and self.beta2 < 1) or self.eps <= 0:
+            raise BadRequest(f"adam_params: {', '.join(bad) or 'beta1/beta2 must be < 1 and eps > 0'}: {values}")
+
+
+def _as_float(name: str, i: int, array: np.ndarray, n: int) -> torch.Tensor:
+    if array.ndim != 1 or array.shape[0] != n:
+        raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}]: shape {list(array.shape)}, the model input has {n} tokens")
+    tensor = torch.as_tensor(np.array(array, dtype=np.float32))
+    if not bool(torch.isfinite(tensor).all()):
+        raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}]: holds NaN or infinity")
+    return tensor
+
+
+class PrimitiveModel:
+    """One training client's model and optimizer. `steps`: optimizer steps taken."""
+
+    def __init__(self, base, tokenizer, base_name: str, shape: LoraShape, placement: Placement | None = None):
+        self.placement = placement or cpu()
+        self.base_name, self.shape, self.tokenizer = base_name, shape, tokenizer
+        lora = shape.spec()
+        if shape.seed is not None:  # the adapter's initial A matrices follow the seed (B starts at zero)
+            torch.manual_seed(shape.seed)
+        base = base.to(dtype=self.placement.weights_dtype(trained=False))
+        self.model = wrap_model(base, lora).to(self.placement.device)
+        for p in self.model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+        self.lora = lora
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self._fresh_optimizer()
+        config = self.model.get_base_model().config.get_text_config()
+        self.vocab_size = int(self.model.get_base_model().get_output_embeddings().weight.shape[0])
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.steps = 0
+        self.pending_tokens = 0  # trained tokens since the last optimizer step
+
+    def _fresh_optimizer(self) -> torch.optim.AdamW:
+        p = AdamParams()
+        return torch.optim.AdamW(self.params, lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+
+    # -- forward / backward -------------------------------------------------------------------
+    def _check(self, data: list[Any], loss_fn: str) -> list[dict[str, torch.Tensor]]:
+        if not data:
+            raise BadRequest("data: empty (one datum at least)")
+        needed = ("target_tokens", *LOSSES[loss_fn][0])
+        rows = []
+        for i, datum in enumerate(data):
+            n = len(datum.tokens)
+            if n == 0:
+                raise BadRequest(f"data[{i}].model_input: no tokens")
+            if self.context_length and n > self.context_length:
+                raise BadRequest(f"data[{i}].model_input: {n} tokens, the model's context is {self.context_length}")
+            missing = [k for k in needed if k not in datum.inputs and not (k == "weights" and loss_fn == "cross_entropy")]
+            if missing:
+                raise BadRequest(f"data[{i}].loss_fn_inputs: {loss_fn} needs {', '.join(missing)}")
+            tokens = torch.as_tensor(datum.tokens, dtype=torch.long)
+            targets = datum.inputs["target_tokens"]
+            if targets.ndim != 1 or targets.shape[0] != n:
+                raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: shape {list(targets.shape)}, the model input has {n} tokens")
+            targets = torch.as_tensor(np.array(targets, dtype=np.int64))
+            for name, ids in (("model_input", tokens), ("target_tokens", targets)):
+                if bool(((ids < 0) | (ids >= self.vocab_size)).any()):
+                    raise BadRequest(f"data[{i}].{name}: token ids must be in [0, {self.vocab_size}) for {self.base_name}")
+            row = {"tokens": tokens, "target_tokens": targets}
+            for name in LOSSES[loss_fn][0]:
+                row[name] = _as_float(name, i, datum.inputs[name], n) if name in datum.inputs else torch.zeros(n)
+            rows.append(row)
+        return rows
+
+    def _micro_batches(self, rows: list[dict[str, torch.Tensor]]) -> list[list[int]]:
+        batches, current, width = [], [], 0
+        for i in sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"])):
+            n = len(rows[i]["tokens"])
+            if current and max(width, n) * (len(current) + 1) > MICRO_BATCH_TOKENS:
+                batches.append(current)
+                current, width = [], 0
+            current.append(i)
+            width = max(width, n)
+        return batches + [current] if current else batches
+
+    def forward_backward(self, data: list[Any], loss_fn: str, config: dict[str, float], forward_only: bool = False
+                         ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """Per datum its target logprobs; the loss's metrics (`loss:sum`, …). Unless `forward_only`,
+        the loss's gradient is added to what earlier calls accumulated."""
+        config = loss_config(loss_fn, config)
+        rows = self._check(data, loss_fn)
+        device = self.placement.device
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in rows]
+        sums: dict[str, float] = {}
+        tokens_total = 0.0
+        self.model.train(not forward_only)
+        for batch in self._micro_batches(rows):
+            width = max(len(rows[i]["tokens"]) for i in batch)
+            padded = {k: torch.zeros((len(batch), width), dtype=v.dtype) for k, v in rows[batch[0]].items()}
+            mask = torch.zeros((len(batch), width))
+            for r, i in enumerate(batch):
+                n = len(rows[i]["tokens"])
+                for k, v in rows[i].items():
+                    padded[k][r, :n] = v
+                mask[r, :n] = 1.0
+            padded = {k: v.to(device) for k, v in padded.items()}
+            mask = mask.to(device)
+            with torch.set_grad_enabled(not forward_only), self.placement.autocast():
+                logits = self.model(input_ids=padded["tokens"], attention_mask=mask.long()).logits
+            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, padded["target_tokens"][..., None]).squeeze(-1)
+            del logits
+            with torch.set_grad_enabled(not forward_only):
+                out = primitive_loss(loss_fn, lp, padded, mask, config)
+            if not forward_only:
+                out.loss.backward()
+            n_tokens = float(mask.sum())
+            tokens_total += n_tokens
+            for key, value in out.metrics.items():  # sums add up; means are weighted by tokens
+                sums[key] = sums.get(key, 0.0) + (value * n_tokens if key.endswith(":mean") else value)
+            lp = lp.detach().cpu().numpy()
+            for r, i in enumerate(batch):
+                outputs[i] = {"logprobs": lp[r, : len(rows[i]["tokens"])].astype(np.float32)}
+        self.model.eval()
+        if not forward_only:
+            self.pending_tokens += int(tokens_total)
+        metrics = {k: (v / max(tokens_total, 1.0) if k.endswith(":mean") else v) for k, v in sums.items()}
+        return outputs, metrics
+
+    # -- optimizer -------------------------------------------------------------------------
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """One AdamW step with `adam` exactly as sent, then the gradients are cleared."""
+        adam.check()
+        for group in self.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise BadRequest("the accumulated gradient is not finite (NaN or infinity): the step was skipped and the gradient cleared")
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        tokens, self.pending_tokens = self.pending_tokens, 0
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}
+
+    # -- state -----------------------------------------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def state_files(self, with_optimizer: bool) -> dict[str, Any]:
+        """What a checkpoint of this model holds: the trainable weights, the peft adapter folder
+        (`adapter/…`, what `PeftModel.from_pretrained` and vLLM read), the optimizer's state when
+        asked, and the step count."""
+        from safetensors.torch import save as save_safetensors
+
+        files = {"weights.safetensors": save_safetensors({k: v.contiguous() for k, v in self.trainable_state().items()}),
+                 **adapter_files(self.model, save_embedding_layers=False)}  # a LoRA on a tied lm_head leaves the embedding as it was
+        if with_optimizer:
+            buf = io.BytesIO()
+            torch.save(self.optimizer.state_dict(), buf)
+            files["optimizer.pt"] = buf.getvalue()
+        return files
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, steps: int) -> None:
+        """Weights (and the optimizer's moments when given, else a fresh optimizer) of a checkpoint."""
+        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if set(weights) != set(named):
+            raise BadRequest(f"the checkpoint's weights do not fit this model ({len(set(weights) ^ set(named))} tensors differ)")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                named[name].copy_(tensor)
+        self.optimizer = self._fresh_optimizer()
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps = steps
+
+    def policy_info(self) -> dict[str, Any]:
+        """policy.json: what the weights apply to (so `opentinker serve` and the registry take them)."""
+        return {"base_model": self.base_name, "dtype": "float32", "adapter": self.lora.model_dump(mode="json"), "init_from": None,
+                "tinker": asdict(self.shape)}
+
+
+def shape_from_policy(info: dict[str, Any]) -> LoraShape:
+    return LoraShape(**info["tinker"])
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()

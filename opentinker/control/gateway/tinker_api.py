@@ -1,0 +1,311 @@
+"""The Tinker API on the gateway: the REST surface the official `tinker` SDK (0.38.0) speaks.
+
+`TINKER_BASE_URL=<gateway>` and `TINKER_API_KEY=<a key from opentinker tenant add>` are all a
+Tinker program needs. The key arrives as `X-API-Key`; every id the client sends (session, model,
+sampler, request, `tinker://` path) is checked against the tenant before anything is forwarded, so
+another tenant's things read exactly like missing ones (404). A session is a job (a Prefect flow
+run holding a slot, its model in a Ray actor); the gateway finds the session's own server and
+relays each call to it with the session's job token. The gateway holds no state of its own: a
+restart of it loses nothing.
+
+Errors follow the SDK's habits: a client mistake is a 400 (never 409, which the SDK retries for
+minutes) with one line in `detail`; a failed future is `{"error", "category"}`; an unknown thing
+is a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from opentinker.tinker import paths, wire
+from opentinker.tinker.models import UnknownModel, capabilities, resolve_base
+
+log = logging.getLogger("opentinker.gateway.tinker")
+
+PROTOBUF = "application/x-protobuf"
+POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the SDK's poll times out at 45 s)
+START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
+FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights", "asample")
+
+
+class SessionGone(LookupError):
+    """The session ended (finished, expired, cancelled or failed); the message says how."""
+
+
+class SessionStarting(RuntimeError):
+    """The session's job has not started serving yet."""
+
+
+def _bad(detail: str, status: int = 400) -> HTTPException:
+    return HTTPException(status, detail[:2000])
+
+
+def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) -> None:
+    """`store`: the TenantStore; `sessions`: where sessions live (`create`, `endpoint`, `finish`,
+    `storage_url`), the stack's Prefect flow runs (tinker_sessions.PrefectSessions)."""
+    router = APIRouter(prefix="/api/v1")
+    client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+
+    def tenant(request: Request) -> str:
+        name = store.authenticate(request.headers.get("x-api-key"))
+        if name is None:
+            raise HTTPException(401, "missing or unknown API key (X-API-Key)")
+        return name
+
+    def owned_session(tenant_name: str, identifier: str) -> str:
+        session_id = paths.session_of(identifier) if isinstance(identifier, str) else None
+        if session_id is None or not session_id.startswith(f"{tenant_name}-"):
+            raise _bad(f"no such id {str(identifier)[:200]!r}", 404)
+        return session_id
+
+    async def endpoint(tenant_name: str, session_id: str) -> tuple[str, str]:
+        deadline = asyncio.get_running_loop().time() + START_WAIT_S
+        while True:
+            try:
+                return await asyncio.to_thread(sessions.endpoint, tenant_name, session_id)
+            except SessionStarting as err:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise HTTPException(503, f"session {session_id} is still starting ({err})", headers={"Retry-After": "1"}) from None
+            except SessionGone as err:
+                raise _bad(str(err), 410) from None
+            except LookupError:
+                raise _bad(f"no session {session_id!r}", 404) from None
+            await asyncio.sleep(0.5)
+
+    async def relay(tenant_name: str, session_id: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        url, token = await endpoint(tenant_name, session_id)
+        try:
+            return await client.request(method, f"{url}{path}", headers={"Authorization": f"Bearer {token}"}, **kwargs)
+        except httpx.TransportError as err:
+            sessions.forget(session_id)
+            raise HTTPException(503, f"session {session_id} did not answer ({type(err).__name__}); retrying",
+                                headers={"Retry-After": "1"}) from None
+
+    def passed_on(reply: httpx.Response) -> Response:
+        if reply.status_code >= 400:
+            try:
+                detail = reply.json().get("detail", reply.text)
+            except ValueError:
+                detail = reply.text
+            raise _bad(str(detail), reply.status_code if reply.status_code in (400, 401, 404, 413) else 502)
+        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise _bad("the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        return body
+
+    # -- client set-up -------------------------------------------------------------------------
+    @router.post("/client/config")
+    def client_config(name: str = Depends(tenant)) -> dict[str, Any]:
+        return {"pjwt_auth_enabled": False, "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
+                "sample_join_sampling_session": False}
+
+    @router.post("/client/dynamic_config")
+    def dynamic_config(name: str = Depends(tenant)) -> dict[str, Any]:
+        return {"sample_cancel_enabled": False}
+
+    @router.post("/telemetry")
+    def telemetry(name: str = Depends(tenant)) -> dict[str, Any]:
+        return {"status": "accepted"}
+
+    @router.get("/healthz")
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @router.get("/get_server_capabilities")
+    def server_capabilities(name: str = Depends(tenant)) -> dict[str, Any]:
+        return capabilities(settings.models_folder)
+
+    # -- sessions --------------------------------------------------------------------------------
+    @router.post("/create_session")
+    async def create_session(request: Request, name: str = Depends(tenant)) -> dict[str, Any]:
+        body = await json_body(request)
+        try:
+            session_id = await asyncio.to_thread(sessions.create, name, body)
+        except ValueError as err:  # the tenant's limit, a pool that cannot hold it
+            raise _bad(str(err)) from None
+        return {"session_id": session_id}
+
+    @router.post("/session_heartbeat")
+    async def heartbeat(request: Request, name: str = Depends(tenant)) -> dict[str, Any]:
+        session_id = owned_session(name, (await json_body(request)).get("session_id"))
+        try:
+            url, token = await asyncio.to_thread(sessions.endpoint, name, session_id)
+        except SessionStarting:
+            return {}
+        except SessionGone as err:
+            raise _bad(str(err), 410) from None
+        except LookupError:
+            raise _bad(f"no session {session_id!r}", 404) from None
+        try:
+            await client.post(f"{url}/direct/heartbeat", json={}, headers={"Authorization": f"Bearer {token}"})
+        except httpx.TransportError:
+            sessions.forget(session_id)
+        return {}
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request, name: str = Depends(tenant)) -> dict[str, Any]:
+        session_id = owned_session(name, session_id)
+        body = await json_body(request)
+        await asyncio.to_thread(sessions.finish, name, session_id, body)
+        return {}
+
+    # -- futures: accept now, relay to the session -------------------------------------------------
+    def target_session(name: str, op: str, body: Any) -> str:
+        if op == "forward_backward":
+            model_id, _ = body
+            return owned_session(name, model_id)
+        if op == "asample":
+            return owned_session(name, body.get("sampling_session_id"))
+        return owned_session(name, body.get("model_id") or body.get("session_id"))
+
+    def make_future_route(op: str) -> None:
+        async def route(request: Request, name: str = Depends(tenant)) -> Response:
+            if op == "forward_backward":
+                try:
+                    raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
+                    session_id = target_session(name, op, wire.header_of(raw))
+                except wire.WireError as err:
+                    raise _bad(str(err)) from None
+                return passed_on(await relay(name, session_id, "POST", f"/submit/{op}", content=raw))
+            body = await json_body(request)
+            session_id = target_session(name, op, body)
+            if op == "create_model":
+                try:
+                    resolve_base(settings.models_folder, str(body.get("base_model", "")))
+                except UnknownModel as err:
+                    raise _bad(str(err)) from None
+            for key in ("path", "model_path"):
+                value = body.get(key)
+                if isinstance(value, str) and value.startswith("tinker://"):
+                    try:
+                        owned_session(name, paths.parse_path(value).model_id)
+                    except paths.PathError as err:
+                        raise _bad(str(err)) from None
+            return passed_on(await relay(name, session_id, "POST", f"/submit/{op}", json=body))
+
+        router.add_api_route(f"/{op}", route, methods=["POST"], name=f"tinker_{op}")
+
+    for op in FUTURE_CALLS:
+        make_future_route(op)
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(request: Request, name: str = Depends(tenant)) -> Response:
+        body = await json_body(request)
+        request_id = body.get("request_id")
+        session_id = owned_session(name, request_id)
+        try:
+            reply = await relay(name, session_id, "POST", "/result", json={"request_id": request_id, "timeout": POLL_HOLD_S})
+        except HTTPException as err:
+            if err.status_code == 410:  # the session is gone: its futures fail, once, clearly
+                return JSONResponse({"error": err.detail, "category": "user"})
+            raise
+        return passed_on(reply)
+
+    # -- direct calls relayed ------------------------------------------------------------------------
+    @router.post("/get_info")
+    async def get_info(request: Request, name: str = Depends(tenant)) -> Response:
+        body = await json_body(request)
+        return passed_on(await relay(name, owned_session(name, body.get("model_id")), "POST", "/direct/get_info", json=body))
+
+    @router.post("/create_sampling_session")
+    async def create_sampling_session(request: Request, name: str = Depends(tenant)) -> Response:
+        body = await json_body(request)
+        session_id = owned_session(name, body.get("session_id"))
+        if isinstance(body.get("model_path"), str):
+            try:
+                owned_session(name, paths.parse_path(body["model_path"]).model_id)
+            except paths.PathError as err:
+                raise _bad(str(err)) from None
+        if body.get("base_model") is not None:
+            try:
+                resolve_base(settings.models_folder, str(body["base_model"]))
+            except UnknownModel as err:
+                raise _bad(str(err)) from None
+        return passed_on(await relay(name, session_id, "POST", "/direct/create_sampling_session", json=body))
+
+    @router.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, name: str = Depends(tenant)) -> Response:
+        return passed_on(await relay(name, owned_session(name, sampler_id), "GET", f"/samplers/{sampler_id}"))
+
+    # -- the REST client: runs and checkpoints in the tenant's storage ----------------------------
+    def checkpoints_of(name: str) -> paths.TenantCheckpoints:
+        return paths.TenantCheckpoints(sessions.storage_url(name))
+
+    def owned_run(name: str, run_id: str) -> str:
+        if not paths.MODEL.match(run_id or "") or not run_id.startswith(f"{name}-"):
+            raise _bad(f"no training run {run_id[:200]!r}", 404)
+        return run_id
+
+    def page(items: list[Any], limit: int, offset: int) -> tuple[list[Any], dict[str, int]]:
+        limit = max(1, min(int(limit), 1000))
+        offset = max(0, int(offset))
+        return items[offset : offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
+
+    @router.get("/training_runs")
+    def list_training_runs(limit: int = 20, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
+        runs, cursor = page(checkpoints_of(name).runs(), limit, offset)
+        return {"training_runs": runs, "cursor": cursor}
+
+    @router.get("/training_runs/{run_id}")
+    def get_training_run(run_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
+        try:
+            return checkpoints_of(name).training_run(owned_run(name, run_id))
+        except paths.NotFound as err:
+            raise _bad(str(err), 404) from None
+
+    @router.get("/training_runs/{run_id}/checkpoints")
+    def list_checkpoints(run_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
+        store = checkpoints_of(name)
+        try:
+            store.read_run(owned_run(name, run_id))
+        except paths.NotFound as err:
+            raise _bad(str(err), 404) from None
+        return {"checkpoints": store.checkpoints(run_id)}
+
+    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+    def delete_checkpoint(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> Response:
+        try:
+            kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
+            checkpoints_of(name).delete(paths.TinkerPath(owned_run(name, run_id), kind, ckpt))
+        except paths.PathError as err:
+            raise _bad(str(err)) from None
+        except paths.NotFound as err:
+            raise _bad(str(err), 404) from None
+        return Response(status_code=204)
+
+    @router.get("/checkpoints")
+    def list_user_checkpoints(limit: int = 100, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
+        store = checkpoints_of(name)
+        found = [c for run in store.runs() for c in store.checkpoints(run["training_run_id"])]
+        items, cursor = page(sorted(found, key=lambda c: c["time"], reverse=True), limit, offset)
+        return {"checkpoints": items, "cursor": cursor}
+
+    @router.post("/weights_info")
+    async def weights_info(request: Request, name: str = Depends(tenant)) -> dict[str, Any]:
+        body = await json_body(request)
+        try:
+            path = paths.parse_path(str(body.get("tinker_path", "")))
+            owned_run(name, path.model_id)
+            info = await asyncio.to_thread(checkpoints_of(name).policy_info, path)
+        except paths.PathError as err:
+            raise _bad(str(err)) from None
+        except paths.NotFound as err:
+            raise _bad(str(err), 404) from None
+        shape = info.get("tinker") or {}
+        return {"base_model": checkpoints_of(name).read_run(path.model_id)["base_model"], "is_lora": True,
+                "lora_rank": shape.get("rank"), "train_attn": shape.get("train_attn"), "train_mlp": shape.get("train_mlp"),
+                "train_unembed": shape.get("train_unembed")}
+
+    app.include_router(router)

@@ -1,0 +1,111 @@
+"""Tinker sessions as jobs: each is a `tinker-session` flow run of its pool's deployment.
+
+`create` checks the tenant's limit of live sessions and queues the run (tags: tenant, job id,
+`kind:tinker`); the flow holds a slot of its pool (and of the tenant's running limit) while the
+session lives, its model in a Ray actor, and publishes the actor's server as the artifact
+`endpoint-<session>`. `endpoint` finds that server (cached once found); an ended run reads as
+SessionGone with its end state, one that has not started serving yet as SessionStarting.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+from opentinker.control.gateway import confine
+from opentinker.control.gateway.tinker_api import SessionGone, SessionStarting
+from opentinker.control.scheduler import check_fits, deployment_name, ensure_tenant_limit, job_state, job_tags, prefect_client
+from opentinker.core.tokens import job_token
+from opentinker.inference.spec import endpoint_key
+
+KIND_TAG = "kind:tinker"
+FLOW = "tinker-session"
+FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+class PrefectSessions:
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.found: dict[str, tuple[str, str]] = {}
+        self.lock = threading.Lock()
+
+    def storage_url(self, tenant: str) -> str:
+        return confine.tenant_storage(self.settings, tenant)
+
+    def _runs(self, tenant: str, session_id: str | None = None) -> list[Any]:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+        tags = [f"tenant:{tenant}", KIND_TAG] + ([f"job:{session_id}"] if session_id else [])
+        with prefect_client() as client:
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags)), limit=200)
+
+    def create(self, tenant: str, body: dict[str, Any]) -> str:
+        """Queue a session for `tenant`; ValueError (one line) over its limit or when no pool fits."""
+        live = [r for r in self._runs(tenant) if job_state(r)[0] not in FINAL]
+        if len(live) >= self.settings.tinker_max_sessions:
+            raise ValueError(f"tenant {tenant} has {len(live)} live Tinker sessions, the limit is {self.settings.tinker_max_sessions}: "
+                             "close one (ServiceClient.close() or a `with` block) or wait for an idle one to expire "
+                             f"({self.settings.tinker_heartbeat_timeout_s:g} s without a heartbeat)")
+        num_gpus = self.settings.tinker_session_gpus
+        pool = check_fits(self.settings, num_gpus)
+        ensure_tenant_limit(tenant, self.settings.tenant_max_running)
+        session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
+        meta = {str(k)[:64]: str(v)[:256] for k, v in list((body.get("user_metadata") or {}).items())[:32]}
+        with prefect_client() as client:
+            deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
+            client.create_flow_run_from_deployment(
+                deployment.id, parameters={"session_id": session_id, "tenant": tenant, "num_gpus": num_gpus,
+                                           "user_metadata": meta, "sdk_version": str(body.get("sdk_version", ""))[:32]},
+                tags=[*job_tags(tenant, session_id), KIND_TAG])
+        return session_id
+
+    def forget(self, session_id: str) -> None:
+        with self.lock:
+            self.found.pop(session_id, None)
+
+    def endpoint(self, tenant: str, session_id: str) -> tuple[str, str]:
+        """(url, token) of the session's server."""
+        with self.lock:
+            if session_id in self.found:
+                return self.found[session_id]
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+        runs = self._runs(tenant, session_id)
+        if not runs:
+            raise LookupError(session_id)
+        run = runs[0]
+        state, reason = job_state(run)
+        if state in FINAL:
+            raise SessionGone(f"session {session_id} has ended ({state.lower()}{': ' + reason if reason else ''})")
+        if state != "RUNNING":
+            raise SessionStarting(reason or "queued")
+        with prefect_client() as client:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[endpoint_key(session_id)]), flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        if not found:
+            raise SessionStarting("loading")
+        url = (found[-1].metadata_ or {})["url"]
+        entry = (url, job_token(self.settings.stack_secret(), session_id))
+        with self.lock:
+            self.found[session_id] = entry
+        return entry
+
+    def finish(self, tenant: str, session_id: str, body: dict[str, Any]) -> None:
+        """Tell the session its client is done; a session that has not started is cancelled."""
+        import httpx
+        from prefect.states import Cancelled
+
+        try:
+            url, token = self.endpoint(tenant, session_id)
+        except SessionStarting:
+            run = self._runs(tenant, session_id)[0]
+            with prefect_client() as client:
+                client.set_flow_run_state(run.id, Cancelled(message="finished by its client before it started"), force=True)
+            return
+        except LookupError:  # SessionGone too: nothing left to finish
+            return
+        try:
+            httpx.post(f"{url}/direct/finish", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        except httpx.TransportError:
+            self.forget(session_id)

@@ -1,0 +1,203 @@
+"""Ids and `tinker://` paths, and where their checkpoints live in a tenant's storage.
+
+    session    <tenant>-tk-<hex>                     (a job id: the session's Prefect flow run)
+    model      <session>:train:<n>                   (a training run; `training_run_id` on the REST side)
+    sampler    <session>:sample:<n>
+    request    <session>:req:<n>
+    path       tinker://<model>/weights/<name>         training state (weights, optimizer, step)
+               tinker://<model>/sampler_weights/<name> weights for sampling (a peft adapter folder)
+
+A checkpoint is the committed folder `<tenant storage>/tinker/<model>/<kind>/<name>/`, and each
+training run has `<tenant storage>/tinker/<model>/run.json`. A path is always resolved inside the
+storage of the tenant who names it, so another tenant's path reads exactly like a missing one.
+Every id and name is checked against a strict pattern first: nothing a tenant sends becomes a
+path segment unchecked. No torch here (the gateway lists and deletes checkpoints too).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from opentinker.storage.committed import committed_manifest, join_url, makedirs, remove_committed, url_to_fs
+
+SESSION = re.compile(r"^[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}$")
+MODEL = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):train:(?P<n>\d{1,6})$")
+SAMPLER = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):sample:(?P<n>\d{1,9})$")
+REQUEST = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):req:(?P<n>\d{1,12})$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+RUN_FILE = "run.json"
+
+
+class PathError(ValueError):
+    """A malformed id, name or `tinker://` path (what the client sees)."""
+
+
+class NotFound(LookupError):
+    """No such thing for this tenant (another tenant's reads the same)."""
+
+
+def session_of(identifier: str) -> str | None:
+    """The session an id belongs to (model, sampler, request or the session itself), or None."""
+    if SESSION.match(identifier):
+        return identifier
+    for pattern in (MODEL, SAMPLER, REQUEST):
+        m = pattern.match(identifier)
+        if m:
+            return m.group("session")
+    return None
+
+
+def model_id(session_id: str, n: int) -> str:
+    return f"{session_id}:train:{n}"
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    model_id: str
+    kind: str  # weights | sampler_weights
+    name: str
+
+    def __str__(self) -> str:
+        return f"tinker://{self.model_id}/{self.kind}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+
+def check_name(name: str, what: str = "checkpoint name") -> str:
+    if not isinstance(name, str) or not NAME.match(name) or name in (".", ".."):
+        raise PathError(f"{what} {name!r}: 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return name
+
+
+def parse_path(text: str, kind: str | None = None) -> TinkerPath:
+    """`tinker://<model>/<kind>/<name>`; `kind` when only one is allowed here."""
+    if not isinstance(text, str) or not text.startswith("tinker://"):
+        raise PathError(f"{text!r} is not a tinker:// path")
+    parts = text[len("tinker://"):].split("/")
+    if len(parts) != 3 or not MODEL.match(parts[0]) or parts[1] not in KINDS:
+        raise PathError(f"{text!r}: expected tinker://<training run id>/weights|sampler_weights/<name>")
+    if kind is not None and parts[1] != kind:
+        raise PathError(f"{text!r}: expected a {kind} path (tinker://<run>/{kind}/<name>)")
+    return TinkerPath(parts[0], parts[1], check_name(parts[2]))
+
+
+def parse_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
+    kind, _, name = checkpoint_id.partition("/")
+    if kind not in KINDS:
+        raise PathError(f"checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
+    return kind, check_name(name)
+
+
+class TenantCheckpoints:
+    """The Tinker checkpoints and training runs under one tenant's storage URL."""
+
+    def __init__(self, storage_url: str):
+        self.root = join_url(storage_url, "tinker")
+
+    def run_url(self, model: str) -> str:
+        if not MODEL.match(model):
+            raise PathError(f"training run id {model!r} is malformed")
+        return join_url(self.root, model)
+
+    def url(self, path: TinkerPath) -> str:
+        return join_url(self.run_url(path.model_id), path.kind, path.name)
+
+    def exists(self, path: TinkerPath) -> bool:
+        return committed_manifest(self.url(path)) is not None
+
+    # -- training runs --------------------------------------------------------------------
+    def write_run(self, model: str, record: dict[str, Any]) -> None:
+        fs, path = url_to_fs(join_url(self.run_url(model), RUN_FILE))
+        makedirs(fs, path.rsplit("/", 1)[0])
+        with fs.open(path, "w") as f:
+            json.dump(record, f)
+
+    def read_run(self, model: str) -> dict[str, Any]:
+        fs, path = url_to_fs(join_url(self.run_url(model), RUN_FILE))
+        try:
+            return json.loads(fs.cat_file(path))
+        except (FileNotFoundError, ValueError):
+            raise NotFound(f"no training run {model!r}") from None
+
+    def runs(self) -> list[dict[str, Any]]:
+        fs, root = url_to_fs(self.root)
+        fs.invalidate_cache(root)
+        if not fs.exists(root):
+            return []
+        out = []
+        for entry in fs.ls(root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if MODEL.match(name):
+                try:
+                    out.append(self.training_run(name))
+                except NotFound:
+                    continue
+        return sorted(out, key=lambda r: r["last_request_time"], reverse=True)
+
+    def training_run(self, model: str) -> dict[str, Any]:
+        """The SDK's TrainingRun for a run of this tenant."""
+        record = self.read_run(model)
+        found = self.checkpoints(model)
+        last = {kind: max((c for c in found if c["checkpoint_type"] == KINDS[kind]), key=lambda c: c["time"], default=None)
+                for kind in KINDS}
+        return {"training_run_id": model, "base_model": record["base_model"], "model_owner": record["owner"], "is_lora": True,
+                "corrupted": False, "lora_rank": record.get("lora_rank"), "user_metadata": record.get("user_metadata") or None,
+                "last_request_time": record.get("last_request_time") or record["created"],
+                "last_checkpoint": last["weights"], "last_sampler_checkpoint": last["sampler_weights"]}
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoints(self, model: str) -> list[dict[str, Any]]:
+        """The run's complete checkpoints as the SDK's Checkpoint records, oldest first."""
+        run = self.run_url(model)
+        out = []
+        for kind, kind_name in KINDS.items():
+            folder = join_url(run, kind)
+            fs, local = url_to_fs(folder)
+            fs.invalidate_cache(local)
+            if not fs.exists(local):
+                continue
+            for entry in fs.ls(local, detail=False):
+                name = entry.rstrip("/").rsplit("/", 1)[-1]
+                if not NAME.match(name):
+                    continue
+                manifest = committed_manifest(join_url(folder, name))
+                if manifest is None:
+                    continue
+                path = TinkerPath(model, kind, name)
+                expires = manifest.get("expires_at")
+                out.append({"checkpoint_id": path.checkpoint_id, "checkpoint_type": kind_name, "tinker_path": str(path),
+                            "time": _iso(manifest["time"]), "size_bytes": sum(manifest["files"].values()), "public": False,
+                            "user_metadata": manifest.get("user_metadata") or None, "expires_at": expires})
+        return sorted(out, key=lambda c: c["time"])
+
+    def policy_info(self, path: TinkerPath) -> dict[str, Any]:
+        """The checkpoint's policy.json (base model, adapter shape)."""
+        url = self.url(path)
+        if committed_manifest(url) is None:
+            raise NotFound(f"no checkpoint {path}")
+        fs, local = url_to_fs(join_url(url, "policy.json"))
+        return json.loads(fs.cat_file(local))
+
+    def delete(self, path: TinkerPath) -> None:
+        if not self.exists(path):
+            raise NotFound(f"no checkpoint {path}")
+        remove_committed(self.url(path))
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def iso_in(seconds: float) -> str:
+    return datetime.fromtimestamp(datetime.now(timezone.utc).timestamp() + seconds, tz=timezone.utc).isoformat()

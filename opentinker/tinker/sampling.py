@@ -1,0 +1,239 @@
+"""Sampling clients: samplers (a base model, or a LoRA adapter on it) and the `asample` call.
+
+Each base model gets one `HFEngine` (opentinker.inference.engine_hf) that batches concurrent
+requests with equal parameters and stop rule; a sampler is an adapter loaded in it by name (its
+sampler id), from a snapshot of a training client's weights or from a `sampler_weights`
+checkpoint, or the base with no adapter. At most MAX_LOADED adapters stay loaded per engine;
+an evicted one is loaded again from its folder when it is next used.
+
+Sampling follows the Tinker API: `stop` omitted stops at the end-of-sequence token, `[]` never
+stops, token ids or strings stop at the first occurrence and keep it; `temperature` 0 is greedy;
+`top_k` −1 and `top_p` 1 are off; the same `seed` gives the same tokens. Sampled logprobs are
+those of softmax(logits / temperature), before top-k/top-p truncation, in every reply.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentinker.tinker import wire
+
+MAX_LOADED = 16
+MAX_SAMPLES = 128
+
+
+class BadSample(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """A row ends at the first stop token or once its text ends with a stop string. Compared by value."""
+
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+    tokenizer: Any = field(default=None, compare=False, hash=False)
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if tokens and tokens[-1] in self.token_ids:
+            return True
+        if self.strings:  # checked at every token, so a string found now was completed by this token
+            tail = self.tokenizer.decode(tokens[-(max(len(s) for s in self.strings) + 4):])
+            return any(s in tail for s in self.strings)
+        return False
+
+
+@dataclass
+class SampleRequest:
+    sampler_id: str
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: Any  # None (EOS), [] (never), [int...] or [str...]
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+
+
+def _prompt_tokens(prompt: Any) -> list[int]:
+    chunks = (prompt or {}).get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list) or not chunks:
+        raise BadSample("prompt: a ModelInput with at least one chunk")
+    tokens: list[int] = []
+    for i, chunk in enumerate(chunks):
+        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+        if kind != "encoded_text":
+            raise BadSample(f"prompt.chunks[{i}]: {kind} chunks are not supported here (text models: encoded_text only)")
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadSample(f"prompt.chunks[{i}].tokens: a list of token ids")
+        tokens += ids
+    if not tokens:
+        raise BadSample("prompt: no tokens")
+    return tokens
+
+
+def parse_sample_request(body: dict[str, Any]) -> SampleRequest:
+    """A checked SampleRequest from the SDK's JSON; BadSample names the field."""
+    params = body.get("sampling_params") or {}
+    for name in ("prompt_alt_tokens_k", "topk_sample_logprobs"):
+        if body.get(name):
+            raise BadSample(f"{name} is not supported here (prompt_logprobs and topk_prompt_logprobs are)")
+    if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n"):
+        raise BadSample("target_prompt_logprobs and prompt_logprobs_last_n are not supported here")
+    try:
+        n = int(body.get("num_samples", 1))
+        max_tokens = int(params.get("max_tokens") or 0)
+        temperature = float(params.get("temperature", 1.0))
+        top_k = int(params.get("top_k", -1) if params.get("top_k") is not None else -1)
+        top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
+        seed = int(params["seed"]) if params.get("seed") is not None else None
+        topk_prompt = int(body.get("topk_prompt_logprobs") or 0)
+    except (TypeError, ValueError) as err:
+        raise BadSample(f"sampling_params: {err}") from None
+    if not 1 <= n <= MAX_SAMPLES:
+        raise BadSample(f"num_samples: {n} (1 to {MAX_SAMPLES})")
+    if max_tokens < 1:
+        raise BadSample("sampling_params.max_tokens: at least 1")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BadSample(f"sampling_params.temperature: {temperature} (0 or more; 0 is greedy)")
+    if not (0 < top_p <= 1) or not (top_k == -1 or top_k > 0) or not 0 <= topk_prompt <= 100:
+        raise BadSample("sampling_params: top_p in (0, 1], top_k -1 or positive, topk_prompt_logprobs 0 to 100")
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and (all(isinstance(s, str) and s for s in stop)
+                                                              or all(isinstance(s, int) and not isinstance(s, bool) for s in stop))):
+        raise BadSample("sampling_params.stop: a string, a list of strings or a list of token ids")
+    return SampleRequest(str(body.get("sampling_session_id", "")), _prompt_tokens(body.get("prompt")), n, max_tokens, temperature,
+                         top_k, top_p, seed, stop, bool(body.get("prompt_logprobs")), topk_prompt)
+
+
+@dataclass
+class SamplerRecord:
+    base_model: str  # as the client named it
+    loader_name: str
+    folder: Path | None  # the adapter folder (None: the base alone)
+    model_path: str | None = None
+
+
+class Samplers:
+    """The session's samplers and one batching engine per base model."""
+
+    def __init__(self, workdir: Path, placement: Any = None):
+        self.workdir, self.placement = workdir, placement
+        self.records: dict[str, SamplerRecord] = {}
+        self.engines: dict[str, Any] = {}
+        self.loaded: dict[str, OrderedDict[str, None]] = {}
+        self.lock = threading.Lock()
+
+    def record(self, sampler_id: str) -> SamplerRecord:
+        from opentinker.tinker.paths import NotFound
+
+        found = self.records.get(sampler_id)
+        if found is None:
+            raise NotFound(f"no sampler {sampler_id!r} in this session")
+        return found
+
+    def _engine(self, loader_name: str) -> Any:
+        from opentinker.inference.engine_hf import HFEngine
+
+        with self.lock:
+            if loader_name not in self.engines:
+                self.engines[loader_name] = HFEngine.for_adapters(loader_name, where=self.placement)
+                self.loaded[loader_name] = OrderedDict()
+            return self.engines[loader_name]
+
+    def add_base(self, sampler_id: str, base_model: str, loader_name: str) -> None:
+        self._engine(loader_name)
+        self.records[sampler_id] = SamplerRecord(base_model, loader_name, None)
+
+    def add_snapshot(self, sampler_id: str, base_model: str, loader_name: str, model: Any) -> None:
+        """The training client's weights as they are now (later steps do not change this sampler)."""
+        folder = self.workdir / sampler_id.replace(":", "_")
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        for name, data in model.state_files(with_optimizer=False).items():
+            if name.startswith("adapter/"):
+                (folder / name.split("/", 1)[1]).write_bytes(data)
+        self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder))
+
+    def add_checkpoint(self, sampler_id: str, base_model: str, loader_name: str, url: str, model_path: str) -> None:
+        from opentinker.storage.checkpoint import committed_manifest, read_file
+
+        folder = self.workdir / sampler_id.replace(":", "_")
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        for name in (committed_manifest(url) or {}).get("files", {}):
+            if name.startswith("adapter/"):
+                (folder / name.split("/", 1)[1]).write_bytes(read_file(url, name))
+        self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder, model_path))
+
+    def _replace(self, sampler_id: str, record: SamplerRecord) -> None:
+        engine = self._engine(record.loader_name)
+        with self.lock:
+            if sampler_id in self.loaded[record.loader_name]:
+                engine.unload_adapter(sampler_id)
+                del self.loaded[record.loader_name][sampler_id]
+            self.records[sampler_id] = record
+
+    def _ensure_loaded(self, sampler_id: str, record: SamplerRecord) -> Any:
+        engine = self._engine(record.loader_name)
+        if record.folder is None:
+            return engine
+        with self.lock:
+            loaded = self.loaded[record.loader_name]
+            if sampler_id in loaded:
+                loaded.move_to_end(sampler_id)
+                return engine
+            while len(loaded) >= MAX_LOADED:
+                oldest, _ = loaded.popitem(last=False)
+                engine.unload_adapter(oldest)
+            engine.load_adapter(sampler_id, str(record.folder))
+            loaded[sampler_id] = None
+        return engine
+
+    def sample(self, request: SampleRequest) -> bytes:
+        from opentinker.backend.rollout import SamplingParams
+
+        record = self.record(request.sampler_id)
+        engine = self._ensure_loaded(request.sampler_id, record)
+        vocab = engine.rollout.model.get_output_embeddings().weight.shape[0]
+        if any(t < 0 or t >= vocab for t in request.prompt):
+            raise BadSample(f"prompt: token ids must be in [0, {vocab}) for {record.base_model}")
+        if len(request.prompt) + request.max_tokens > engine.context_length:
+            raise BadSample(f"prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
+                            f"model's context of {engine.context_length}")
+        adapter = request.sampler_id if record.folder is not None else None
+        if request.stop is None:
+            rule = StopRule(frozenset(engine.rollout.stop_ids))
+        elif request.stop and isinstance(request.stop[0], str):
+            rule = StopRule(strings=tuple(request.stop), tokenizer=engine.tokenizer)
+        else:
+            rule = StopRule(frozenset(request.stop))
+        params = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature or 1.0, top_p=request.top_p,
+                                greedy=request.temperature == 0, top_k=request.top_k if request.top_k > 0 else None)
+        future = engine.generate([request.prompt] * request.num_samples, [request.max_tokens] * request.num_samples, params,
+                                 seed=request.seed, adapter=adapter, stop_rule=rule)
+        prompt_lp, top = (None, None)
+        if request.prompt_logprobs or request.topk_prompt_logprobs:
+            prompt_lp, top = engine.score_prompt(request.prompt, adapter, request.topk_prompt_logprobs)
+        completions = future.result()
+        sequences = [wire.Sequence(c.token_ids, c.logprobs, c.finish_reason) for c in completions]
+        return wire.encode_sample(sequences, prompt_lp if request.prompt_logprobs else None, top or None)
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""Tinker sessions in this process (no Prefect, no Ray): the gateway's Tinker routes over a
+TinkerSession and its server started here. For tests of the protocol, the losses and the
+sampler through the unmodified SDK; the stack's own path (flow run, actor) has its own tests."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+from opentinker.control.gateway.tinker_api import SessionGone
+from opentinker.inference.server import serve_in_thread
+from opentinker.tinker.server import create_app
+from opentinker.tinker.session import TinkerSession
+
+
+class LocalSessions:
+    def __init__(self, storage_root: Path, models_folder: Path, max_sessions: int = 4):
+        self.storage_root, self.models_folder, self.max_sessions = storage_root, models_folder, max_sessions
+        self.live: dict[str, tuple[TinkerSession, Any, str]] = {}
+        self.ended: dict[str, str] = {}
+
+    def storage_url(self, tenant: str) -> str:
+        return f"file://{self.storage_root}/tenants/{tenant}"
+
+    def create(self, tenant: str, body: dict[str, Any]) -> str:
+        mine = [s for s in self.live if s.startswith(f"{tenant}-")]
+        if len(mine) >= self.max_sessions:
+            raise ValueError(f"tenant {tenant} has {len(mine)} live Tinker sessions, the limit is {self.max_sessions}")
+        session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
+        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder)
+        token = secrets.token_hex(16)
+        server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
+        self.live[session_id] = (session, server, token)
+        return session_id
+
+    def endpoint(self, tenant: str, session_id: str) -> tuple[str, str]:
+        if session_id in self.ended:
+            raise SessionGone(f"session {session_id} has ended ({self.ended[session_id]})")
+        if session_id not in self.live or not session_id.startswith(f"{tenant}-"):
+            raise LookupError(session_id)
+        session, server, token = self.live[session_id]
+        if session.finished:
+            self.end(session_id, f"finished by its client ({session.finished})")
+            raise SessionGone(f"session {session_id} has ended ({self.ended[session_id]})")
+        return server.url, token
+
+    def end(self, session_id: str, why: str) -> None:
+        session, server, _ = self.live.pop(session_id)
+        server.stop()
+        session.close()
+        self.ended[session_id] = why
+
+    def forget(self, session_id: str) -> None:
+        pass
+
+    def finish(self, tenant: str, session_id: str, body: dict[str, Any]) -> None:
+        if session_id in self.live and session_id.startswith(f"{tenant}-"):
+            self.end(session_id, f"finished by its client ({(body.get('reason') or {}).get('type', 'success')})")
+
+    def close(self) -> None:
+        for session_id in list(self.live):
+            self.end(session_id, "test over")

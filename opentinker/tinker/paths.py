@@ -41,6 +41,14 @@ class NotFound(LookupError):
     """No such thing for this tenant (another tenant's reads the same)."""
 
 
+class SessionGone(LookupError):
+    """The session ended (finished, expired, cancelled or failed); the message says how."""
+
+
+class SessionStarting(RuntimeError):
+    """The session's job has not started serving yet."""
+
+
 def session_of(identifier: str) -> str | None:
     """The session an id belongs to (model, sampler, request or the session itself), or None."""
     if SESSION.match(identifier):

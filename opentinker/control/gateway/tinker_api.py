@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from opentinker.tinker import paths, wire
 from opentinker.tinker.models import UnknownModel, capabilities, resolve_base
+from opentinker.tinker.paths import SessionGone, SessionStarting
 
 log = logging.getLogger("opentinker.gateway.tinker")
 
@@ -32,14 +33,6 @@ PROTOBUF = "application/x-protobuf"
 POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the SDK's poll times out at 45 s)
 START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
 FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights", "asample")
-
-
-class SessionGone(LookupError):
-    """The session ended (finished, expired, cancelled or failed); the message says how."""
-
-
-class SessionStarting(RuntimeError):
-    """The session's job has not started serving yet."""
 
 
 def _bad(detail: str, status: int = 400) -> HTTPException:

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from opentinker.control.gateway import confine
-from opentinker.control.gateway.tinker_api import SessionGone, SessionStarting
+from opentinker.tinker.paths import SessionGone, SessionStarting
 from opentinker.control.scheduler import check_fits, deployment_name, ensure_tenant_limit, job_state, job_tags, prefect_client
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key

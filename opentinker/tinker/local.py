@@ -1,6 +1,7 @@
-"""Tinker sessions in this process (no Prefect, no Ray): the gateway's Tinker routes over a
-TinkerSession and its server started here. For tests of the protocol, the losses and the
-sampler through the unmodified SDK; the stack's own path (flow run, actor) has its own tests."""
+"""Tinker sessions in this process (no Prefect, no Ray): what the gateway's Tinker routes relay to
+when it is made with `create_app(settings, tinker_sessions=LocalSessions(...))`. For tests of the
+protocol and for the benchmarks, through the unmodified SDK and the same two HTTP hops (gateway,
+session server) as the stack; the stack's own path (flow run, Ray actor) has its own tests."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from opentinker.control.gateway.tinker_api import SessionGone
 from opentinker.inference.server import serve_in_thread
+from opentinker.tinker.paths import SessionGone
 from opentinker.tinker.server import create_app
 from opentinker.tinker.session import TinkerSession
 
 
 class LocalSessions:
-    def __init__(self, storage_root: Path, models_folder: Path, max_sessions: int = 4):
+    def __init__(self, storage_root: Path, models_folder: Path, max_sessions: int = 4, placement: Any = None):
         self.storage_root, self.models_folder, self.max_sessions = storage_root, models_folder, max_sessions
+        self.placement = placement
         self.live: dict[str, tuple[TinkerSession, Any, str]] = {}
         self.ended: dict[str, str] = {}
 
@@ -28,7 +30,7 @@ class LocalSessions:
         if len(mine) >= self.max_sessions:
             raise ValueError(f"tenant {tenant} has {len(mine)} live Tinker sessions, the limit is {self.max_sessions}")
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
-        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder)
+        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement)
         token = secrets.token_hex(16)
         server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
         self.live[session_id] = (session, server, token)
@@ -61,3 +63,4 @@ class LocalSessions:
     def close(self) -> None:
         for session_id in list(self.live):
             self.end(session_id, "test over")
+

@@ -1,0 +1,28 @@
+"""A gateway whose Tinker sessions run in this process: for tests of the protocol and for the benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opentinker.inference.server import serve_in_thread
+from opentinker.tinker.local import LocalSessions
+
+
+def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: Any = None):
+    """(gateway URL, {tenant: API key}, LocalSessions, server): a gateway on 127.0.0.1 whose Tinker
+    sessions run in this process, state and storage under `root`. Stop with `server.stop()` and
+    `sessions.close()`."""
+    import os
+
+    os.environ["OPENTINKER_STATE_DIR"] = str(root / "state")
+    from opentinker.control.gateway.app import create_app as gateway_app
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.core.settings import Settings
+
+    settings = Settings(state_dir=root / "state")
+    store = TenantStore(settings.state_dir / "tenants.json")
+    keys = {name: store.create(name) for name in tenants}
+    sessions = LocalSessions(root / "storage", settings.models_folder, placement=placement)
+    server = serve_in_thread(gateway_app(settings, tinker_sessions=sessions), "127.0.0.1", 0)
+    return server.url, keys, sessions, server

@@ -50,9 +50,14 @@ def loss_config(name: str, given: dict[str, float]) -> dict[str, float]:
     if unknown:
         allowed = ", ".join(defaults) or "none"
         raise UnsupportedLoss(f"loss_fn_config for {name}: unknown key(s) {', '.join(unknown)} (allowed: {allowed})")
-    config = {**defaults, **{k: float(v) for k, v in given.items()}}
-    if any(not math.isfinite(v) for v in config.values()):
-        raise UnsupportedLoss(f"loss_fn_config for {name}: values must be finite numbers")
+    try:
+        config = {**defaults, **{k: float(v) for k, v in given.items()}}
+    except (TypeError, ValueError):
+        raise UnsupportedLoss(f"loss_fn_config for {name}: values must be numbers") from None
+    if any(not math.isfinite(v) for v in config.values()) or config.get("beta", 0) < 0:
+        raise UnsupportedLoss(f"loss_fn_config for {name}: values must be finite numbers (beta >= 0)")
+    if config.get("clip_low_threshold", 0) > config.get("clip_high_threshold", math.inf):
+        raise UnsupportedLoss(f"loss_fn_config for {name}: clip_low_threshold above clip_high_threshold")
     return config
 
 
@@ -89,5 +94,6 @@ def primitive_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor],
     else:  # loss_config refused it already
         raise UnsupportedLoss(f"loss_fn {name!r} is not supported here; supported: {SUPPORTED}")
     loss = (per_token * mask).sum()
-    n = float(mask.sum().clamp(min=1))
-    return LossOut(loss, {"loss:sum": float(loss.detach()), "ratio:mean": float((ratio.detach() * mask).sum()) / n})
+    scored = mask * (adv != 0).to(lp.dtype)  # the sampled tokens (prompt positions carry no advantage)
+    n = float(scored.sum().clamp(min=1))
+    return LossOut(loss, {"loss:sum": float(loss.detach()), "ratio:mean": float((ratio.detach() * scored).sum()) / n})

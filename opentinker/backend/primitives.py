@@ -200,6 +200,7 @@ class PrimitiveModel:
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
+            self.pending_tokens = 0
             raise BadRequest("the accumulated gradient is not finite (NaN or infinity): the step was skipped and the gradient cleared")
         if adam.grad_clip_norm > 0 and grads:
             torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
@@ -239,6 +240,7 @@ class PrimitiveModel:
         if optimizer_state is not None:
             self.optimizer.load_state_dict(optimizer_state)
         self.optimizer.zero_grad(set_to_none=True)
+        self.pending_tokens = 0
         self.steps = steps
 
     def policy_info(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from opentinker.core.model_names import KNOWN_MODELS, SMOLLM2, SMOLVLM, TINY, TINY_VLM, is_resolvable
@@ -124,9 +125,19 @@ def _build_tiny(tmp: Path) -> None:
     tokenizer.save_pretrained(tmp)
 
 
+_LOADING = threading.Lock()
+
+
 def load_base(name: str, dtype: str = "float32"):
     """(model, tokenizer) of a named or local base model, on CPU, in eval mode; `dtype` "auto"
-    loads float32 (a job's device and precision are opentinker.backend.device's)."""
+    loads float32 (a job's device and precision are opentinker.backend.device's). One load at a
+    time per process: transformers' lazy imports and meta-device loading fail when two threads
+    load at once (two Tinker clients created together did)."""
+    with _LOADING:
+        return _load_base(name, dtype)
+
+
+def _load_base(name: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

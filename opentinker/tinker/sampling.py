@@ -62,6 +62,7 @@ class SampleRequest:
     stop: Any  # None (EOS), [] (never), [int...] or [str...]
     prompt_logprobs: bool
     topk_prompt_logprobs: int
+    prompt_logprobs_last_n: int | None = None  # NaN before the last n positions
 
 
 def _prompt_tokens(prompt: Any) -> list[int]:
@@ -88,8 +89,8 @@ def parse_sample_request(body: dict[str, Any]) -> SampleRequest:
     for name in ("prompt_alt_tokens_k", "topk_sample_logprobs"):
         if body.get(name):
             raise BadSample(f"{name} is not supported here (prompt_logprobs and topk_prompt_logprobs are)")
-    if body.get("target_prompt_logprobs") is not None or body.get("prompt_logprobs_last_n"):
-        raise BadSample("target_prompt_logprobs and prompt_logprobs_last_n are not supported here")
+    if body.get("target_prompt_logprobs") is not None:
+        raise BadSample("target_prompt_logprobs is not supported here (prompt_logprobs and topk_prompt_logprobs are)")
     try:
         n = int(body.get("num_samples", 1))
         max_tokens = int(params.get("max_tokens") or 0)
@@ -98,6 +99,7 @@ def parse_sample_request(body: dict[str, Any]) -> SampleRequest:
         top_p = float(params.get("top_p", 1.0) if params.get("top_p") is not None else 1.0)
         seed = int(params["seed"]) if params.get("seed") is not None else None
         topk_prompt = int(body.get("topk_prompt_logprobs") or 0)
+        last_n = int(body["prompt_logprobs_last_n"]) if body.get("prompt_logprobs_last_n") is not None else None
     except (TypeError, ValueError) as err:
         raise BadSample(f"sampling_params: {err}") from None
     if not 1 <= n <= MAX_SAMPLES:
@@ -115,7 +117,7 @@ def parse_sample_request(body: dict[str, Any]) -> SampleRequest:
                                                               or all(isinstance(s, int) and not isinstance(s, bool) for s in stop))):
         raise BadSample("sampling_params.stop: a string, a list of strings or a list of token ids")
     return SampleRequest(str(body.get("sampling_session_id", "")), _prompt_tokens(body.get("prompt")), n, max_tokens, temperature,
-                         top_k, top_p, seed, stop, bool(body.get("prompt_logprobs")), topk_prompt)
+                         top_k, top_p, seed, stop, bool(body.get("prompt_logprobs")), topk_prompt, last_n)
 
 
 @dataclass
@@ -229,6 +231,9 @@ class Samplers:
         prompt_lp, top = (None, None)
         if request.prompt_logprobs or request.topk_prompt_logprobs:
             prompt_lp, top = engine.score_prompt(request.prompt, adapter, request.topk_prompt_logprobs)
+            if request.prompt_logprobs_last_n is not None:
+                cut = max(0, len(prompt_lp) - request.prompt_logprobs_last_n)
+                prompt_lp = [float("nan")] * cut + prompt_lp[cut:]
         completions = future.result()
         sequences = [wire.Sequence(c.token_ids, c.logprobs, c.finish_reason) for c in completions]
         return wire.encode_sample(sequences, prompt_lp if request.prompt_logprobs else None, top or None)

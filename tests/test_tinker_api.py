@@ -1,0 +1,244 @@
+"""The Tinker API through the unmodified `tinker` SDK (pinned 0.38.0): training, sampling,
+checkpoints and the REST client against the gateway's routes, with the sessions in this process
+(the stack's own session path, a flow run with a Ray actor, is tests/test_tinker_stack.py).
+
+Numbers are checked against values computed here from the model's own forward pass: each loss
+from the learner's logprobs, sampled logprobs against the trainer's recompute (fp32, 1e-4), the
+resumed client's next step against the uninterrupted one's."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+BASE = "tiny-random"
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    from opentinker.control.gateway.tinker_local import local_gateway
+
+    url, keys, sessions, server = local_gateway(tmp_path_factory.mktemp("tinker"), tenants=("alice", "bob"))
+    yield url, keys, sessions
+    server.stop()
+    sessions.close()
+
+
+@pytest.fixture(scope="module")
+def service(gateway, monkeypatch_module):
+    url, keys, _ = gateway
+    client = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    yield client
+    client.close("success")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def trainer(service):
+    return service.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+
+
+@pytest.fixture
+def fresh(service):
+    """A training client of its own (its gradients and steps touch no other test)."""
+    return service.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+
+
+def datum(tokens: list[int], **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def seq(start: int, n: int = 12) -> list[int]:
+    return [(start * 37 + 11 * i) % 5000 + 100 for i in range(n)]
+
+
+def lp_of(out, i: int) -> np.ndarray:
+    return np.asarray(out.loss_fn_outputs[i]["logprobs"].tolist(), dtype=np.float64)
+
+
+def test_capabilities_and_info(service, trainer):
+    """Capabilities list what the operator serves; get_info names the model, its rank and a local tokenizer."""
+    names = [m.model_name for m in service.get_server_capabilities().supported_models]
+    assert {"smollm2-135m-instruct", "tiny-random", "HuggingFaceTB/SmolLM2-135M-Instruct"} <= set(names)
+    info = trainer.get_info()
+    assert info.model_data.model_name == BASE and info.lora_rank == 8 and info.is_lora
+    tokenizer = trainer.get_tokenizer()  # from the local folder get_info names: no model hub
+    assert tokenizer.encode("hello", add_special_tokens=False)
+
+
+def test_forward_has_no_effect_and_cross_entropy_is_a_weighted_sum(trainer):
+    """forward() leaves the weights and gradients alone; cross_entropy's loss:sum is −Σ w·lp."""
+    data = [datum(seq(1), weights=[0.0] * 3 + [1.0] * 8), datum(seq(2), weights=[0.5] * 11)]
+    before = trainer.forward(data, "cross_entropy").result()
+    again = trainer.forward(data, "cross_entropy").result()
+    np.testing.assert_allclose(lp_of(before, 0), lp_of(again, 0), atol=1e-6)
+    out = trainer.forward_backward(data, "cross_entropy").result()
+    np.testing.assert_allclose(lp_of(out, 1), lp_of(before, 1), atol=1e-5)
+    expected = -(np.array([0.0] * 3 + [1.0] * 8) @ lp_of(before, 0) + 0.5 * lp_of(before, 1).sum())
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    after = trainer.forward(data, "cross_entropy").result()
+    assert not np.allclose(lp_of(after, 0), lp_of(before, 0), atol=1e-6)  # only optim_step changed the weights
+
+
+@pytest.mark.parametrize("loss_fn, config", [("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+                                             ("cispo", None), ("dro", {"beta": 0.1}), ("gspo", None)])
+def test_each_loss_matches_its_formula(fresh, loss_fn, config):
+    """Each RL loss's loss:sum equals its formula evaluated on the learner's own logprobs."""
+    tokens = seq(7)
+    n = len(tokens) - 1
+    q = np.array([0.0] * 4 + [-3.0, -2.5, -4.0, -1.0, -2.0, -3.5, -0.5], dtype=np.float64)
+    adv = np.array([0.0] * 4 + [1.0, 1.0, -0.5, -0.5, 2.0, 2.0, 2.0])
+    data = [datum(tokens, logprobs=q.tolist(), advantages=adv.tolist())]
+    lp = lp_of(fresh.forward(data, "importance_sampling").result(), 0)
+    out = fresh.forward_backward(data, loss_fn, loss_fn_config=config).result()
+    np.testing.assert_allclose(lp_of(out, 0), lp, atol=1e-5)
+    r = np.exp(lp - q)
+    if loss_fn == "importance_sampling":
+        expected = -(r * adv).sum()
+    elif loss_fn == "ppo":
+        expected = -np.minimum(r * adv, np.clip(r, 0.9, 1.1) * adv).sum()
+    elif loss_fn == "cispo":
+        expected = -(np.clip(r, 0.8, 1.2) * lp * adv).sum()
+    elif loss_fn == "dro":
+        expected = -(lp * adv - 0.05 * (lp - q) ** 2).sum()
+    else:
+        tok = adv != 0
+        s = math.exp((lp - q)[tok].mean())
+        expected = -np.minimum(s * adv, np.clip(s, 1 - 3e-4, 1 + 4e-4) * adv)[tok].sum()
+    assert n == len(lp)
+    assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+def test_unsupported_loss_is_refused_naming_the_supported_ones(fresh):
+    """stable_reinforce fails the call at once with one line naming the losses served."""
+    data = [datum(seq(3), logprobs=[0.0] * 11, advantages=[1.0] * 11)]
+    with pytest.raises(tinker.RequestFailedError, match="importance_sampling.*ppo.*cispo.*dro"):
+        fresh.forward_backward(data, "stable_reinforce").result()
+
+
+def test_forward_backward_custom_runs_a_dpo_style_loss(fresh):
+    """forward_backward_custom (forward, then weighted cross_entropy) trains on a client-side loss."""
+    import torch
+
+    chosen, rejected = datum(seq(11), weights=[1.0] * 11), datum(seq(12), weights=[1.0] * 11)
+
+    def dpo(data, logprobs):
+        margin = logprobs[0].sum() - logprobs[1].sum()
+        loss = -torch.nn.functional.logsigmoid(0.1 * margin)
+        return loss, {"margin": float(margin)}
+
+    out = fresh.forward_backward_custom([chosen, rejected], dpo).result()
+    assert "loss:sum" in out.metrics and "margin" in out.metrics
+    fresh.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    again = fresh.forward_backward_custom([chosen, rejected], dpo).result()
+    assert again.metrics["margin"] > out.metrics["margin"]  # the preferred sequence gained on the other
+
+
+def test_sampling_seeds_stops_and_logprobs(trainer):
+    """Same seed, same tokens; sampled logprobs equal the trainer's recompute (fp32, 1e-4);
+    a stop token ends a sample at its first occurrence and is kept."""
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(seq(5, 8))
+    params = types.SamplingParams(max_tokens=12, seed=123, stop=[])
+    a = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    b = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    assert all(len(s.tokens) == 12 and s.stop_reason == "length" for s in a.sequences)
+    first = a.sequences[0]
+    full = seq(5, 8) + first.tokens
+    recomputed = lp_of(trainer.forward([datum(full, weights=[0.0] * (len(full) - 1))], "cross_entropy").result(), 0)[7:]
+    np.testing.assert_allclose(first.logprobs, recomputed, atol=1e-4)
+    stop = first.tokens[4]
+    cut = sampler.sample(prompt, num_samples=3, sampling_params=types.SamplingParams(max_tokens=12, seed=123, stop=[stop])).result()
+    tokens = cut.sequences[0].tokens
+    assert tokens == first.tokens[: first.tokens.index(stop) + 1] and cut.sequences[0].stop_reason == "stop"
+
+
+def test_stop_strings_and_prompt_logprobs(trainer):
+    """A stop string ends the sample once its text appears; prompt logprobs (NaN first, then the
+    trainer's values) and top-k prompt logprobs come back when asked, compute_logprobs too."""
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    tokenizer = trainer.get_tokenizer()
+    prompt_ids = seq(9, 10)
+    prompt = types.ModelInput.from_ints(prompt_ids)
+    free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=16, seed=5, stop=[])).result().sequences[0]  # same seed and shape: same draws
+    text = tokenizer.decode(free.tokens)
+    target = text[len(tokenizer.decode(free.tokens[:3])):][:2] or text[:2]
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=16, seed=5, stop=[target])).result().sequences[0]
+    assert stopped.stop_reason == "stop" and target in tokenizer.decode(stopped.tokens)
+    assert target not in tokenizer.decode(stopped.tokens[:-1])
+    reply = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    assert reply.prompt_logprobs[0] is None and len(reply.prompt_logprobs) == len(prompt_ids)
+    trained = lp_of(trainer.forward([datum(prompt_ids, weights=[0.0] * 9)], "cross_entropy").result(), 0)
+    np.testing.assert_allclose(reply.prompt_logprobs[1:], trained, atol=1e-4)
+    assert len(reply.topk_prompt_logprobs[1]) == 3
+    assert sampler.compute_logprobs(prompt).result()[1:] == pytest.approx(reply.prompt_logprobs[1:], abs=1e-6)
+
+
+def test_base_model_sampler_and_named_sampler_checkpoints(service, trainer):
+    """A sampler of the base model (a KL reference) differs from the trained one; a named sampler
+    checkpoint samples like the ephemeral one taken at the same weights; several live at once."""
+    named = trainer.save_weights_for_sampler("snap-a").result().path
+    ephemeral = trainer.save_weights_and_get_sampling_client().result()
+    from_path = service.create_sampling_client(model_path=named).result()
+    base = service.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(seq(4, 8))
+    p = types.SamplingParams(max_tokens=6, seed=9, stop=[])
+    a, b, c = (s.sample(prompt, 2, p).result().sequences for s in (ephemeral, from_path, base))
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+    assert [x.logprobs for x in a] != [x.logprobs for x in c]
+
+
+def test_resume_with_and_without_optimizer_state(service, trainer):
+    """A client made from save_state (with optimizer) continues exactly as the original does;
+    without the optimizer state its next step differs."""
+    data = [datum(seq(21), weights=[1.0] * 11), datum(seq(22), weights=[1.0] * 11)]
+    adam = types.AdamParams(learning_rate=5e-3)
+    trainer.forward_backward(data, "cross_entropy").result()
+    trainer.optim_step(adam).result()
+    path = trainer.save_state("resume-point").result().path
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    fresh_opt = service.create_training_client_from_state(path).result()
+    for client in (trainer, resumed, fresh_opt):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(adam).result()
+    lps = [lp_of(c.forward(data, "cross_entropy").result(), 0) for c in (trainer, resumed, fresh_opt)]
+    np.testing.assert_allclose(lps[1], lps[0], atol=1e-5)
+    assert np.abs(lps[2] - lps[0]).max() > 1e-4
+    fresh_opt.load_state_with_optimizer(path).result()  # the deprecated in-place load, weights and moments
+    fresh_opt.forward_backward(data, "cross_entropy").result()
+    fresh_opt.optim_step(adam).result()
+    np.testing.assert_allclose(lp_of(fresh_opt.forward(data, "cross_entropy").result(), 0), lps[0], atol=1e-5)
+
+
+def test_rest_client_lists_reads_and_deletes(service, trainer):
+    """The REST client sees the tenant's runs and checkpoints, weights info and samplers; deletes."""
+    rest = service.create_rest_client()
+    path = trainer.save_state("listed").result().path
+    runs = rest.list_training_runs().result()
+    assert trainer.model_id in [r.training_run_id for r in runs.training_runs]
+    run = rest.get_training_run_by_tinker_path(path).result()
+    assert run.base_model == BASE and run.model_owner == "alice" and run.lora_rank == 8
+    listed = [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+    assert path in listed and path in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == BASE and info.lora_rank == 8
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert path not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    assert rest.get_sampler(sampler._sampling_session_id).result().base_model == BASE

@@ -38,13 +38,15 @@ def _publish(session_id: str, url: str) -> None:
 
 @flow(name="tinker-session", persist_result=False, log_prints=True)
 def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_metadata: dict[str, str] | None = None,
-                   sdk_version: str = "") -> dict[str, Any]:
+                   sdk_version: str = "", heartbeat_timeout_s: float | None = None) -> dict[str, Any]:
+    """`heartbeat_timeout_s`: the session ends after this long without a call (None: the settings')."""
     import ray
 
     from opentinker.control.gateway.confine import tenant_storage
 
     logger = get_run_logger()
     settings = get_settings()
+    timeout_s = heartbeat_timeout_s or settings.tinker_heartbeat_timeout_s
     spec = TinkerSessionSpec(session_id=session_id, num_gpus=num_gpus, user_metadata=user_metadata or {}, sdk_version=sdk_version)
     check_mlflow(settings.mlflow_url)
     with held_slots(num_gpus, tenant):
@@ -55,7 +57,7 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
         actor = ray.remote(TinkerSessionActor).options(name=f"{session_id}-session", num_cpus=1, num_gpus=num_gpus, max_restarts=0).remote(
             session_id, tenant, tenant_storage(settings, tenant), job_token(settings.stack_secret(), session_id), num_gpus,
             (tracker.tracking_uri, tracker.experiment_id, tracker.run_id))
-        ended = "cancelled"
+        ended, status_end = "cancelled", "FAILED"
         try:
             info = ray.get(actor.info.remote(), timeout=600)
             if runtime.flow_run.id is not None:
@@ -67,7 +69,7 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
                 if status["finished"]:
                     ended = f"finished by its client ({status['finished']})"
                     break
-                if status["idle_s"] > settings.tinker_heartbeat_timeout_s:
+                if status["idle_s"] > timeout_s:
                     ended = f"expired: no call or heartbeat for {status['idle_s']:.0f} s"
                     break
                 if time.monotonic() - last_report > 60:
@@ -76,9 +78,10 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
                 time.sleep(1.0)
             final = ray.get(actor.status.remote(), timeout=60)
             ray.get(actor.stop.remote(), timeout=60)
+            status_end = "FINISHED"
         finally:
             ray.kill(actor)
             ray.shutdown()
-            tracker.finish("FINISHED")
+            tracker.finish(status_end)
         logger.info(f"session {session_id} {ended}")
     return {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id}

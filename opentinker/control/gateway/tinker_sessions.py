@@ -56,7 +56,8 @@ class PrefectSessions:
             deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
             client.create_flow_run_from_deployment(
                 deployment.id, parameters={"session_id": session_id, "tenant": tenant, "num_gpus": num_gpus,
-                                           "user_metadata": meta, "sdk_version": str(body.get("sdk_version", ""))[:32]},
+                                           "user_metadata": meta, "sdk_version": str(body.get("sdk_version", ""))[:32],
+                                           "heartbeat_timeout_s": self.settings.tinker_heartbeat_timeout_s},
                 tags=[*job_tags(tenant, session_id), KIND_TAG])
         return session_id
 

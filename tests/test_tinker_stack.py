@@ -1,0 +1,120 @@
+"""A Tinker session on the real stack: the unmodified SDK against the stack's gateway, the session a
+`tinker-session` flow run (Prefect, tagged with its tenant, holding a slot) with its model in a Ray
+actor and its optimizer steps in MLflow; it ends on `close()` or when its client goes quiet, and
+a state saved in one session trains on in the next."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tenant(stack_env):
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
+
+    settings, _ = stack_env
+    deploy(settings)
+    key = TenantStore(settings.state_dir / "tenants.json").create("tinkerer", rotate=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    yield settings, key
+    mp.undo()
+
+
+def _run(session_id: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{session_id}"])))
+    return runs[0]
+
+
+def _wait_final(session_id: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = _run(session_id)
+        if run.state and run.state.is_final():
+            return run
+        time.sleep(1.0)
+    raise AssertionError(f"session {session_id} did not end within {timeout:g} s (state {run.state.name})")
+
+
+def _slots() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name("slots-cpu").active_slots
+
+
+def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
+    """Through the stack's gateway: the session's flow run holds a slot while the client trains;
+    every optimizer step reaches MLflow; close() ends the run and frees the slot; a state saved in
+    that session trains on in a new one."""
+    from mlflow.tracking import MlflowClient
+
+    from opentinker.control.scheduler import SLOTS_HELD_TAG
+
+    settings, key = tenant
+    service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+    trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+    session_id = trainer.model_id.split(":")[0]
+    run = _run(session_id)
+    assert {f"tenant:tinkerer", "kind:tinker"} <= set(run.tags) and SLOTS_HELD_TAG in run.tags
+    assert run.state.is_running() and _slots() >= 1
+    tokens = list(range(100, 120))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 19})]
+    losses = []
+    for _ in range(3):
+        losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[-1] < losses[0]
+    state = trainer.save_state("after-3").result().path
+    sample = trainer.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints(tokens[:5]), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
+    assert all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in sample.sequences)
+    service.close("success")
+    ended = _wait_final(session_id, timeout=60)
+    assert ended.state.is_completed(), ended.state
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    experiment = client.get_experiment_by_name("tinkerer")
+    ml = client.search_runs([experiment.experiment_id], filter_string=f"tags.`opentinker.job_id` = '{session_id}'")[0]
+    assert [m.step for m in client.get_metric_history(ml.info.run_id, "grad_norm")] == [1, 2, 3]
+    assert ml.info.status == "FINISHED"
+
+    again = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+    resumed = again.create_training_client_from_state_with_optimizer(state).result()
+    assert resumed.model_id.split(":")[0] != session_id
+    assert resumed.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] < losses[0]
+    again.close("success")
+    _wait_final(resumed.model_id.split(":")[0], timeout=60)
+
+
+def test_a_quiet_session_expires_and_frees_its_slot(tenant):
+    """A session whose client sends nothing past its heartbeat timeout ends on its own (COMPLETED,
+    slot released), and its client's next call is told the session ended."""
+    from opentinker.control.gateway.tinker_sessions import PrefectSessions
+    from opentinker.tinker.paths import SessionGone, SessionStarting
+
+    settings, _ = tenant
+    sessions = PrefectSessions(settings.model_copy(update={"tinker_heartbeat_timeout_s": 5.0}))
+    session_id = sessions.create("tinkerer", {})
+    deadline = time.monotonic() + 120
+    while True:  # it starts serving, then nobody calls
+        try:
+            sessions.endpoint("tinkerer", session_id)
+            break
+        except SessionStarting:
+            assert time.monotonic() < deadline, "the session never started"
+            time.sleep(0.5)
+    ended = _wait_final(session_id, timeout=60)
+    assert ended.state.is_completed()
+    with pytest.raises(SessionGone, match="ended"):
+        sessions.forget(session_id) or sessions.endpoint("tinkerer", session_id)

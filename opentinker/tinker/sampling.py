@@ -25,6 +25,7 @@ from typing import Any
 from opentinker.tinker import wire
 
 MAX_LOADED = 16
+MAX_SNAPSHOTS = 32  # ephemeral samplers kept (the cookbook makes one a step); the oldest is dropped, folder and all
 MAX_SAMPLES = 128
 
 
@@ -136,6 +137,7 @@ class Samplers:
         self.records: dict[str, SamplerRecord] = {}
         self.engines: dict[str, Any] = {}
         self.loaded: dict[str, OrderedDict[str, None]] = {}
+        self.snapshots: OrderedDict[str, None] = OrderedDict()
         self.lock = threading.Lock()
 
     def record(self, sampler_id: str) -> SamplerRecord:
@@ -143,7 +145,7 @@ class Samplers:
 
         found = self.records.get(sampler_id)
         if found is None:
-            raise NotFound(f"no sampler {sampler_id!r} in this session")
+            raise NotFound(f"no sampler {sampler_id!r} in this session (ephemeral samplers: only the {MAX_SNAPSHOTS} newest are kept)")
         return found
 
     def _engine(self, loader_name: str) -> Any:
@@ -169,6 +171,20 @@ class Samplers:
             if name.startswith("adapter/"):
                 (folder / name.split("/", 1)[1]).write_bytes(data)
         self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder))
+        self.snapshots[sampler_id] = None
+        while len(self.snapshots) > MAX_SNAPSHOTS:
+            self._drop(self.snapshots.popitem(last=False)[0])
+
+    def _drop(self, sampler_id: str) -> None:
+        with self.lock:
+            record = self.records.pop(sampler_id, None)
+            if record is None:
+                return
+            if sampler_id in self.loaded.get(record.loader_name, {}):
+                self.engines[record.loader_name].unload_adapter(sampler_id)
+                del self.loaded[record.loader_name][sampler_id]
+        if record.folder is not None:
+            shutil.rmtree(record.folder, ignore_errors=True)
 
     def add_checkpoint(self, sampler_id: str, base_model: str, loader_name: str, url: str, model_path: str) -> None:
         from opentinker.storage.checkpoint import committed_manifest, read_file

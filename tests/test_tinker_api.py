@@ -242,3 +242,37 @@ def test_rest_client_lists_reads_and_deletes(service, trainer):
     assert path not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
     sampler = trainer.save_weights_and_get_sampling_client().result()
     assert rest.get_sampler(sampler._sampling_session_id).result().base_model == BASE
+
+
+def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):
+    """A save_weights_for_sampler checkpoint loads in the inference engine (what `opentinker serve`
+    runs) and answers greedily what the Tinker sampler answers."""
+    from opentinker.backend.rollout import SamplingParams
+    from opentinker.inference.engine_hf import HFEngine
+    from opentinker.tinker.paths import TenantCheckpoints, parse_path
+
+    _, _, sessions = gateway
+    path = parse_path(trainer.save_weights_for_sampler("servable").result().path)
+    url = TenantCheckpoints(sessions.storage_url("alice")).url(path)
+    prompt = seq(6, 8)
+    greedy = trainer.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    engine = HFEngine.from_checkpoint(url)
+    try:
+        served = engine.generate([prompt], [6], SamplingParams(max_new_tokens=6, greedy=True), stop_rule=lambda t: False).result()
+    finally:
+        engine.close()
+    assert served[0].token_ids == greedy.sequences[0].tokens
+
+
+def test_old_ephemeral_samplers_are_dropped(trainer):
+    """Only the newest ephemeral samplers of a session are kept: the oldest is refused as missing."""
+    from opentinker.tinker.sampling import MAX_SNAPSHOTS
+
+    first = trainer.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(seq(2, 4))
+    first.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    for _ in range(MAX_SNAPSHOTS):
+        trainer.save_weights_and_get_sampling_client().result()
+    with pytest.raises(tinker.RequestFailedError, match="newest are kept"):
+        first.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()

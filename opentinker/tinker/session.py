@@ -275,7 +275,8 @@ class TinkerSession:
             buf = io.BytesIO()
             torch.save({}, buf)
             files["optimizer.pt"] = buf.getvalue()
-        files |= {"policy.json": json.dumps(slot.model.policy_info()).encode(),
+        policy = slot.model.policy_info() | {"base_model": resolve_base(self.models_folder, slot.base_name)}  # a name the loaders know
+        files |= {"policy.json": json.dumps(policy).encode(),
                   "state.json": json.dumps({"step": slot.model.steps, "kind": path.kind}).encode(),
                   "rng.json": json.dumps(rng_state()).encode()}
         ttl = body.get("ttl_seconds")

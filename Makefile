@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 STEPS ?= 25
 
-.PHONY: install demo demo-long demo-local down test test-slow bench clean
+.PHONY: install cookbook demo demo-long demo-local down test test-slow bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,20 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# tinker-cookbook 0.6.1 (for tests/test_tinker_cookbook.py) without its declared dependencies:
+# it requires tml-renderers>=0.4.1, which the package index here lacks (it is imported only for
+# the Inkling/Kimi-K3 renderers), and resolving its torch/transformers requirements could replace
+# the pinned CPU torch. The three listed are what rl.train and the arithmetic env import that the
+# project lacks; pyrage (weights download) and tiktoken are not imported on that path.
+COOKBOOK_STAMP := $(VENV)/.cookbook-stamp
+
+$(COOKBOOK_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1
+	$(PY) -m pip install --quiet 'chz>=0.4.0' 'termcolor>=2.0.0' 'blobfile>=3.0.0'
+	touch $(COOKBOOK_STAMP)
+
+cookbook: $(COOKBOOK_STAMP)  ## tinker-cookbook, to drive the gateway with its own RL loop
 
 demo: install  ## SmolLM2-135M learns arithmetic (LoRA + GRPO) as a Prefect flow on Ray, tracked in MLflow
 	$(VENV)/bin/opentinker train examples/math_grpo.yaml --steps $(STEPS)
@@ -35,7 +49,7 @@ down:  ## stop the local stack that `make demo` started
 test: install  ## the default suite (CI): unit, integration and a short learning check
 	$(PY) -m pytest -q
 
-test-slow: install  ## long learning tests on the real model
+test-slow: install cookbook  ## long learning tests on the real model (and tinker-cookbook's RL loop)
 	$(PY) -m pytest -q -m slow
 
 bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}

@@ -191,9 +191,10 @@ def test_gradients_accumulate_across_calls():
     split.forward_backward(DATA[:1], "cross_entropy", {})
     split.forward_backward(DATA[1:], "cross_entropy", {})
     whole.forward_backward(DATA, "cross_entropy", {})
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads(split), grads(whole)) if a is not None)
+    # float32 sums in another order (the unembedding runs over other row sets): equal to ~1e-5
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=2e-5) for a, b in zip(grads(split), grads(whole)) if a is not None)
+    # (not the weights after an Adam step: where a gradient is ~0, float noise decides the sign of a ±lr update)
     assert split.optim_step(ADAM)["tokens:sum"] == whole.optim_step(ADAM)["tokens:sum"] == 12.0
-    assert close(split.trainable_state(), whole.trainable_state())
 
 
 def test_optim_step_is_adamw_with_the_given_params():

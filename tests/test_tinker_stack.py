@@ -66,7 +66,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
     session_id = trainer.model_id.split(":")[0]
     run = _run(session_id)
-    assert {f"tenant:tinkerer", "kind:tinker"} <= set(run.tags) and SLOTS_HELD_TAG in run.tags
+    assert {"tenant:tinkerer", "kind:tinker"} <= set(run.tags) and SLOTS_HELD_TAG in run.tags
     assert run.state.is_running() and _slots() >= 1
     tokens = list(range(100, 120))
     data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),

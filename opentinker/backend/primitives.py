@@ -24,6 +24,7 @@ from opentinker.algo.primitive_losses import LOSSES, loss_config, primitive_loss
 from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import LoraSpec
 from opentinker.model.adapters import adapter_files, wrap_model
+from opentinker.model.vision import hidden_states
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -147,6 +148,34 @@ class PrimitiveModel:
             width = max(width, n)
         return batches + [current] if current else batches
 
+    def _target_logprobs(self, padded: dict[str, torch.Tensor], mask: torch.Tensor, loss_fn: str, config: dict[str, float],
+                         forward_only: bool) -> torch.Tensor:
+        """log p(target) at every position, [B, T]. The unembedding and its log-softmax run with
+        gradient only where the loss has a gradient (weights or advantages nonzero; every token for
+        dro with β > 0): in RL data most positions are the prompt's, and their share of the
+        backward is skipped. The values, and so the loss and the outputs, are the same everywhere."""
+        lm = self.model.get_base_model()
+        head = lm.get_output_embeddings()
+        targets = padded["target_tokens"]
+        with torch.set_grad_enabled(not forward_only), self.placement.autocast():
+            hidden = hidden_states(lm, padded["tokens"], None if bool(mask.all()) else mask.long())
+        coefficient = padded.get("weights") if loss_fn == "cross_entropy" else padded.get("advantages")
+        active = mask.bool() if forward_only or loss_fn == "dro" and config.get("beta", 0) > 0 else mask.bool() & (coefficient != 0)
+        lp = torch.zeros(mask.shape, device=mask.device)
+
+        def score(rows: torch.Tensor, grad: bool) -> torch.Tensor:
+            with torch.set_grad_enabled(grad and not forward_only), self.placement.autocast():
+                logits = head(hidden[rows] if grad else hidden[rows].detach())
+            return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
+
+        rest = ~active & mask.bool()
+        if bool(rest.any()):
+            with torch.no_grad():
+                lp = lp.index_put((rest,), score(rest, grad=False))
+        if bool(active.any()):
+            lp = lp.index_put((active,), score(active, grad=True))
+        return lp
+
     def forward_backward(self, data: list[Any], loss_fn: str, config: dict[str, float], forward_only: bool = False
                          ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """Per datum its target logprobs; the loss's metrics (`loss:sum`, …). Unless `forward_only`,
@@ -169,13 +198,10 @@ class PrimitiveModel:
                 mask[r, :n] = 1.0
             padded = {k: v.to(device) for k, v in padded.items()}
             mask = mask.to(device)
-            with torch.set_grad_enabled(not forward_only), self.placement.autocast():
-                logits = self.model(input_ids=padded["tokens"], attention_mask=mask.long()).logits
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, padded["target_tokens"][..., None]).squeeze(-1)
-            del logits
+            lp = self._target_logprobs(padded, mask, loss_fn, config, forward_only)
             with torch.set_grad_enabled(not forward_only):
                 out = primitive_loss(loss_fn, lp, padded, mask, config)
-            if not forward_only:
+            if not forward_only and out.loss.requires_grad:  # nothing has a gradient when every weight is 0
                 out.loss.backward()
             n_tokens = float(mask.sum())
             tokens_total += n_tokens

@@ -204,6 +204,10 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
             if err.status_code == 410:  # the session is gone: its futures fail, once, clearly
                 return JSONResponse({"error": err.detail, "category": "user"})
             raise
+        if reply.status_code == 200 and reply.headers.get("content-type", "").startswith("application/json") and len(reply.content) < 512:
+            waiting = reply.json()
+            if waiting.get("type") == "try_again":  # as 408 the SDK re-polls at once without a warning per poll
+                return JSONResponse(waiting, status_code=408)
         return passed_on(reply)
 
     # -- direct calls relayed ------------------------------------------------------------------------

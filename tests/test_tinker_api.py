@@ -276,3 +276,20 @@ def test_old_ephemeral_samplers_are_dropped(trainer):
         trainer.save_weights_and_get_sampling_client().result()
     with pytest.raises(tinker.RequestFailedError, match="newest are kept"):
         first.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_exported_adapter_downloads_through_signed_urls(gateway, trainer):
+    """save_weights_external + get_external_weights_urls: each file of the peft adapter downloads
+    from its URL alone (no key), loads as safetensors; a tampered link is refused."""
+    import httpx
+    from safetensors.torch import load
+
+    path = trainer.save_weights_external("export").result().path
+    url, keys, _ = gateway
+    rest = tinker.ServiceClient(base_url=url, api_key=keys["alice"]).create_rest_client()
+    links = rest.get_external_weights_urls(path).result().urls
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(links)
+    weights = load(httpx.get(links["adapter_model.safetensors"]).raise_for_status().content)
+    assert any("lora_A" in k for k in weights)
+    assert httpx.get(links["adapter_config.json"]).json()["r"] == 8
+    assert httpx.get(links["adapter_config.json"][:-3] + "abc").status_code == 404

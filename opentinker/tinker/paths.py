@@ -4,8 +4,9 @@
     model      <session>:train:<n>                   (a training run; `training_run_id` on the REST side)
     sampler    <session>:sample:<n>
     request    <session>:req:<n>
-    path       tinker://<model>/weights/<name>         training state (weights, optimizer, step)
-               tinker://<model>/sampler_weights/<name> weights for sampling (a peft adapter folder)
+    path       tinker://<model>/weights/<name>          training state (weights, optimizer, step)
+               tinker://<model>/sampler_weights/<name>  weights for sampling (a peft adapter folder)
+               tinker://<model>/external_weights/<name> the peft adapter alone, to download
 
 A checkpoint is the committed folder `<tenant storage>/tinker/<model>/<kind>/<name>/`, and each
 training run has `<tenant storage>/tinker/<model>/run.json`. A path is always resolved inside the
@@ -29,7 +30,7 @@ MODEL = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):train:(?P
 SAMPLER = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):sample:(?P<n>\d{1,9})$")
 REQUEST = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):req:(?P<n>\d{1,12})$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 RUN_FILE = "run.json"
 
 
@@ -90,7 +91,7 @@ def parse_path(text: str, kind: str | None = None) -> TinkerPath:
         raise PathError(f"{text!r} is not a tinker:// path")
     parts = text[len("tinker://"):].split("/")
     if len(parts) != 3 or not MODEL.match(parts[0]) or parts[1] not in KINDS:
-        raise PathError(f"{text!r}: expected tinker://<training run id>/weights|sampler_weights/<name>")
+        raise PathError(f"{text!r}: expected tinker://<training run id>/weights|sampler_weights|external_weights/<name>")
     if kind is not None and parts[1] != kind:
         raise PathError(f"{text!r}: expected a {kind} path (tinker://<run>/{kind}/<name>)")
     return TinkerPath(parts[0], parts[1], check_name(parts[2]))
@@ -99,7 +100,7 @@ def parse_path(text: str, kind: str | None = None) -> TinkerPath:
 def parse_checkpoint_id(checkpoint_id: str) -> tuple[str, str]:
     kind, _, name = checkpoint_id.partition("/")
     if kind not in KINDS:
-        raise PathError(f"checkpoint id {checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
+        raise PathError(f"checkpoint id {checkpoint_id!r}: expected weights/, sampler_weights/ or external_weights/<name>")
     return kind, check_name(name)
 
 
@@ -192,6 +193,26 @@ class TenantCheckpoints:
             raise NotFound(f"no checkpoint {path}")
         fs, local = url_to_fs(join_url(url, "policy.json"))
         return json.loads(fs.cat_file(local))
+
+    def files(self, path: TinkerPath) -> dict[str, int]:
+        """The committed files of a checkpoint and their sizes."""
+        manifest = committed_manifest(self.url(path))
+        if manifest is None:
+            raise NotFound(f"no checkpoint {path}")
+        return dict(manifest["files"])
+
+    def read(self, path: TinkerPath, name: str) -> bytes:
+        """One committed file of a checkpoint, checked against its sha256."""
+        import hashlib
+
+        manifest = committed_manifest(self.url(path))
+        if manifest is None or name not in manifest["files"]:
+            raise NotFound(f"no file {name!r} in {path}")
+        fs, local = url_to_fs(join_url(self.url(path), name))
+        data = fs.cat_file(local)
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"][name]:
+            raise NotFound(f"{path}: {name} differs from its commit record (corrupt)")
+        return data
 
     def delete(self, path: TinkerPath) -> None:
         if not self.exists(path):

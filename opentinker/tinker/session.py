@@ -164,7 +164,7 @@ class TinkerSession:
         if op == "forward_backward":
             model_id, seq_id = wire.header_of(body)
             return self._sequenced(model_id, seq_id, lambda: self.forward_backward(body))
-        if op in ("optim_step", "save_weights", "save_weights_for_sampler") or (op == "load_weights" and body.get("model_id")):
+        if op in ("optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external") or (op == "load_weights" and body.get("model_id")):
             model_id, seq_id = str(body.get("model_id", "")), int(body.get("seq_id") or 0)
             return self._sequenced(model_id, seq_id, lambda: getattr(self, op)(body))
         if op in ("create_model", "load_weights"):
@@ -299,6 +299,24 @@ class TinkerSession:
         sampler_id = f"{self.session_id}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
         self.samplers.add_snapshot(sampler_id, slot.base_name, resolve_base(self.models_folder, slot.base_name), slot.model)
         return {"sampling_session_id": sampler_id}
+
+    def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The LoRA adapter alone in peft's layout (adapter_config.json, adapter_model.safetensors),
+        for the REST client's signed download URLs."""
+        import json
+
+        from opentinker.storage.committed import write_committed
+
+        slot = self._slot(body["model_id"])
+        path = paths.TinkerPath(body["model_id"], "external_weights", paths.check_name(str(body.get("path", ""))))
+        if body.get("age_encryption_recipients"):
+            raise ValueError("age_encryption_recipients: encrypted exports are not supported here")
+        files = {name.split("/", 1)[1]: data for name, data in slot.model.state_files(with_optimizer=False).items()
+                 if name.startswith("adapter/")}
+        files["policy.json"] = json.dumps(slot.model.policy_info()).encode()
+        ttl = body.get("ttl_seconds")
+        write_committed(self.store.url(path), files, {"step": slot.model.steps, "expires_at": paths.iso_in(float(ttl)) if ttl else None})
+        return {"path": str(path), "size_bytes": sum(len(d) for d in files.values())}
 
     def _read_checkpoint(self, path: paths.TinkerPath) -> tuple[Any, dict[str, Any]]:
         import json

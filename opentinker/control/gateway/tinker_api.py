@@ -32,11 +32,46 @@ log = logging.getLogger("opentinker.gateway.tinker")
 PROTOBUF = "application/x-protobuf"
 POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the SDK's poll times out at 45 s)
 START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
-FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights", "asample")
+FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external",
+                "load_weights", "asample")
+DOWNLOAD_TTL_S = 3600.0
 
 
 def _bad(detail: str, status: int = 400) -> HTTPException:
     return HTTPException(status, detail[:2000])
+
+
+def download_token(secret: str, tenant: str, path: str, file_name: str, expires: float) -> str:
+    """A URL-safe grant to read one file of one tenant's checkpoint until `expires` (HMAC-signed)."""
+    import base64
+    import hashlib
+    import hmac
+    import json
+
+    payload = base64.urlsafe_b64encode(json.dumps([tenant, path, file_name, int(expires)]).encode()).decode().rstrip("=")
+    signature = hmac.new(secret.encode(), f"download:{payload}".encode(), hashlib.sha256).hexdigest()[:40]
+    return f"{payload}.{signature}"
+
+
+def read_download_token(secret: str, token: str) -> tuple[str, str, str] | None:
+    """(tenant, tinker path, file) of a valid, unexpired grant; None otherwise."""
+    import base64
+    import hashlib
+    import hmac
+    import json
+    import time
+
+    payload, _, signature = token.partition(".")
+    expected = hmac.new(secret.encode(), f"download:{payload}".encode(), hashlib.sha256).hexdigest()[:40]
+    if not signature or not hmac.compare_digest(signature, expected):
+        return None
+    try:
+        tenant, path, file_name, expires = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (ValueError, TypeError):
+        return None
+    if time.time() > float(expires):
+        return None
+    return str(tenant), str(path), str(file_name)
 
 
 def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) -> None:
@@ -281,6 +316,40 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
         except paths.NotFound as err:
             raise _bad(str(err), 404) from None
         return Response(status_code=204)
+
+    @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    def external_weights_urls(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
+        """Signed URLs (an hour) for each file of an exported adapter: the URL alone opens it, no key."""
+        import time
+
+        try:
+            kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
+            path = paths.TinkerPath(owned_run(name, run_id), kind, ckpt)
+            if kind != "external_weights":
+                raise paths.PathError(f"{checkpoint_id}: only external_weights checkpoints (save_weights_external) are downloaded")
+            files = checkpoints_of(name).files(path)
+        except paths.PathError as err:
+            raise _bad(str(err)) from None
+        except paths.NotFound as err:
+            raise _bad(str(err), 404) from None
+        expires = time.time() + DOWNLOAD_TTL_S
+        base = settings.public_gateway_url
+        urls = {f: f"{base}/api/v1/downloads/{download_token(settings.stack_secret(), name, str(path), f, expires)}" for f in files}
+        return {"urls": urls, "expires": paths.iso_in(DOWNLOAD_TTL_S)}
+
+    @router.get("/downloads/{token}")
+    def download(token: str) -> Response:
+        """A file of an exported adapter, for whoever holds its signed URL (until it expires)."""
+        grant = read_download_token(settings.stack_secret(), token)
+        if grant is None:
+            raise _bad("this download link is invalid or has expired", 404)
+        tenant_name, text, file_name = grant
+        try:
+            data = checkpoints_of(tenant_name).read(paths.parse_path(text), file_name)
+        except (paths.PathError, paths.NotFound) as err:
+            raise _bad(str(err), 404) from None
+        return Response(data, media_type="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{file_name}"'})
 
     @router.get("/checkpoints")
     def list_user_checkpoints(limit: int = 100, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:

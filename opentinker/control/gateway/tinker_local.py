@@ -20,9 +20,12 @@ def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: 
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.core.settings import Settings
 
-    settings = Settings(state_dir=root / "state")
+    from opentinker.inference.launch import free_port
+
+    port = free_port("127.0.0.1")
+    settings = Settings(state_dir=root / "state", host="127.0.0.1", gateway_port=port)  # its own URL is right in signed links
     store = TenantStore(settings.state_dir / "tenants.json")
     keys = {name: store.create(name) for name in tenants}
     sessions = LocalSessions(root / "storage", settings.models_folder, placement=placement)
-    server = serve_in_thread(gateway_app(settings, tinker_sessions=sessions), "127.0.0.1", 0)
+    server = serve_in_thread(gateway_app(settings, tinker_sessions=sessions), "127.0.0.1", port)
     return server.url, keys, sessions, server

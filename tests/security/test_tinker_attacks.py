@@ -93,6 +93,13 @@ def datum(tokens=tuple(range(100, 108)), targets=None, **inputs) -> types.Datum:
                        loss_fn_inputs={"target_tokens": targets or [t + 1 for t in tokens], **inputs})
 
 
+def collect(http: httpx.Client, request_id: str) -> httpx.Response:  # a future's result, polled while it runs
+    while (got := http.post("/retrieve_future", json={"request_id": request_id})).status_code == 408 or \
+            got.headers["content-type"].startswith("application/json") and got.json().get("type") == "try_again":
+        pass
+    return got
+
+
 def still_works(gw, a) -> None:  # alice's session is live, her training client trains and her sampler samples
     assert a.session in gw.sessions.live and not gw.sessions.live[a.session][0].finished
     assert np.isfinite(a.trainer.forward_backward([datum()], "cross_entropy").result(timeout=120).metrics["loss:sum"])
@@ -149,8 +156,8 @@ def test_raw_calls_naming_alices_ids_read_like_missing_ones(gw, alice, bob, op):
             real, missing = http.post(route, json=body), http.post(fake(route), json={k: fake(v) if isinstance(v, str) else v for k, v in body.items()})
     assert fake(refused(real, 404)) == refused(missing, 404)  # the same answer as for a thing that never existed
     with client(gw, "alice") as http:  # alice's own request is still hers to collect
-        while (got := http.post("/retrieve_future", json={"request_id": alice.request_id})).headers["content-type"].startswith("application/json"):
-            assert got.status_code == 200 and got.json().get("type") == "try_again", got.text
+        got = collect(http, alice.request_id)
+        assert got.status_code == 200 and got.headers["content-type"].startswith("application/x-protobuf"), got.text
     still_works(gw, alice)  # among others: bob's finish did not end alice's session
 
 
@@ -304,9 +311,7 @@ def test_ill_typed_fields_are_a_client_error_never_a_server_error(gw, alice, mak
         if reply.status_code == 400:
             refused(reply, 400)
         else:
-            while (got := http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]}).json()).get("type") == "try_again":
-                pass
-            assert got.get("category") == "user", got
+            assert (got := collect(http, reply.json()["request_id"]).json()).get("category") == "user", got
     still_works(gw, alice)
 
 

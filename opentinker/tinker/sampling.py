@@ -87,6 +87,8 @@ def _prompt_tokens(prompt: Any) -> list[int]:
 def parse_sample_request(body: dict[str, Any]) -> SampleRequest:
     """A checked SampleRequest from the SDK's JSON; BadSample names the field."""
     params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadSample("sampling_params: an object")
     for name in ("prompt_alt_tokens_k", "topk_sample_logprobs"):
         if body.get(name):
             raise BadSample(f"{name} is not supported here (prompt_logprobs and topk_prompt_logprobs are)")

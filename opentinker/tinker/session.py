@@ -219,11 +219,17 @@ class TinkerSession:
         from opentinker.backend.primitives import LoraShape
 
         model_id = self._model_id(body)
-        lora = body.get("lora_config") or {}
-        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        lora, optimizer_config = body.get("lora_config") or {}, body.get("optimizer_config") or {}
+        if not isinstance(lora, dict) or not isinstance(optimizer_config, dict):
+            raise ValueError("lora_config and optimizer_config: objects")
+        optimizer = optimizer_config.get("type", "adamw")
         if optimizer != "adamw":
             raise ValueError(f"optimizer_config.type {optimizer!r}: only adamw is served here")
-        shape = LoraShape(rank=int(lora.get("rank", 32)), seed=lora.get("seed"), train_attn=bool(lora.get("train_attn", True)),
+        try:
+            rank, seed = int(lora.get("rank", 32)), None if lora.get("seed") is None else int(lora["seed"])
+        except (TypeError, ValueError):
+            raise ValueError("lora_config.rank and .seed: integers") from None
+        shape = LoraShape(rank=rank, seed=seed, train_attn=bool(lora.get("train_attn", True)),
                           train_mlp=bool(lora.get("train_mlp", True)), train_unembed=bool(lora.get("train_unembed", True)))
         self._register(model_id, self._build(model_id, str(body.get("base_model", "")), shape, body.get("user_metadata") or {}))
         return {"model_id": model_id}
@@ -249,6 +255,8 @@ class TinkerSession:
         if body.get("optimizer_params") is not None:
             raise BadRequest(f"optimizer {body['optimizer_params'].get('type')!r}: only Adam (adam_params) is served here")
         given = body.get("adam_params") or {}
+        if not isinstance(given, dict):
+            raise BadRequest("adam_params: an object of learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm")
         try:
             adam = AdamParams(**{k: float(v) for k, v in given.items() if k in AdamParams.__dataclass_fields__})
         except (TypeError, ValueError) as err:

@@ -17,6 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # one forward_backward chunk, decompressed (the SDK's own chunks stay under 5 MB)
 
+MAX_TENSOR_VALUES = 16 * 1024 * 1024  # one datum's loss input, decoded (a 2-D sparse one can claim any shape)
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -78,7 +79,9 @@ def _array(name: str, tensor: pb.Tensor) -> np.ndarray:
     shape = [int(s) for s in tensor.shape]
     if any(s < 0 for s in shape) or len(shape) > 2:
         raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} (1 or 2 dimensions)")
-    size = int(np.prod(shape)) if shape else None
+    size = int(np.prod(shape, dtype=np.int64)) if shape else None
+    if size is not None and size > MAX_TENSOR_VALUES:
+        raise WireError(f"loss_fn_inputs[{name!r}]: shape {shape} holds more than {MAX_TENSOR_VALUES} values")
     if tensor.HasField("sparse_csr"):
         if len(shape) != 2:
             raise WireError(f"loss_fn_inputs[{name!r}]: a sparse tensor needs a 2-D shape, got {shape}")

@@ -16,7 +16,9 @@ is a 404.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 from typing import Any
 
 import httpx
@@ -39,6 +41,18 @@ DOWNLOAD_TTL_S = 3600.0
 
 def _bad(detail: str, status: int = 400) -> HTTPException:
     return HTTPException(status, detail[:2000])
+
+
+def finite(text: str) -> float:
+    """A JSON number that fits a float (`1e400` reads as infinity otherwise, which nothing downstream takes)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return value
+
+
+def no_constant(text: str) -> float:
+    raise ValueError(f"{text} is not a finite number")
 
 
 def download_token(secret: str, tenant: str, path: str, file_name: str, expires: float) -> str:
@@ -126,9 +140,9 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
-            body = await request.json()
-        except ValueError:
-            raise _bad("the body is not JSON") from None
+            body = json.loads(await request.body(), parse_float=finite, parse_constant=no_constant)
+        except ValueError as err:
+            raise _bad(f"the body is not JSON ({err})" if "finite" in str(err) else "the body is not JSON") from None
         if not isinstance(body, dict):
             raise _bad("the body must be a JSON object")
         return body

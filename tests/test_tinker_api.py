@@ -242,6 +242,12 @@ def test_rest_client_lists_reads_and_deletes(service, trainer):
     assert path not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
     sampler = trainer.save_weights_and_get_sampling_client().result()
     assert rest.get_sampler(sampler._sampling_session_id).result().base_model == BASE
+    session_id = trainer.model_id.split(":")[0]
+    assert session_id in rest.list_sessions().result().sessions
+    described = rest.get_session(session_id).result()
+    assert trainer.model_id in described.training_run_ids and sampler._sampling_session_id in described.sampler_ids
+    with pytest.raises(tinker.BadRequestError, match="not offered"):
+        rest.publish_checkpoint_from_tinker_path(trainer.save_state("unpublished").result().path).result()
 
 
 def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):

@@ -53,6 +53,9 @@ class LocalSessions:
         session.close()
         self.ended[session_id] = why
 
+    def list(self, tenant: str) -> list[str]:
+        return [s for s in [*self.live, *self.ended] if s.startswith(f"{tenant}-")]
+
     def forget(self, session_id: str) -> None:
         pass
 

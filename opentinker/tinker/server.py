@@ -23,7 +23,7 @@ from opentinker.tinker.session import USER_ERRORS, TinkerSession
 from opentinker.tinker.wire import MAX_BODY_BYTES
 
 PROTOBUF = "application/x-protobuf"
-DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish")
+DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish", "describe")
 
 
 def _refusal(err: BaseException) -> JSONResponse:
@@ -69,6 +69,8 @@ def create_app(session: TinkerSession, token: str) -> Any:
             if op == "heartbeat":
                 session.touch()
                 return JSONResponse({})
+            if op == "describe":
+                return JSONResponse({"sampler_ids": sorted(session.samplers.records), "training_run_ids": sorted(session.models)})
             if op == "finish":
                 session.finished = str((body.get("reason") or {}).get("type") or "success")
                 return JSONResponse({})

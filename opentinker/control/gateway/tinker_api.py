@@ -365,6 +365,40 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
         return Response(data, media_type="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{file_name}"'})
 
+    @router.get("/sessions")
+    async def list_sessions(limit: int = 20, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
+        found, _ = page(await asyncio.to_thread(sessions.list, name), limit, offset)
+        return {"sessions": found}
+
+    @router.get("/sessions/{session_id}")
+    async def get_session(session_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
+        session_id = owned_session(name, session_id)
+        if session_id not in await asyncio.to_thread(sessions.list, name):
+            raise _bad(f"no session {session_id!r}", 404)
+        runs = [r["training_run_id"] for r in checkpoints_of(name).runs() if r["training_run_id"].startswith(f"{session_id}:")]
+        samplers: list[str] = []
+        try:
+            url, token = await asyncio.to_thread(sessions.endpoint, name, session_id)
+            reply = await client.post(f"{url}/direct/describe", json={}, headers={"Authorization": f"Bearer {token}"})
+            samplers = reply.json().get("sampler_ids", []) if reply.status_code == 200 else []
+        except (LookupError, SessionStarting, httpx.TransportError):
+            pass  # an ended session still lists its training runs
+        return {"training_run_ids": sorted(runs), "sampler_ids": samplers}
+
+    def not_offered(what: str):
+        def route(name: str = Depends(tenant)) -> None:
+            raise _bad(f"{what} is not offered by this server (checkpoints stay in your own storage; "
+                       "see the README, 'Tinker code on OpenTinker')")
+        return route
+
+    for method, route_path, what in (("POST", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
+                                      ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
+                                      ("PUT", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", "changing a checkpoint's TTL"),
+                                      ("POST", "/copy_weights", "copy_weights"), ("POST", "/sessions/search", "searching sessions"),
+                                      ("PUT", "/sessions/{session_id}/project", "projects"),
+                                      ("GET", "/sessions/{session_id}/trace_export", "trace export")):
+        router.add_api_route(route_path, not_offered(what), methods=[method], name=f"not_offered_{method}_{route_path}")
+
     @router.get("/checkpoints")
     def list_user_checkpoints(limit: int = 100, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
         store = checkpoints_of(name)

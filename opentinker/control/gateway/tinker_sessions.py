@@ -61,6 +61,11 @@ class PrefectSessions:
                 tags=[*job_tags(tenant, session_id), KIND_TAG])
         return session_id
 
+    def list(self, tenant: str) -> list[str]:
+        """The tenant's session ids, newest first."""
+        runs = sorted(self._runs(tenant), key=lambda r: r.created or 0, reverse=True)
+        return [t.split(":", 1)[1] for r in runs for t in r.tags if t.startswith("job:")]
+
     def forget(self, session_id: str) -> None:
         with self.lock:
             self.found.pop(session_id, None)

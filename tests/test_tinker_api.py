@@ -299,3 +299,28 @@ def test_exported_adapter_downloads_through_signed_urls(gateway, trainer):
     assert any("lora_A" in k for k in weights)
     assert httpx.get(links["adapter_config.json"]).json()["r"] == 8
     assert httpx.get(links["adapter_config.json"][:-3] + "abc").status_code == 404
+
+
+def test_sampled_logprobs_match_the_trainer_in_bfloat16(tmp_path):
+    """With the session in bfloat16 (as on a GPU), sampled logprobs agree with the trainer's
+    recompute within 5e-2 (both run the same autocast; the rest is bf16 rounding of the logits)."""
+    import torch
+
+    from opentinker.backend.device import Placement
+    from opentinker.control.gateway.tinker_local import local_gateway
+
+    url, keys, sessions, server = local_gateway(tmp_path, placement=Placement(torch.device("cpu"), torch.bfloat16))
+    service = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    try:
+        trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+        prompt = seq(8, 8)
+        sample = trainer.save_weights_and_get_sampling_client().result().sample(
+            types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=10, seed=3, stop=[])).result()
+        for s in sample.sequences:
+            full = prompt + s.tokens
+            recomputed = lp_of(trainer.forward([datum(full, weights=[0.0] * (len(full) - 1))], "cross_entropy").result(), 0)[7:]
+            assert np.abs(np.asarray(s.logprobs) - recomputed).max() < 5e-2
+    finally:
+        service.close("success")
+        server.stop()
+        sessions.close()

@@ -53,10 +53,24 @@ def _slots() -> int:
         return client.read_global_concurrency_limit_by_name("slots-cpu").active_slots
 
 
+def _restart_gateway(settings) -> None:
+    import os
+    import signal
+
+    from opentinker.control.stack import Stack
+
+    stack = Stack(settings)
+    os.kill(stack.pid("gateway"), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while stack.pid("gateway") is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stack.start("gateway")
+
+
 def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     """Through the stack's gateway: the session's flow run holds a slot while the client trains;
-    every optimizer step reaches MLflow; close() ends the run and frees the slot; a state saved in
-    that session trains on in a new one."""
+    a gateway killed and restarted mid-session costs nothing; every optimizer step reaches MLflow;
+    close() ends the run; a state saved in that session trains on in a new one."""
     from mlflow.tracking import MlflowClient
 
     from opentinker.control.scheduler import SLOTS_HELD_TAG
@@ -76,7 +90,11 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
         losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[0]
-    state = trainer.save_state("after-3").result().path
+    _restart_gateway(settings)  # the gateway keeps nothing: the client goes on where it was
+    losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[-1] < losses[-2]
+    state = trainer.save_state("after-4").result().path
     sample = trainer.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(tokens[:5]), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
     assert all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in sample.sequences)
@@ -86,7 +104,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     client = MlflowClient(tracking_uri=settings.mlflow_url)
     experiment = client.get_experiment_by_name("tinkerer")
     ml = client.search_runs([experiment.experiment_id], filter_string=f"tags.`opentinker.job_id` = '{session_id}'")[0]
-    assert [m.step for m in client.get_metric_history(ml.info.run_id, "grad_norm")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(ml.info.run_id, "grad_norm")] == [1, 2, 3, 4]
     assert ml.info.status == "FINISHED"
 
     again = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)

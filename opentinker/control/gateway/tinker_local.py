@@ -13,13 +13,9 @@ def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: 
     """(gateway URL, {tenant: API key}, LocalSessions, server): a gateway on 127.0.0.1 whose Tinker
     sessions run in this process, state and storage under `root`. Stop with `server.stop()` and
     `sessions.close()`."""
-    import os
-
-    os.environ["OPENTINKER_STATE_DIR"] = str(root / "state")
     from opentinker.control.gateway.app import create_app as gateway_app
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.core.settings import Settings
-
     from opentinker.inference.launch import free_port
 
     port = free_port("127.0.0.1")

@@ -366,11 +366,11 @@ class TinkerSession:
         sampler_id = f"{self.session_id}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
         if body.get("model_path"):
             path = paths.parse_path(str(body["model_path"]), "sampler_weights")
-            _, info = self._read_checkpoint(path)
+            if not self.store.exists(path):
+                raise paths.NotFound(f"no checkpoint {path}")
             record = self.store.read_run(path.model_id)
             self.samplers.add_checkpoint(sampler_id, record["base_model"], resolve_base(self.models_folder, record["base_model"]),
                                          self.store.url(path), str(path))
-            del info
         elif body.get("base_model"):
             name = str(body["base_model"])
             self.samplers.add_base(sampler_id, name, resolve_base(self.models_folder, name))

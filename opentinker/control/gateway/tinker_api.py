@@ -16,15 +16,14 @@ is a 404.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from opentinker.control.gateway.tinker_rest import add_rest_routes, bad, read_json
 from opentinker.tinker import paths, wire
 from opentinker.tinker.models import UnknownModel, capabilities, resolve_base
 from opentinker.tinker.paths import SessionGone, SessionStarting
@@ -36,56 +35,6 @@ POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the 
 START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
 FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external",
                 "load_weights", "asample")
-DOWNLOAD_TTL_S = 3600.0
-
-
-def _bad(detail: str, status: int = 400) -> HTTPException:
-    return HTTPException(status, detail[:2000])
-
-
-def finite(text: str) -> float:
-    """A JSON number that fits a float (`1e400` reads as infinity otherwise, which nothing downstream takes)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is not a finite number")
-    return value
-
-
-def no_constant(text: str) -> float:
-    raise ValueError(f"{text} is not a finite number")
-
-
-def download_token(secret: str, tenant: str, path: str, file_name: str, expires: float) -> str:
-    """A URL-safe grant to read one file of one tenant's checkpoint until `expires` (HMAC-signed)."""
-    import base64
-    import hashlib
-    import hmac
-    import json
-
-    payload = base64.urlsafe_b64encode(json.dumps([tenant, path, file_name, int(expires)]).encode()).decode().rstrip("=")
-    signature = hmac.new(secret.encode(), f"download:{payload}".encode(), hashlib.sha256).hexdigest()[:40]
-    return f"{payload}.{signature}"
-
-
-def read_download_token(secret: str, token: str) -> tuple[str, str, str] | None:
-    """(tenant, tinker path, file) of a valid, unexpired grant; None otherwise."""
-    import base64
-    import hashlib
-    import hmac
-    import json
-    import time
-
-    payload, _, signature = token.partition(".")
-    expected = hmac.new(secret.encode(), f"download:{payload}".encode(), hashlib.sha256).hexdigest()[:40]
-    if not signature or not hmac.compare_digest(signature, expected):
-        return None
-    try:
-        tenant, path, file_name, expires = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    except (ValueError, TypeError):
-        return None
-    if time.time() > float(expires):
-        return None
-    return str(tenant), str(path), str(file_name)
 
 
 def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) -> None:
@@ -103,7 +52,7 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
     def owned_session(tenant_name: str, identifier: str) -> str:
         session_id = paths.session_of(identifier) if isinstance(identifier, str) else None
         if session_id is None or not session_id.startswith(f"{tenant_name}-"):
-            raise _bad(f"no such id {str(identifier)[:200]!r}", 404)
+            raise bad(f"no such id {str(identifier)[:200]!r}", 404)
         return session_id
 
     async def endpoint(tenant_name: str, session_id: str) -> tuple[str, str]:
@@ -115,9 +64,9 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
                 if asyncio.get_running_loop().time() > deadline:
                     raise HTTPException(503, f"session {session_id} is still starting ({err})", headers={"Retry-After": "1"}) from None
             except SessionGone as err:
-                raise _bad(str(err), 410) from None
+                raise bad(str(err), 410) from None
             except LookupError:
-                raise _bad(f"no session {session_id!r}", 404) from None
+                raise bad(f"no session {session_id!r}", 404) from None
             await asyncio.sleep(0.5)
 
     async def relay(tenant_name: str, session_id: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
@@ -135,17 +84,10 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
                 detail = reply.json().get("detail", reply.text)
             except ValueError:
                 detail = reply.text
-            raise _bad(str(detail), reply.status_code if reply.status_code in (400, 401, 404, 413) else 502)
+            raise bad(str(detail), reply.status_code if reply.status_code in (400, 401, 404, 413) else 502)
         return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
 
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body(), parse_float=finite, parse_constant=no_constant)
-        except ValueError as err:
-            raise _bad(f"the body is not JSON ({err})" if "finite" in str(err) else "the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise _bad("the body must be a JSON object")
-        return body
+    json_body = read_json
 
     # -- client set-up -------------------------------------------------------------------------
     @router.post("/client/config")
@@ -176,7 +118,7 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
         try:
             session_id = await asyncio.to_thread(sessions.create, name, body)
         except ValueError as err:  # the tenant's limit, a pool that cannot hold it
-            raise _bad(str(err)) from None
+            raise bad(str(err)) from None
         return {"session_id": session_id}
 
     @router.post("/session_heartbeat")
@@ -187,9 +129,9 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
         except SessionStarting:
             return {}
         except SessionGone as err:
-            raise _bad(str(err), 410) from None
+            raise bad(str(err), 410) from None
         except LookupError:
-            raise _bad(f"no session {session_id!r}", 404) from None
+            raise bad(f"no session {session_id!r}", 404) from None
         try:
             await client.post(f"{url}/direct/heartbeat", json={}, headers={"Authorization": f"Bearer {token}"})
         except httpx.TransportError:
@@ -219,7 +161,7 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
                     raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
                     session_id = target_session(name, op, wire.header_of(raw))
                 except wire.WireError as err:
-                    raise _bad(str(err)) from None
+                    raise bad(str(err)) from None
                 return passed_on(await relay(name, session_id, "POST", f"/submit/{op}", content=raw))
             body = await json_body(request)
             session_id = target_session(name, op, body)
@@ -227,14 +169,14 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
                 try:
                     resolve_base(settings.models_folder, str(body.get("base_model", "")))
                 except UnknownModel as err:
-                    raise _bad(str(err)) from None
+                    raise bad(str(err)) from None
             for key in ("path", "model_path"):
                 value = body.get(key)
                 if isinstance(value, str) and value.startswith("tinker://"):
                     try:
                         owned_session(name, paths.parse_path(value).model_id)
                     except paths.PathError as err:
-                        raise _bad(str(err)) from None
+                        raise bad(str(err)) from None
             return passed_on(await relay(name, session_id, "POST", f"/submit/{op}", json=body))
 
         router.add_api_route(f"/{op}", route, methods=["POST"], name=f"tinker_{op}")
@@ -273,153 +215,17 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
             try:
                 owned_session(name, paths.parse_path(body["model_path"]).model_id)
             except paths.PathError as err:
-                raise _bad(str(err)) from None
+                raise bad(str(err)) from None
         if body.get("base_model") is not None:
             try:
                 resolve_base(settings.models_folder, str(body["base_model"]))
             except UnknownModel as err:
-                raise _bad(str(err)) from None
+                raise bad(str(err)) from None
         return passed_on(await relay(name, session_id, "POST", "/direct/create_sampling_session", json=body))
 
     @router.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, name: str = Depends(tenant)) -> Response:
         return passed_on(await relay(name, owned_session(name, sampler_id), "GET", f"/samplers/{sampler_id}"))
 
-    # -- the REST client: runs and checkpoints in the tenant's storage ----------------------------
-    def checkpoints_of(name: str) -> paths.TenantCheckpoints:
-        return paths.TenantCheckpoints(sessions.storage_url(name))
-
-    def owned_run(name: str, run_id: str) -> str:
-        if not paths.MODEL.match(run_id or "") or not run_id.startswith(f"{name}-"):
-            raise _bad(f"no training run {run_id[:200]!r}", 404)
-        return run_id
-
-    def page(items: list[Any], limit: int, offset: int) -> tuple[list[Any], dict[str, int]]:
-        limit = max(1, min(int(limit), 1000))
-        offset = max(0, int(offset))
-        return items[offset : offset + limit], {"offset": offset, "limit": limit, "total_count": len(items)}
-
-    @router.get("/training_runs")
-    def list_training_runs(limit: int = 20, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
-        runs, cursor = page(checkpoints_of(name).runs(), limit, offset)
-        return {"training_runs": runs, "cursor": cursor}
-
-    @router.get("/training_runs/{run_id}")
-    def get_training_run(run_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
-        try:
-            return checkpoints_of(name).training_run(owned_run(name, run_id))
-        except paths.NotFound as err:
-            raise _bad(str(err), 404) from None
-
-    @router.get("/training_runs/{run_id}/checkpoints")
-    def list_checkpoints(run_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
-        store = checkpoints_of(name)
-        try:
-            store.read_run(owned_run(name, run_id))
-        except paths.NotFound as err:
-            raise _bad(str(err), 404) from None
-        return {"checkpoints": store.checkpoints(run_id)}
-
-    @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
-    def delete_checkpoint(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> Response:
-        try:
-            kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
-            checkpoints_of(name).delete(paths.TinkerPath(owned_run(name, run_id), kind, ckpt))
-        except paths.PathError as err:
-            raise _bad(str(err)) from None
-        except paths.NotFound as err:
-            raise _bad(str(err), 404) from None
-        return Response(status_code=204)
-
-    @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-    def external_weights_urls(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
-        """Signed URLs (an hour) for each file of an exported adapter: the URL alone opens it, no key."""
-        import time
-
-        try:
-            kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
-            path = paths.TinkerPath(owned_run(name, run_id), kind, ckpt)
-            if kind != "external_weights":
-                raise paths.PathError(f"{checkpoint_id}: only external_weights checkpoints (save_weights_external) are downloaded")
-            files = checkpoints_of(name).files(path)
-        except paths.PathError as err:
-            raise _bad(str(err)) from None
-        except paths.NotFound as err:
-            raise _bad(str(err), 404) from None
-        expires = time.time() + DOWNLOAD_TTL_S
-        base = settings.public_gateway_url
-        urls = {f: f"{base}/api/v1/downloads/{download_token(settings.stack_secret(), name, str(path), f, expires)}" for f in files}
-        return {"urls": urls, "expires": paths.iso_in(DOWNLOAD_TTL_S)}
-
-    @router.get("/downloads/{token}")
-    def download(token: str) -> Response:
-        """A file of an exported adapter, for whoever holds its signed URL (until it expires)."""
-        grant = read_download_token(settings.stack_secret(), token)
-        if grant is None:
-            raise _bad("this download link is invalid or has expired", 404)
-        tenant_name, text, file_name = grant
-        try:
-            data = checkpoints_of(tenant_name).read(paths.parse_path(text), file_name)
-        except (paths.PathError, paths.NotFound) as err:
-            raise _bad(str(err), 404) from None
-        return Response(data, media_type="application/octet-stream",
-                        headers={"Content-Disposition": f'attachment; filename="{file_name}"'})
-
-    @router.get("/sessions")
-    async def list_sessions(limit: int = 20, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
-        found, _ = page(await asyncio.to_thread(sessions.list, name), limit, offset)
-        return {"sessions": found}
-
-    @router.get("/sessions/{session_id}")
-    async def get_session(session_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
-        session_id = owned_session(name, session_id)
-        if session_id not in await asyncio.to_thread(sessions.list, name):
-            raise _bad(f"no session {session_id!r}", 404)
-        runs = [r["training_run_id"] for r in checkpoints_of(name).runs() if r["training_run_id"].startswith(f"{session_id}:")]
-        samplers: list[str] = []
-        try:
-            url, token = await asyncio.to_thread(sessions.endpoint, name, session_id)
-            reply = await client.post(f"{url}/direct/describe", json={}, headers={"Authorization": f"Bearer {token}"})
-            samplers = reply.json().get("sampler_ids", []) if reply.status_code == 200 else []
-        except (LookupError, SessionStarting, httpx.TransportError):
-            pass  # an ended session still lists its training runs
-        return {"training_run_ids": sorted(runs), "sampler_ids": samplers}
-
-    def not_offered(what: str):
-        def route(name: str = Depends(tenant)) -> None:
-            raise _bad(f"{what} is not offered by this server (checkpoints stay in your own storage; "
-                       "see the README, 'Tinker code on OpenTinker')")
-        return route
-
-    for method, route_path, what in (("POST", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
-                                      ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
-                                      ("PUT", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", "changing a checkpoint's TTL"),
-                                      ("POST", "/copy_weights", "copy_weights"), ("POST", "/sessions/search", "searching sessions"),
-                                      ("PUT", "/sessions/{session_id}/project", "projects"),
-                                      ("GET", "/sessions/{session_id}/trace_export", "trace export")):
-        router.add_api_route(route_path, not_offered(what), methods=[method], name=f"not_offered_{method}_{route_path}")
-
-    @router.get("/checkpoints")
-    def list_user_checkpoints(limit: int = 100, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
-        store = checkpoints_of(name)
-        found = [c for run in store.runs() for c in store.checkpoints(run["training_run_id"])]
-        items, cursor = page(sorted(found, key=lambda c: c["time"], reverse=True), limit, offset)
-        return {"checkpoints": items, "cursor": cursor}
-
-    @router.post("/weights_info")
-    async def weights_info(request: Request, name: str = Depends(tenant)) -> dict[str, Any]:
-        body = await json_body(request)
-        try:
-            path = paths.parse_path(str(body.get("tinker_path", "")))
-            owned_run(name, path.model_id)
-            info = await asyncio.to_thread(checkpoints_of(name).policy_info, path)
-        except paths.PathError as err:
-            raise _bad(str(err)) from None
-        except paths.NotFound as err:
-            raise _bad(str(err), 404) from None
-        shape = info.get("tinker") or {}
-        return {"base_model": checkpoints_of(name).read_run(path.model_id)["base_model"], "is_lora": True,
-                "lora_rank": shape.get("rank"), "train_attn": shape.get("train_attn"), "train_mlp": shape.get("train_mlp"),
-                "train_unembed": shape.get("train_unembed")}
-
+    add_rest_routes(router, settings, sessions, tenant, owned_session, client)
     app.include_router(router)

@@ -84,4 +84,36 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
             ray.shutdown()
             tracker.finish(status_end)
         logger.info(f"session {session_id} {ended}")
-    return {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id}
+        registered = _register_newest_sampler(session_id, tenant, spec, tracker, logger)
+    return {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id,
+            "registered_model": registered}
+
+
+def _register_newest_sampler(session_id: str, tenant: str, spec: TinkerSessionSpec, tracker: JobTracker, logger) -> dict | None:
+    """The session's newest named sampler checkpoint (`save_weights_for_sampler(name)`) becomes a
+    version of the tenant's registered model `<tenant>-tinker`, as a job's final checkpoint does
+    (lineage tags, aliases challenger/champion). A registry failure is logged, never the session's."""
+    from opentinker.control.gateway.confine import tenant_storage
+    from opentinker.storage.registry import RegistryError, register_job_checkpoint
+    from opentinker.tinker.paths import TenantCheckpoints, parse_path
+
+    store = TenantCheckpoints(tenant_storage(get_settings(), tenant))
+    newest = max((run["last_sampler_checkpoint"] for run in store.runs()
+                  if run["training_run_id"].startswith(f"{session_id}:") and run["last_sampler_checkpoint"]),
+                 key=lambda c: c["time"], default=None)
+    if newest is None:
+        return None
+    path = parse_path(newest["tinker_path"])
+    try:
+        reg = register_job_checkpoint(
+            checkpoint_url=store.url(path), model_name=f"{tenant}-tinker", job_id=session_id, kind="tinker",
+            spec_data=spec.model_dump(mode="json"), base_model=store.policy_info(path)["base_model"], environment=None,
+            flow_run_id=str(runtime.flow_run.id) if runtime.flow_run.id else None, mlflow_run_id=tracker.run_id,
+            tracking_uri=tracker.tracking_uri, tenant=tenant)
+    except (RegistryError, ValueError) as err:
+        logger.warning(f"session {session_id}: {newest['tinker_path']} was not registered: {err}")
+        return None
+    tracker.set_tags({"opentinker.registered_model": reg["name"], "opentinker.registered_version": reg["version"],
+                      "opentinker.checkpoint": newest["tinker_path"]})
+    logger.info(f"registered {newest['tinker_path']} as {reg['name']} version {reg['version']}")
+    return reg

@@ -95,6 +95,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[-2]
     state = trainer.save_state("after-4").result().path
+    trainer.save_weights_for_sampler("final").result()
     sample = trainer.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(tokens[:5]), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
     assert all(len(s.tokens) == 4 and len(s.logprobs) == 4 for s in sample.sequences)
@@ -106,6 +107,9 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     ml = client.search_runs([experiment.experiment_id], filter_string=f"tags.`opentinker.job_id` = '{session_id}'")[0]
     assert [m.step for m in client.get_metric_history(ml.info.run_id, "grad_norm")] == [1, 2, 3, 4]
     assert ml.info.status == "FINISHED"
+    from opentinker.storage.registry import resolve_model_uri
+
+    assert resolve_model_uri("models:/tinkerer-tinker@champion").endswith(f"{session_id}:train:0/sampler_weights/final")
 
     again = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
     resumed = again.create_training_client_from_state_with_optimizer(state).result()

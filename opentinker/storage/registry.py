@@ -179,8 +179,8 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
 
     from opentinker.storage import checkpoint as ckpt
 
-    if kind not in ("rl", "sft"):
-        raise ValueError(f"kind must be 'rl' or 'sft', not {kind!r}")
+    if kind not in ("rl", "sft", "tinker"):
+        raise ValueError(f"kind must be 'rl', 'sft' or 'tinker', not {kind!r}")
     if not _NAME.match(model_name):
         raise ValueError(f"registered model name {model_name!r}: letters, digits, '_', '.', '-' only")
     fs, path = ckpt.url_to_fs(checkpoint_url)

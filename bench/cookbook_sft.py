@@ -5,10 +5,11 @@ main`, unmodified), pointed at OpenTinker's gateway, lowers the held-out loss it
 reports. The data is a conversations JSONL file this script writes under a temporary folder (no
 downloads), in the cookbook's format (`{"messages": [{"role": ..., "content": ...}, ...]}` a line,
 as tinker_cookbook/example_data/conversations.jsonl): a seeded synthetic record-formatting task
-("Format this record: city=paris; name=alice; age=34" -> "Name: Alice\\nAge: 34\\nCity: Paris": fields
-in random order and lower case in, a fixed order, capitalised and one a line out) with a system
-message. `FromConversationFileBuilder` shuffles it and holds out `--test-size` conversations; the
-cookbook then adds its `SamplerNLLEvaluator` (every `--eval-every` steps, before that step's update:
+("Format this record: city=paris; name=alice; age=34" -> "Name: Alice\\nAge: 34\\nCity: Paris\\n
+Country: France\\nID: ALI34": fields in random order and lower case in; out a fixed order, one a line,
+capitalised, the city's country from a fixed table of 28 cities, and an ID made of the name's first
+three letters and the age) with a system message. `FromConversationFileBuilder` shuffles it and
+holds out `--test-size` conversations; the cookbook then adds its `SamplerNLLEvaluator` (every `--eval-every` steps, before that step's update:
 ephemeral `save_weights_for_sampler`, then `compute_logprobs`, i.e. `asample` with prompt_logprobs and
 max_tokens=1, once per held-out conversation) and trains with `cross_entropy` + `optim_step` on
 SmolLM2 (`HuggingFaceTB/SmolLM2-135M-Instruct`, which the gateway serves as smollm2-135m-instruct),
@@ -20,8 +21,9 @@ model with hidden size 576, which `get_lr` itself refuses by name), with the coo
 and Adam betas. The test NLL series comes from the run's metrics.jsonl (`test/nll` at steps 0,
 eval_every, ...: the weights after that many updates), the train loss from `train_mean_nll`. After
 the run the same evaluator scores the run's `final` sampler checkpoint (loaded by its tinker://
-path) so the table ends with the weights after the last update. Exits 1 unless the last held-out NLL
-(the final checkpoint's) is below the first evaluation's.
+path) so the table ends with the weights after the last update. Exits 1 unless the run completed,
+the last held-out NLL (the final checkpoint's) is below the first evaluation's and the cookbook's own
+last evaluation is not above its first.
 
 Offline: the tokenizer is the local SmolLM2 folder registered under the Hub id (the cookbook's
 `register_tokenizer`); HF_HUB_OFFLINE=1, TINKER_TELEMETRY=0; the cookbook's pricing fetch fails and
@@ -55,13 +57,16 @@ sys.path.insert(0, str(ROOT))
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # an alias the gateway serves for smollm2-135m-instruct
 LOCAL_MODEL = "smollm2-135m-instruct"
 RENDERER = "qwen3_instruct"  # ChatML, SmolLM2's own template; stop token <|im_end|> = 2
-SYSTEM = "You are a record formatter. Rewrite the record with one field per line: Name, Age, City."
+SYSTEM = "You are a record formatter. Rewrite the record with one field per line: Name, Age, City, Country, ID."
 NAMES = ["alice", "bob", "carla", "deepak", "elena", "farid", "grace", "hiro", "ines", "jonas", "kemal", "lucia",
          "mateo", "nadia", "oscar", "priya", "quinn", "rosa", "sven", "tamar", "umar", "vera", "wen", "ximena",
          "yusuf", "zoe", "anton", "bianca", "cyrus", "dalia", "emeka", "fiona", "gideon", "hana", "ivan", "jade"]
-CITIES = ["paris", "lima", "oslo", "cairo", "delhi", "tokyo", "quito", "rome", "seoul", "dakar", "lagos", "perth",
-          "boston", "madrid", "hanoi", "vienna", "athens", "dublin", "austin", "kyoto", "nairobi", "lisbon", "denver",
-          "bogota", "prague", "manila", "zurich", "havana"]
+COUNTRIES = {"paris": "France", "lima": "Peru", "oslo": "Norway", "cairo": "Egypt", "delhi": "India", "tokyo": "Japan",
+             "quito": "Ecuador", "rome": "Italy", "seoul": "South Korea", "dakar": "Senegal", "lagos": "Nigeria",
+             "perth": "Australia", "boston": "USA", "madrid": "Spain", "hanoi": "Vietnam", "vienna": "Austria",
+             "athens": "Greece", "dublin": "Ireland", "austin": "USA", "kyoto": "Japan", "nairobi": "Kenya",
+             "lisbon": "Portugal", "denver": "USA", "bogota": "Colombia", "prague": "Czechia", "manila": "Philippines",
+             "zurich": "Switzerland", "havana": "Cuba"}
 
 
 def conversations(n: int, seed: int) -> list[dict[str, Any]]:
@@ -69,13 +74,14 @@ def conversations(n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        name, city, age = rng.choice(NAMES), rng.choice(CITIES), rng.randint(18, 90)
+        name, city, age = rng.choice(NAMES), rng.choice(sorted(COUNTRIES)), rng.randint(18, 90)
         fields = [f"name={name}", f"age={age}", f"city={city}"]
         rng.shuffle(fields)
         out.append({"messages": [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": "Format this record: " + "; ".join(fields)},
-            {"role": "assistant", "content": f"Name: {name.capitalize()}\nAge: {age}\nCity: {city.capitalize()}"},
+            {"role": "assistant", "content": (f"Name: {name.capitalize()}\nAge: {age}\nCity: {city.capitalize()}\n"
+                                               f"Country: {COUNTRIES[city]}\nID: {name[:3].upper()}{age}")},
         ]})
     return out
 
@@ -119,7 +125,11 @@ def main() -> int:
     parser.add_argument("--log-dir", default=None, help="keep the cookbook's run folder here (default: a temporary folder)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "cookbook_sft"))
     args = parser.parse_args()
+    if args.eval_every <= 0 or args.steps <= 0 or args.test_size <= 0:
+        parser.error("--steps, --eval-every and --test-size must be positive")
     n_conv = args.conversations or args.steps * args.batch_size + args.test_size
+    if n_conv - args.test_size < args.batch_size:
+        parser.error("--conversations must leave at least one batch after the held-out ones")
 
     os.environ.update(HF_HUB_OFFLINE="1", TINKER_TELEMETRY="0")
     import torch
@@ -190,11 +200,10 @@ def main() -> int:
     evals = [{"step": r["step"], "test_nll": r["test/nll"], "test_bpb": r.get("test/bpb")} for r in rows if "test/nll" in r]
     evals.append({"step": args.steps, "test_nll": final_metrics["test/nll"], "test_bpb": final_metrics.get("test/bpb"),
                   "final_checkpoint": True})
-    train_loss = {r["step"]: r["train_mean_nll"] for r in train_rows}
-    first, last = evals[0]["test_nll"], evals[-1]["test_nll"]
-    ok = "Training completed successfully" in log_text and len(evals) >= 2 and last < first
-    step_times = sorted(r["time/total"] for r in train_rows if "time/total" in r)
-    command = "python bench/cookbook_sft.py " + shlex.join(sys.argv[1:])
+    first, last, cookbook_last = evals[0]["test_nll"], evals[-1]["test_nll"], evals[-2]
+    ok = "Training completed successfully" in log_text and len(evals) >= 2 and last < first and cookbook_last["test_nll"] <= first
+    eval_s = sum(r.get("time/evals", 0.0) for r in train_rows)
+    command = " ".join(["python bench/cookbook_sft.py", shlex.join(sys.argv[1:])]).strip()
 
     print(f"\n{'step':>5} {'train loss':>11} {'held-out NLL':>13}")
     for r in train_rows:
@@ -219,12 +228,14 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "wall_seconds": wall,
         "final_eval_seconds": final_eval_s,
-        "median_step_seconds": step_times[len(step_times) // 2] if step_times else None,
+        "seconds_per_step": wall / max(1, len(train_rows)),
+        "evaluation_seconds": eval_s,
         "train": [{"step": r["step"], "train_mean_nll": r["train_mean_nll"], "learning_rate": r.get("learning_rate"),
-                   "num_loss_tokens": r.get("num_loss_tokens"), "seconds": r.get("time/total")} for r in train_rows],
+                   "num_loss_tokens": r.get("num_loss_tokens")} for r in train_rows],
         "held_out": evals,
         "first_held_out_nll": first,
         "last_held_out_nll": last,
+        "cookbook_last_evaluation": cookbook_last,
         "held_out_nll_fell": ok,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -233,13 +244,13 @@ def main() -> int:
     lines = [
         f"# tinker-cookbook's SFT loop through the gateway: {MODEL}, LoRA r{args.rank} (CPU)",
         "",
-        "`tinker_cookbook.supervised.train.main` (0.6.1, unmodified) with `FromConversationFileBuilder` on a local "
-        f"conversations file of {n_conv} seeded record-formatting chats ({args.test_size} held out), renderer "
-        f"`{RENDERER}`, {args.steps} steps of {args.batch_size}, Adam lr {lr:.3g} (the cookbook's LoRA formula) with "
-        f"linear decay; held-out NLL from the cookbook's `SamplerNLLEvaluator` every {args.eval_every} steps "
-        "(`test/nll` in its metrics.jsonl), and once more on the run's `final` sampler checkpoint.",
-        f"Wall time {wall:.0f} s for the cookbook run (median step {out['median_step_seconds'] or 0:.1f} s, evaluations "
-        f"included), {os.cpu_count()} CPUs.",
+        ("`tinker_cookbook.supervised.train.main` (0.6.1, unmodified) with `FromConversationFileBuilder` on a local "
+         f"conversations file of {n_conv} seeded record-formatting chats ({args.test_size} held out), renderer "
+         f"`{RENDERER}`, {args.steps} steps of {args.batch_size}, Adam lr {lr:.3g} (the cookbook's LoRA formula) with "
+         f"linear decay; held-out NLL from the cookbook's `SamplerNLLEvaluator` every {args.eval_every} steps "
+         "(`test/nll` in its metrics.jsonl), and once more on the run's `final` sampler checkpoint."),
+        (f"Wall time {wall:.0f} s for the cookbook run ({out['seconds_per_step']:.1f} s a step; {eval_s:.0f} s of it in the "
+         f"held-out evaluations), model load included; {os.cpu_count()} CPUs."),
         "",
         f"    {command}",
         "",
@@ -253,8 +264,9 @@ def main() -> int:
                      f"| {'-' if ev is None or ev['test_bpb'] is None else format(ev['test_bpb'], '.4f')} |")
     fb = evals[-1]["test_bpb"]
     lines.append(f"| {args.steps} (final checkpoint) | - | {last:.4f} | {'-' if fb is None else format(fb, '.4f')} |")
-    lines += ["", f"Held-out NLL: first evaluation (step 0) **{first:.4f}**, last (final checkpoint) **{last:.4f}** "
-              f"({'fell' if last < first else 'did not fall'}; {last / first:.1%} of the first).",
+    lines += ["", (f"Held-out NLL: first evaluation (step 0) **{first:.4f}**, last (final checkpoint) **{last:.4f}** "
+                   f"({'fell' if last < first else 'did not fall'}; {last / first:.1%} of the first); the cookbook's own "
+                   f"last evaluation (step {cookbook_last['step']}) {cookbook_last['test_nll']:.4f}."),
               "", "Example conversation:", "", "```json", json.dumps(out["example"]), "```", ""]
     Path(args.out + ".md").write_text("\n".join(lines))
     return 0 if ok else 1

@@ -80,6 +80,8 @@ class HFEngine:
         """A base model that takes LoRA adapters by name (`load_adapter`), as vLLM with
         `--enable-lora` does: what a job's server-backed rollout engine samples through. The
         base is the job's (its pinned `init_from`), on the job's device in its precision."""
+        import torch
+
         from opentinker.model import load_model
 
         where = where or cpu()
@@ -88,14 +90,25 @@ class HFEngine:
         except Exception as err:  # any cause: one clear message naming the model
             raise ModelLoadError(f"cannot serve {model_name}: {type(err).__name__}: {err}") from err
         model = model.to(dtype=where.weights_dtype(trained=False)).to(where.device)
+        merges = model.dtype == torch.float32
+        if merges and getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+            # A LoRA on the unembedding, merged, must not change the (tied) input embedding: untie the copy here.
+            head = model.get_output_embeddings()
+            head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
         # No prefix cache: its entries would outlive a switch of adapter.
         engine = cls(model, tokenizer, {"base_model": model_name, "init_from": init_from}, max_model_len=max_model_len,
                      placement=where, prefix_cache_tokens=0)
         engine.adapters = {}
+        engine.merges = merges
         return engine
 
     # --- LoRA adapters (engines made by for_adapters) ---------------------------------------
     adapters: dict[str, str] | None = None  # name -> the folder it was loaded from
+    # float32 bases: the adapter of a batch is merged into the weights (W + s·BA) and stays merged
+    # until another is needed, so decoding runs at the plain model's speed (per-layer LoRA matmuls
+    # cost about as much as the model on a CPU). Not in bf16: the small delta would round away.
+    merges: bool = False
+    merged: str | None = None
 
     def load_adapter(self, name: str, path: str) -> None:
         """Load the peft adapter folder `path` (safetensors only: nothing is unpickled) as `name`.
@@ -112,6 +125,9 @@ class HFEngine:
             raise ValueError(f"{path}: not a LoRA adapter folder (an absolute path holding adapter_config.json and adapter_model.safetensors)")
         with self._model_lock:
             model = self.rollout.model
+            if self.merged is not None:  # layers take a new adapter unmerged
+                model.unmerge_adapter()
+                self.merged = None
             if isinstance(model, PeftModel):
                 model.load_adapter(str(folder), adapter_name=name)
             else:
@@ -124,16 +140,27 @@ class HFEngine:
         if not self.adapters or name not in self.adapters:
             raise KeyError(name)
         with self._model_lock:
+            if self.merged == name:
+                self.rollout.model.unmerge_adapter()
+                self.merged = None
             self.rollout.model.delete_adapter(name)
         del self.adapters[name]
 
     def _adapter(self, name: str | None) -> Any:
         """The context a batch for adapter `name` runs in (None: the base model alone)."""
         model = self.rollout.model
+        if name is not None and (not self.adapters or name not in self.adapters):
+            raise KeyError(name)
+        if self.merged is not None and self.merged != name:
+            model.unmerge_adapter()
+            self.merged = None
         if name is not None:
-            if not self.adapters or name not in self.adapters:
-                raise KeyError(name)
+            if self.merged == name:  # set_adapter would unmerge it
+                return nullcontext()
             model.set_adapter(name)
+            if self.merges:
+                model.merge_adapter()
+                self.merged = name
             return nullcontext()
         return model.disable_adapter() if self.adapters else nullcontext()
 

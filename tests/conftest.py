@@ -8,6 +8,7 @@ import torch
 pytest_plugins = ["tests.stack_fixtures", "tests.s3_fixtures"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TINKER_TELEMETRY", "0")  # the tinker SDK in tests sends no telemetry (its drain at exit waits on a stopped gateway)
 # The secret that signs job tokens, for the whole session (the stack's services inherit it): no
 # test writes a secret file into a developer's state folder.
 os.environ.setdefault("OPENTINKER_SECRET", "opentinker-test-secret")

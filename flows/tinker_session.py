@@ -98,8 +98,7 @@ def _register_newest_sampler(session_id: str, tenant: str, spec: TinkerSessionSp
     from opentinker.tinker.paths import TenantCheckpoints, parse_path
 
     store = TenantCheckpoints(tenant_storage(get_settings(), tenant))
-    newest = max((run["last_sampler_checkpoint"] for run in store.runs()
-                  if run["training_run_id"].startswith(f"{session_id}:") and run["last_sampler_checkpoint"]),
+    newest = max((c for run in store.run_ids(f"{session_id}:") for c in store.checkpoints(run) if c["checkpoint_type"] == "sampler"),
                  key=lambda c: c["time"], default=None)
     if newest is None:
         return None

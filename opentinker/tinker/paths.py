@@ -135,19 +135,22 @@ class TenantCheckpoints:
         except (FileNotFoundError, ValueError):
             raise NotFound(f"no training run {model!r}") from None
 
-    def runs(self) -> list[dict[str, Any]]:
+    def run_ids(self, prefix: str = "") -> list[str]:
+        """The tenant's training run ids (those starting with `prefix`), from the folder names alone."""
         fs, root = url_to_fs(self.root)
         fs.invalidate_cache(root)
         if not fs.exists(root):
             return []
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False))
+        return sorted(n for n in names if MODEL.match(n) and n.startswith(prefix))
+
+    def runs(self) -> list[dict[str, Any]]:
         out = []
-        for entry in fs.ls(root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if MODEL.match(name):
-                try:
-                    out.append(self.training_run(name))
-                except NotFound:
-                    continue
+        for name in self.run_ids():
+            try:
+                out.append(self.training_run(name))
+            except NotFound:
+                continue
         return sorted(out, key=lambda r: r["last_request_time"], reverse=True)
 
     def training_run(self, model: str) -> dict[str, Any]:

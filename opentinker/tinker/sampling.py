@@ -165,10 +165,7 @@ class Samplers:
 
     def add_snapshot(self, sampler_id: str, base_model: str, loader_name: str, model: Any) -> None:
         """The training client's weights as they are now (later steps do not change this sampler)."""
-        folder = self.workdir / sampler_id.replace(":", "_")
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        folder = self._fresh_folder(sampler_id)
         for name, data in model.state_files(with_optimizer=False).items():
             if name.startswith("adapter/"):
                 (folder / name.split("/", 1)[1]).write_bytes(data)
@@ -191,14 +188,17 @@ class Samplers:
     def add_checkpoint(self, sampler_id: str, base_model: str, loader_name: str, url: str, model_path: str) -> None:
         from opentinker.storage.checkpoint import committed_manifest, read_file
 
-        folder = self.workdir / sampler_id.replace(":", "_")
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True)
+        folder = self._fresh_folder(sampler_id)
         for name in (committed_manifest(url) or {}).get("files", {}):
             if name.startswith("adapter/"):
                 (folder / name.split("/", 1)[1]).write_bytes(read_file(url, name))
         self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder, model_path))
+
+    def _fresh_folder(self, sampler_id: str) -> Path:
+        folder = self.workdir / sampler_id.replace(":", "_")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return folder
 
     def _replace(self, sampler_id: str, record: SamplerRecord) -> None:
         engine = self._engine(record.loader_name)

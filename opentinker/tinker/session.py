@@ -14,6 +14,7 @@ one line, the traceback in the log. Either way the session and its other models 
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 import threading
@@ -36,12 +37,24 @@ KEEP_RESULTS_S = 600.0  # a completed future can be re-polled for this long
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, LookupError)  # BadRequest, WireError, PathError, NotFound, …
 
 
+@functools.cache
+def empty_optimizer() -> bytes:
+    """optimizer.pt of a checkpoint without optimizer moments (torch's format, an empty dict)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({}, buf)
+    return buf.getvalue()
+
+
 def error_payload(err: BaseException) -> dict[str, str]:
     user = isinstance(err, USER_ERRORS)
     if not user:
         log.error("tinker call failed", exc_info=err)
-    return {"error": one_line(err) if not user else str(err).splitlines()[0] if str(err) else type(err).__name__,
-            "category": "user" if user else "server"}
+    line = (str(err).splitlines() or [type(err).__name__])[0] if user else one_line(err)
+    return {"error": line, "category": "user" if user else "server"}
 
 
 @dataclass
@@ -274,15 +287,8 @@ class TinkerSession:
 
         if self.store.exists(path) and not body.get("overwrite"):
             raise ValueError(f"{path} exists (pass overwrite=True to replace it)")
-        files = slot.model.state_files(with_optimizer=True)
-        if not with_optimizer:  # a sampler checkpoint: the layout of any job's, with an empty optimizer
-            import io
-
-            import torch
-
-            buf = io.BytesIO()
-            torch.save({}, buf)
-            files["optimizer.pt"] = buf.getvalue()
+        files = slot.model.state_files(with_optimizer=with_optimizer)
+        files.setdefault("optimizer.pt", empty_optimizer())  # a sampler checkpoint: the layout of any job's, no moments
         policy = slot.model.policy_info() | {"base_model": resolve_base(self.models_folder, slot.base_name)}  # a name the loaders know
         files |= {"policy.json": json.dumps(policy).encode(),
                   "state.json": json.dumps({"step": slot.model.steps, "kind": path.kind}).encode(),

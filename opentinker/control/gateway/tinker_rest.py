@@ -177,7 +177,7 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
         session_id = owned_session(name, session_id)
         if session_id not in await asyncio.to_thread(sessions.list, name):
             raise bad(f"no session {session_id!r}", 404)
-        runs = [r["training_run_id"] for r in checkpoints_of(name).runs() if r["training_run_id"].startswith(f"{session_id}:")]
+        runs = checkpoints_of(name).run_ids(f"{session_id}:")
         samplers: list[str] = []
         try:
             url, token = await asyncio.to_thread(sessions.endpoint, name, session_id)
@@ -185,7 +185,7 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
             samplers = reply.json().get("sampler_ids", []) if reply.status_code == 200 else []
         except (LookupError, SessionStarting, httpx.TransportError):
             pass  # an ended session still lists its training runs
-        return {"training_run_ids": sorted(runs), "sampler_ids": samplers}
+        return {"training_run_ids": runs, "sampler_ids": samplers}
 
     def not_offered(what: str):
         def route(name: str = Depends(tenant)) -> None:
@@ -204,7 +204,7 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
     @router.get("/checkpoints")
     def list_user_checkpoints(limit: int = 100, offset: int = 0, name: str = Depends(tenant)) -> dict[str, Any]:
         store = checkpoints_of(name)
-        found = [c for run in store.runs() for c in store.checkpoints(run["training_run_id"])]
+        found = [c for run in store.run_ids() for c in store.checkpoints(run)]
         items, cursor = page(sorted(found, key=lambda c: c["time"], reverse=True), limit, offset)
         return {"checkpoints": items, "cursor": cursor}
 

@@ -49,6 +49,10 @@ def empty_optimizer() -> bytes:
     return buf.getvalue()
 
 
+def _raise(err: BaseException) -> None:
+    raise err
+
+
 def error_payload(err: BaseException) -> dict[str, str]:
     user = isinstance(err, USER_ERRORS)
     if not user:
@@ -174,9 +178,14 @@ class TinkerSession:
     def submit(self, op: str, body: Any) -> dict[str, Any]:
         """Accept a future call; returns the promise (`request_id`, and `sample_sequence_ids` for samples)."""
         self.touch()
-        if op == "forward_backward":
-            model_id, seq_id = wire.header_of(body)
-            return self._sequenced(model_id, seq_id, lambda: self.forward_backward(body))
+        if op == "forward_backward":  # decoded once, here; a datum that does not decode fails in its turn
+            try:
+                call = wire.decode_forward_backward(body)
+            except wire.WireError as err:
+                failure = err  # `err` is unbound once the except block ends
+                model_id, seq_id = wire.header_of(body)
+                return self._sequenced(model_id, seq_id, lambda: _raise(failure))
+            return self._sequenced(call.model_id, call.seq_id, lambda: self.forward_backward(call))
         if op in ("optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external") or (op == "load_weights" and body.get("model_id")):
             model_id, seq_id = str(body.get("model_id", "")), int(body.get("seq_id") or 0)
             return self._sequenced(model_id, seq_id, lambda: getattr(self, op)(body))
@@ -255,8 +264,7 @@ class TinkerSession:
                                "arch": type(slot.model.model.get_base_model()).__name__},
                 "optimizer_config": {"type": "adamw"}}
 
-    def forward_backward(self, body: bytes) -> bytes:
-        call = wire.decode_forward_backward(body)
+    def forward_backward(self, call: wire.ForwardBackwardCall) -> bytes:
         slot = self._slot(call.model_id)
         outputs, metrics = slot.model.forward_backward(call.data, call.loss_fn, call.loss_fn_config, call.forward_only)
         return wire.encode_forward_backward(outputs, metrics)

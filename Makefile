@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 STEPS ?= 25
 
-.PHONY: install cookbook demo demo-long demo-local down test test-slow bench clean
+.PHONY: install cookbook demo demo-long demo-local down test test-slow gpu-pack bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,14 @@ test: install  ## the default suite (CI): unit, integration and a short learning
 
 test-slow: install cookbook  ## long learning tests on the real model (and tinker-cookbook's RL loop)
 	$(PY) -m pytest -q -m slow
+
+GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
+gpu-pack: install  ## .gpu/: what bench/gpu_run.sh needs on a bare GPU Python without network (wheels for CPython 3.12, tokenizer, tiny model)
+	rm -rf .gpu && mkdir -p .gpu/whl .gpu/cache/models
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .gpu/whl $(GPU_WHEELS)
+	$(PY) -c "from opentinker.model.loading import resolve_model, tokenizer_path; print(tokenizer_path()); print(resolve_model('tiny-random'))" \
+	  | xargs -I{} cp -r {} .gpu/cache/models/
 
 bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_math.py

@@ -135,6 +135,8 @@ def run_shape(shape: str, device: torch.device) -> dict:
         steps.append({"rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": generated,
                       "update_tokens": sum(s for s, _ in lengths), "update_flops": flops, "loss": metrics.get("update/policy_loss")})
         print(f"{shape} step {step}: rollout {t1 - t0:.2f}s ({generated / (t1 - t0):.0f} tok/s), update {t2 - t1:.2f}s", flush=True)
+    if ARGS.profile:
+        profile(shape, engine, trainer, expanded, trajs, device)
     timed = steps[1:] or steps
     name, peak = peak_flops(device)
     update_s = statistics.median(s["update_s"] for s in timed)
@@ -152,6 +154,26 @@ def run_shape(shape: str, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile(shape: str, engine, trainer, prompts, trajs, device: torch.device) -> None:
+    """Where a rollout of 32 tokens and one update spend the device's time (the top kernels)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from opentinker.backend import SamplingParams
+
+    for t in trajs:  # the same records again, as if sampled by the trainer's current version
+        t.policy_version = trainer.version
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for label, run in (("rollout, 32 new tokens", lambda: engine.generate(prompts, SamplingParams(max_new_tokens=32))),
+                       ("update", lambda: trainer.update(trajs))):
+        with torch_profile(activities=activities) as prof:
+            run()
+            sync(device)
+        print(f"--- {shape}: {label}", flush=True)
+        print(prof.key_averages().table(sort_by=sort, row_limit=14, max_name_column_width=60), flush=True)
 
 
 def markdown(results: list[dict], setup: dict) -> str:
@@ -194,11 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--adapter", choices=["full", "lora"], default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="print the top kernels of a rollout and an update per shape")
     parser.add_argument("--out", default=None, help="results folder (default: bench/results on a GPU, a temp folder on CPU)")
     return parser.parse_args(argv)
 

@@ -12,8 +12,6 @@ import socket
 
 import pytest
 
-from opentinker.core.settings import Settings
-from opentinker.control.stack import Stack
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -33,9 +31,11 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 PORTS = ("prefect_port", "mlflow_port", "gateway_port", "ray_port", "ray_client_port")
 
 
-def local_settings(state_dir, **overrides) -> Settings:
+def local_settings(state_dir, **overrides) -> "Settings":  # noqa: F821
     """Settings of a stack in `state_dir` whose every port is a free one (unless overridden): a
     test never depends on a default port being free (a developer's `make demo` stack holds them)."""
+    from opentinker.core.settings import Settings  # here, not above: `pytest -m gpu` runs without the service's packages
+
     return Settings(**{"state_dir": state_dir, **dict(zip(PORTS, free_ports(len(PORTS)))), **overrides})
 
 
@@ -58,6 +58,8 @@ def stack(tmp_path_factory, s3_server):
 
     root = str(Path(__file__).resolve().parents[1])  # flows the worker runs import the test games from here
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    from opentinker.control.stack import Stack
+
     services = Stack(settings)
     try:
         status = services.up(timeout=180)

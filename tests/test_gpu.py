@@ -1,0 +1,213 @@
+"""The engine and the trainer on a CUDA device (`pytest -m gpu`; not in the default run).
+
+Runs on a bare GPU Python: torch, transformers, peft, accelerate, numpy, pydantic and pytest (no
+Prefect, Ray, MLflow or vLLM). Every test here needs a CUDA device and is skipped without one;
+`OPENTINKER_GPU_TESTS_DEVICE=cpu` runs the same tests on the CPU, to check them before GPU time
+is spent. What they hold, on the device:
+- the engine contract of the HF engine (budgets, logprobs of the sampling distribution, greedy,
+  stop tokens, LoRA version switch), float32 as on the CPU (1e-4);
+- shared-prefix updates against the per-sequence path in bfloat16: gradients within 2% of the
+  gradient norm (bf16 rounds activations to 8 bits of mantissa, and the two paths batch and pad
+  differently, so their roundings differ), losses within 1e-2;
+- recomputed against sampled log-probabilities in bfloat16 within 3e-2 (device.py's tolerance);
+- decode early stop: finished rows leave the batch and the samples stay those of `generate`;
+- a LoRA RL job of SmolLM2-135M's shape (random weights) end to end: rollouts, updates, a
+  checkpoint, trained weights and optimizer state float32.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from opentinker.backend import HFRolloutEngine, PolicyTrainer, SamplingParams
+from opentinker.backend.device import Placement
+from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
+from tests import test_engine_contract as contract
+from tests import test_rollout_early_stop as early_stop
+from tests import test_shared_prefix as shared_prefix
+from tests.conftest import tiny_spec
+
+ON = os.environ.get("OPENTINKER_GPU_TESTS_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(ON == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEVICE = torch.device(ON, 0) if ON == "cuda" else torch.device(ON)
+BF16 = torch.bfloat16
+GRADIENT_TOLERANCE = 2e-2  # of the gradient norm, bf16 (see the module's docstring)
+
+
+def _on_device(model, dtype=torch.float32) -> Placement:
+    model.to(DEVICE)
+    return Placement(DEVICE, dtype)
+
+
+# --- the engine contract, HF engine on the device ----------------------------------------------
+
+@pytest.fixture
+def engine_kind(monkeypatch):
+    """The HF engine, its model moved to the device (the contract's own subjects, placed there)."""
+    made_on_cpu = contract.make_subject
+
+    def on_device(kind, model_name):
+        made, close = made_on_cpu(kind, model_name)
+        made.model.to(DEVICE)
+        made.engine.placement = Placement(DEVICE, torch.float32)
+        return made, close
+
+    monkeypatch.setattr(contract, "make_subject", on_device)
+    return "hf"
+
+
+subject = contract.subject
+test_tokens_respect_budgets_and_come_back_as_ids = contract.test_tokens_respect_budgets_and_come_back_as_ids
+test_logprobs_are_those_of_the_sampling_distribution = contract.test_logprobs_are_those_of_the_sampling_distribution
+test_greedy_is_the_argmax_and_repeatable = contract.test_greedy_is_the_argmax_and_repeatable
+test_stop_tokens_end_a_completion_and_stay_in_the_record = contract.test_stop_tokens_end_a_completion_and_stay_in_the_record
+test_a_lora_version_switch_changes_what_is_sampled = contract.test_a_lora_version_switch_changes_what_is_sampled
+
+
+def test_the_engine_samples_on_the_device(subject):
+    assert subject.model.device.type == DEVICE.type and subject.engine.placement.device == DEVICE
+    assert subject.engine.generate(subject.prompts(), SamplingParams(max_new_tokens=4))
+
+
+# --- shared-prefix updates against the per-sequence path, bf16 ---------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    from opentinker.core.model_names import TINY
+    from opentinker.model.policy import load_model
+
+    return load_model(TINY)
+
+
+def _bf16_pair(tiny_model, adapter):
+    model, tok = tiny_model
+    trainers = []
+    for shared in (True, False):
+        optim = OptimizationSpec(lr=1e-3, micro_batch_size=8, shared_prefix=shared)
+        trainers.append(PolicyTrainer(copy.deepcopy(model), tok, adapter, AlgorithmSpec(), optim, placement=Placement(DEVICE, BF16)))
+    if isinstance(adapter, LoraSpec):
+        gen = torch.Generator().manual_seed(0)
+        state = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in trainers[0].trainable_state().items()}
+        for t in trainers:
+            t.load_trainable_state(state)
+    return trainers
+
+
+@pytest.mark.parametrize("adapter", [LoraSpec(r=4, alpha=8), FullSpec()], ids=["lora", "full"])
+@pytest.mark.parametrize("records", ["single_turn", "multi_turn"])
+def test_shared_prefix_gradients_agree_with_per_sequence_in_bf16(tiny, adapter, records):
+    shared, per_sequence = _bf16_pair(tiny, adapter)
+    trajs = getattr(shared_prefix, records)()
+    (ga, ma), (gb, mb) = shared_prefix._gradients(shared, trajs), shared_prefix._gradients(per_sequence, trajs)
+    assert ga.keys() == gb.keys() and ga
+    assert {g.device.type for g in ga.values()} == {DEVICE.type} and {g.dtype for g in ga.values()} == {torch.float32}
+    norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in gb.values())))
+    worst = max(float((ga[k] - gb[k]).abs().max()) for k in ga)
+    assert norm > 0 and worst <= GRADIENT_TOLERANCE * norm, f"largest gradient difference {worst:.3g} (norm {norm:.3g})"
+    assert ma["update/policy_loss"] == pytest.approx(mb["update/policy_loss"], abs=1e-2)
+    assert ma["update/shared_prefix"] == 1.0 and mb["update/shared_prefix"] == 0.0
+
+
+# --- recomputed against sampled log-probabilities, bf16 ----------------------------------------
+
+@pytest.mark.parametrize("adapter", [LoraSpec(r=8, alpha=16), FullSpec()], ids=["lora", "full"])
+def test_recomputed_logprobs_agree_with_sampled_ones_in_bf16(tiny, adapter):
+    from opentinker.core.trajectory import Trajectory
+
+    model, tok = tiny
+    where = Placement(DEVICE, BF16)
+    trainer = PolicyTrainer(copy.deepcopy(model), tok, adapter, AlgorithmSpec(), OptimizationSpec(lr=1e-3, micro_batch_size=8), placement=where)
+    engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=0, placement=where)
+    prompts = early_stop._prompts(tok)
+    torch.manual_seed(0)
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0))
+    trajs = []
+    for prompt, c in zip(prompts, completions):
+        t = Trajectory(prompt_ids=prompt, group_id=0)
+        t.append_sampled(c.token_ids, c.logprobs, "")
+        trajs.append(t)
+    recomputed = trainer.logprobs(trajs)
+    gap = max(abs(a - b) for r, c in zip(recomputed, completions) for a, b in zip(r, c.logprobs))
+    assert gap < 3e-2, f"largest |recomputed - sampled| log-probability {gap:.3g}"
+
+
+# --- decode early stop --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", early_stop.PARAMS, ids=["t0.9", "top_p", "no_top_k", "greedy"])
+def test_finished_rows_leave_the_batch_on_the_device(tiny, params):
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0, placement=_on_device(model))
+    prompts, budgets = early_stop._prompts(tok), [early_stop.BUDGETS[i % 4] for i in range(16)]
+    engine.stop_ids = early_stop._greedy_stops(engine, prompts) if params.greedy else early_stop._stops(tok, 9)
+    runs = {}
+    for label in ("held", "early"):
+        torch.manual_seed(5)
+        engine.early_stop = label == "early"
+        before = engine.decode_positions
+        runs[label] = engine.generate(prompts, params, budgets), engine.decode_positions - before
+    (held, held_positions), (early, early_positions) = runs["held"], runs["early"]
+    # the same draws in the same order: the same tokens (the batch's float noise may move a logprob, not a token here)
+    assert [c.token_ids for c in early] == [c.token_ids for c in held]
+    assert max(abs(x - y) for c, d in zip(early, held) for x, y in zip(c.logprobs, d.logprobs)) <= 1e-4
+    assert early_positions == sum(len(c.token_ids) for c in early) < held_positions
+
+
+# --- a LoRA RL job of SmolLM2-135M's shape, end to end --------------------------------------------
+
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory):
+    """A folder with a random-weight model of SmolLM2-135M-Instruct's shape and its real tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from opentinker.model.loading import tokenizer_path
+
+    folder = tmp_path_factory.mktemp("smollm2-shape")
+    tok = AutoTokenizer.from_pretrained(tokenizer_path())
+    config = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, **SMOLLM2_SHAPE)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_lora_rl_job_of_smollm2_shape_runs_end_to_end(tmp_path, smollm2_shape):
+    from opentinker.rl import RLJob
+
+    gpus = 1 if DEVICE.type == "cuda" else 0
+    spec = tiny_spec(tmp_path, model={"name": smollm2_shape, "dtype": "bfloat16"}, resources={"num_gpus": gpus},
+                     rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16}, optimization={"steps": 2, "lr": 1e-4})
+    job = RLJob(spec, job_id="gpu-smollm2-shape")
+    assert job.policy.placement.device.type == DEVICE.type and job.policy.placement.compute_dtype == BF16
+    job.rollout(0)
+    batch = job.sampler.batch(0)
+    trajs = [t for t in batch.trajectories if not t.failed and t.num_sampled]
+    assert len(trajs) == 32
+    recomputed = job.policy.trainer.logprobs(trajs)
+    sampled = [[lp for lp, m in zip(t.sampling_logprobs, t.loss_mask) if m] for t in trajs]
+    assert max(abs(a - b) for r, s in zip(recomputed, sampled) for a, b in zip(r, s)) < 3e-2
+    before = {k: v.clone() for k, v in job.policy.trainer.trainable_state().items()}
+    metrics = job.update(0)
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if isinstance(v, float)), metrics
+    after = job.policy.trainer.trainable_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the update changed no adapter weight"
+    params = dict(job.policy.model.named_parameters())
+    assert {p.device.type for p in params.values()} == {DEVICE.type}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in params.values() if not p.requires_grad and p.dim() > 1} == {BF16}
+    assert all(s["exp_avg"].dtype == torch.float32 for s in job.policy.trainer.optimizer.state.values())
+    ref = job.checkpoint(0)
+    assert json.loads(json.dumps(str(ref)))  # a checkpoint was written and named

@@ -5,7 +5,6 @@ stop conditions, and a switch of LoRA version."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -109,8 +108,10 @@ def make_subject(kind: str, model_name: str):
 
 def _skip_reason(kind: str) -> str | None:
     if kind == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            return "vLLM is not installed here (GPU workers: pip install 'opentinker[vllm]')"
+        from opentinker.inference.engine_vllm import INSTALL_HINT, vllm_executable
+
+        if vllm_executable() is None:
+            return f"vLLM is not installed here (GPU workers: {INSTALL_HINT})"
         if not torch.cuda.is_available():
             return "vLLM needs a CUDA GPU"
     return None

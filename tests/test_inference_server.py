@@ -203,11 +203,10 @@ def test_a_job_folder_serves_its_latest_step(trained):
 
 
 def _has_vllm_and_gpu() -> bool:
-    import importlib.util
-
     from opentinker.core.hardware import detect_gpus
+    from opentinker.inference.engine_vllm import vllm_executable
 
-    return importlib.util.find_spec("vllm") is not None and detect_gpus() > 0
+    return vllm_executable() is not None and detect_gpus() > 0
 
 
 @pytest.mark.skipif(_has_vllm_and_gpu(), reason="this worker can run vLLM: the guard has nothing to refuse")
@@ -223,7 +222,7 @@ def test_vllm_is_refused_clearly_without_a_gpu_or_the_package(trained):
         launch(url, InferenceSpec(model_path=url, num_gpus=1, engine="hf"), "127.0.0.1")
 
 
-@pytest.mark.skipif(not _has_vllm_and_gpu(), reason="needs a CUDA GPU and the vllm package (pip install 'opentinker[vllm]')")
+@pytest.mark.skipif(not _has_vllm_and_gpu(), reason="needs a CUDA GPU and vLLM (opentinker.inference.engine_vllm.INSTALL_HINT)")
 def test_vllm_serves_the_lora_checkpoint(trained):
     from openai import OpenAI
 

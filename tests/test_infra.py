@@ -249,10 +249,10 @@ def dockerfile_problems(path: Path) -> list[str]:
             elif not args.startswith("--from"):
                 found += [f"COPY source {src} is not in the build context" for src in words[:-1] if not (ROOT / src).exists()]
     runs = " ".join(args for kind, args in steps if kind == "RUN")
-    if not re.search(r"pip install (-e )?\.(\s|$)", runs):
+    if not re.search(r"pip install (-e )?['\"]?\.(\[[\w,]+\])?['\"]?(\s|$)", runs):
         found.append("the project is not installed (pip install [-e] .)")
-    if "torch==2.13.0" not in runs:
-        found.append("torch is not pinned to the project's 2.13.0")
+    if not re.search(r"\btorch==\d+\.\d+\.\d+\b", runs):
+        found.append("torch is not pinned (torch==X.Y.Z)")
     if not {"CMD", "ENTRYPOINT"} & set(kinds):
         found.append("no CMD or ENTRYPOINT")
     users = [args for kind, args in steps if kind == "USER"]

@@ -6,15 +6,18 @@ reachable as `<name>-base`. Anything else (a full fine-tune, or a LoRA whose bas
 trained policy via `init_from`) is merged with `load_policy` and served as one model folder.
 Weights are served in the dtype they were trained in, so greedy answers match the job's.
 
-vllm is an optional extra for GPU workers (`pip install 'opentinker[vllm]'`); `check_available`
-says plainly what is missing before any slot is taken or any file is fetched.
+vLLM lives in an environment of its own on GPU workers: it pins the fastapi, torch and
+transformers it was built with, and those cannot share one environment with Prefect 3.8
+(fastapi <0.137 against >=0.139). Only its `vllm` command is used: `OPENTINKER_VLLM` names it
+(the GPU worker image sets /opt/vllm/bin/vllm), else the one beside this Python, else the PATH's.
+`check_available` says plainly what is missing before any slot is taken or any file is fetched.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +35,26 @@ class VLLMUnavailable(RuntimeError):
     """This worker cannot run vLLM (no GPU, or the package is not installed)."""
 
 
+INSTALL_HINT = "python -m venv /opt/vllm && /opt/vllm/bin/pip install vllm==0.33.0, then OPENTINKER_VLLM=/opt/vllm/bin/vllm"
+
+
+def vllm_executable() -> str | None:
+    """The `vllm` command this worker runs, or None: OPENTINKER_VLLM, else beside this Python, else on the PATH."""
+    named = os.environ.get("OPENTINKER_VLLM")
+    if named:
+        return named if os.path.isfile(named) and os.access(named, os.X_OK) else None
+    beside = Path(sys.executable).with_name("vllm")
+    return str(beside) if beside.is_file() else shutil.which("vllm")
+
+
 def check_available() -> None:
     from opentinker.core.hardware import detect_gpus
 
-    if importlib.util.find_spec("vllm") is None:
-        raise VLLMUnavailable("engine 'vllm' needs the vllm package on the worker (pip install 'opentinker[vllm]', "
-                              "GPU machines only); serve on CPU with engine 'hf'")
+    if vllm_executable() is None:
+        where = f"OPENTINKER_VLLM={os.environ['OPENTINKER_VLLM']} is not an executable file" if os.environ.get("OPENTINKER_VLLM") \
+            else "no vllm command on this worker"
+        raise VLLMUnavailable(f"engine 'vllm' needs the vllm package on the worker ({where}; GPU machines only: {INSTALL_HINT}); "
+                              "serve on CPU with engine 'hf'")
     if detect_gpus() == 0:
         raise VLLMUnavailable("engine 'vllm' needs a CUDA GPU, and nvidia-smi lists none on this worker; "
                               "serve on CPU with engine 'hf' (num_gpus=0)")
@@ -124,7 +141,7 @@ class VLLMServer:
         self.model = name
         self.url = f"http://{advertised_host(host)}:{port}"
         self.log = workdir / "vllm.log"
-        command = [str(Path(sys.executable).with_name("vllm")), "serve", *serve_args, "--host", host, "--port", str(port)]
+        command = [vllm_executable() or "vllm", "serve", *serve_args, "--host", host, "--port", str(port)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if api_key:  # vLLM then asks every /v1 request for it

@@ -3,7 +3,6 @@ or a job's base model that takes the policy's adapters (a job with `rollout.engi
 
 from __future__ import annotations
 
-import importlib.util
 import secrets
 import socket
 import tempfile
@@ -68,7 +67,9 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
     from opentinker.rl.policy import pinned_init_from
 
     key, name, init_from = secrets.token_urlsafe(24), spec.model.name, pinned_init_from(spec, job_id)
-    if where.device.type == "cuda" and importlib.util.find_spec("vllm") is not None:
+    from opentinker.inference.engine_vllm import vllm_executable
+
+    if where.device.type == "cuda" and vllm_executable() is not None:
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
 
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-rollout-server-"))

@@ -250,6 +250,27 @@ def test_rest_client_lists_reads_and_deletes(service, trainer):
         rest.publish_checkpoint_from_tinker_path(trainer.save_state("unpublished").result().path).result()
 
 
+def test_a_checkpoint_past_its_ttl_is_gone_for_every_route(service, trainer):
+    """save_state(ttl_seconds=...) is listed with its expiry; once it passes, the checkpoint is not
+    listed, cannot be loaded or read, and its folder is deleted."""
+    import time
+
+    rest = service.create_rest_client()
+    kept = trainer.save_state("kept").result().path
+    short = trainer.save_state("short-lived", ttl_seconds=2).result().path
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(trainer.model_id).result().checkpoints}
+    assert listed[short].expires_at is not None and listed[kept].expires_at is None
+    assert rest.get_weights_info_by_tinker_path(short).result().lora_rank == 8
+    time.sleep(2.5)
+    assert short not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+    assert kept in [c.tinker_path for c in rest.list_user_checkpoints().result().checkpoints]
+    with pytest.raises(tinker.RequestFailedError, match="no checkpoint"):
+        service.create_training_client_from_state(short).result()
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_weights_info_by_tinker_path(short).result()
+    service.create_training_client_from_state(kept).result()
+
+
 def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):
     """A save_weights_for_sampler checkpoint loads in the inference engine (what `opentinker serve`
     runs) and answers greedily what the Tinker sampler answers."""

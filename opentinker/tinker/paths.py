@@ -119,7 +119,18 @@ class TenantCheckpoints:
         return join_url(self.run_url(path.model_id), path.kind, path.name)
 
     def exists(self, path: TinkerPath) -> bool:
-        return committed_manifest(self.url(path)) is not None
+        return self._manifest(self.url(path)) is not None
+
+    @staticmethod
+    def _manifest(url: str) -> dict[str, Any] | None:
+        """A checkpoint's commit record, or None when it has none or its TTL (`ttl_seconds` at save)
+        has passed: an expired checkpoint is deleted when next seen, and is gone for every route."""
+        manifest = committed_manifest(url)
+        expires = manifest.get("expires_at") if manifest else None
+        if expires and datetime.fromisoformat(expires) <= datetime.now(timezone.utc):
+            remove_committed(url)
+            return None
+        return manifest
 
     # -- training runs --------------------------------------------------------------------
     def write_run(self, model: str, record: dict[str, Any]) -> None:
@@ -179,7 +190,7 @@ class TenantCheckpoints:
                 name = entry.rstrip("/").rsplit("/", 1)[-1]
                 if not NAME.match(name):
                     continue
-                manifest = committed_manifest(join_url(folder, name))
+                manifest = self._manifest(join_url(folder, name))
                 if manifest is None:
                     continue
                 path = TinkerPath(model, kind, name)
@@ -192,14 +203,14 @@ class TenantCheckpoints:
     def policy_info(self, path: TinkerPath) -> dict[str, Any]:
         """The checkpoint's policy.json (base model, adapter shape)."""
         url = self.url(path)
-        if committed_manifest(url) is None:
+        if self._manifest(url) is None:
             raise NotFound(f"no checkpoint {path}")
         fs, local = url_to_fs(join_url(url, "policy.json"))
         return json.loads(fs.cat_file(local))
 
     def files(self, path: TinkerPath) -> dict[str, int]:
         """The committed files of a checkpoint and their sizes."""
-        manifest = committed_manifest(self.url(path))
+        manifest = self._manifest(self.url(path))
         if manifest is None:
             raise NotFound(f"no checkpoint {path}")
         return dict(manifest["files"])
@@ -208,7 +219,7 @@ class TenantCheckpoints:
         """One committed file of a checkpoint, checked against its sha256."""
         import hashlib
 
-        manifest = committed_manifest(self.url(path))
+        manifest = self._manifest(self.url(path))
         if manifest is None or name not in manifest["files"]:
             raise NotFound(f"no file {name!r} in {path}")
         fs, local = url_to_fs(join_url(self.url(path), name))

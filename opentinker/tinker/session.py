@@ -346,6 +346,8 @@ class TinkerSession:
         from opentinker.storage.checkpoint import CheckpointError, load_checkpoint, read_file
 
         url = self.store.url(path)
+        if not self.store.exists(path):  # never saved, deleted, or past its TTL
+            raise paths.NotFound(f"no checkpoint {path}")
         try:
             loaded = load_checkpoint(url)
             info = json.loads(read_file(url, "policy.json"))

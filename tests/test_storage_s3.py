@@ -290,3 +290,54 @@ def test_mlflow_server_stores_artifacts_in_s3(s3_server, s3_url, tmp_path):
     bucket = s3_url.removeprefix("s3://").split("/", 1)[0]
     assert s3_server.client().get_object(Bucket=bucket, Key=keys[0])["Body"].read() == b'[{"reward": 1.0}]'
     assert not (tmp_path / "state" / "mlflow" / "artifacts" / "1").exists()
+
+
+def test_tinker_checkpoints_live_on_s3_through_the_sdk(s3_server, s3_url, tmp_path, monkeypatch):
+    """The Tinker door with tenants' storage on S3: save_state, a sampler checkpoint, the REST
+    listing, a resumed client whose next step equals the uninterrupted one's, sampling from the
+    saved sampler path, delete; every object under the tenant's own prefix."""
+    import numpy as np
+
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    from opentinker.control.gateway.tinker_local import local_gateway
+
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url, keys, sessions, server = local_gateway(tmp_path, storage_url=s3_url)
+    service = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    try:
+        trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+        tokens = [(7 * i) % 3000 + 100 for i in range(12)]
+        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+        adam = types.AdamParams(learning_rate=5e-3)
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(adam).result()
+        state = trainer.save_state("on-s3").result().path
+        sampler_path = trainer.save_weights_for_sampler("sampler-on-s3").result().path
+        rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+        listed = [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+        assert state in listed and sampler_path in listed
+
+        resumed = service.create_training_client_from_state_with_optimizer(state).result()
+        for client in (trainer, resumed):
+            client.forward_backward(data, "cross_entropy").result()
+            client.optim_step(adam).result()
+        a, b = (np.asarray(c.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()) for c in (trainer, resumed))
+        np.testing.assert_allclose(b, a, atol=1e-5)
+
+        sampled = service.create_sampling_client(model_path=sampler_path).sample(
+            types.ModelInput.from_ints(tokens[:4]), 2, types.SamplingParams(max_tokens=4, seed=1, stop=[])).result()
+        assert [len(s.tokens) for s in sampled.sequences] == [4, 4]
+
+        keys_on_s3 = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=s3_url.split("/", 3)[3])["Contents"]]
+        prefix = s3_url.split("/", 3)[3] + "/tenants/alice/tinker/"
+        assert keys_on_s3 and all(k.startswith(prefix) for k in keys_on_s3), keys_on_s3[:3]
+        assert any(k.endswith("/weights/on-s3/COMMIT.json") for k in keys_on_s3)
+        rest.delete_checkpoint_from_tinker_path(state).result()
+        assert state not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+    finally:
+        service.close("success")
+        server.stop()
+        sessions.close()

@@ -16,14 +16,16 @@ from opentinker.tinker.session import TinkerSession
 
 
 class LocalSessions:
-    def __init__(self, storage_root: Path, models_folder: Path, max_sessions: int = 4, placement: Any = None):
+    def __init__(self, storage_root: Path | str, models_folder: Path, max_sessions: int = 4, placement: Any = None):
+        """`storage_root`: a folder, or a URL (s3://bucket/prefix) under which tenants' checkpoints live."""
         self.storage_root, self.models_folder, self.max_sessions = storage_root, models_folder, max_sessions
         self.placement = placement
         self.live: dict[str, tuple[TinkerSession, Any, str]] = {}
         self.ended: dict[str, str] = {}
 
     def storage_url(self, tenant: str) -> str:
-        return f"file://{self.storage_root}/tenants/{tenant}"
+        root = str(self.storage_root)
+        return f"{root.rstrip('/')}/tenants/{tenant}" if "://" in root else f"file://{root}/tenants/{tenant}"
 
     def create(self, tenant: str, body: dict[str, Any]) -> str:
         mine = [s for s in self.live if s.startswith(f"{tenant}-")]

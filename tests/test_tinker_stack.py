@@ -140,3 +140,42 @@ def test_a_quiet_session_expires_and_frees_its_slot(tenant):
     assert ended.state.is_completed()
     with pytest.raises(SessionGone, match="ended"):
         sessions.forget(session_id) or sessions.endpoint("tinkerer", session_id)
+
+
+def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
+    """Cancel, as the Prefect UI does (the run set to Cancelling): the run ends and reads CANCELLED
+    (Prefect records the stopped process as Crashed; the run is tagged as a cancel), its slot is
+    freed, its actor is gone, and the client's next call fails in one line saying the session
+    ended, not with a connection error."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    from opentinker.control.gateway.tinker_sessions import PrefectSessions
+
+    settings, key = tenant
+    service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+    trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+    session_id = trainer.model_id.split(":")[0]
+    tokens = list(range(200, 212))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+    trainer.forward_backward(data, "cross_entropy").result()
+    server_url, _ = PrefectSessions(settings).endpoint("tinkerer", session_id)  # the actor's own server
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(_run(session_id).id, Cancelling(message="cancelled from the UI"))
+    from opentinker.control.scheduler import job_state
+
+    ended = _wait_final(session_id, timeout=120)
+    assert job_state(ended)[0] == "CANCELLED", ended.state
+    deadline = time.monotonic() + 30
+    while _slots() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _slots() == 0
+    with pytest.raises(httpx.ConnectError):  # the actor, and its server with it, are gone
+        httpx.get(server_url, timeout=5)
+    started = time.monotonic()
+    with pytest.raises(tinker.TinkerError, match=rf"session {session_id} has ended \(cancelled"):
+        trainer.forward_backward(data, "cross_entropy").result()
+    assert time.monotonic() - started < 30
+    service.close("success")

@@ -20,7 +20,7 @@ from uuid import uuid4
 from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from opentinker.control.scheduler import SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
+from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
 from opentinker.core.polling import through_blips
@@ -139,7 +139,24 @@ def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
         held.enter_context(leased_slots(slot_limit(pool_for(num_gpus)), slots_for(num_gpus), lease_s=SLOT_LEASE_S,
                                         blip_s=CONTROL_BLIP_S, logger=logger))
         through_blips(tag_running, give_up_after_s=CONTROL_BLIP_S)
-        yield
+        try:
+            yield
+        except BaseException:  # SystemExit on the SIGTERM that stops a cancelled run
+            _tag_if_cancelling()
+            raise
+
+
+def _tag_if_cancelling() -> None:
+    """A run stopped while Cancelling (a cancel from the Prefect UI or API, not through the
+    gateway) is tagged as the gateway's cancel tags it: Prefect records the killed process as
+    Crashed, and `job_state` reads the run CANCELLED, as the user asked."""
+    try:
+        with prefect_client() as client:
+            run = client.read_flow_run(runtime.flow_run.id)
+            if run.state is not None and run.state.is_cancelling() and CANCEL_REQUESTED_TAG not in run.tags:
+                client.update_flow_run(run.id, tags=[*run.tags, CANCEL_REQUESTED_TAG])
+    except Exception:  # noqa: BLE001 - best effort while the process is being stopped
+        get_run_logger().warning("could not tag the cancelled run", exc_info=True)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def test_recomputed_logprobs_agree_with_sampled_ones_in_bf16(tiny, adapter):
 
 # --- decode early stop --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", early_stop.PARAMS, ids=["t0.9", "top_p", "no_top_k", "greedy"])
+@pytest.mark.parametrize("params", early_stop.PARAMS, ids=["t0.9", "top_p", "top_k", "greedy"])
 def test_finished_rows_leave_the_batch_on_the_device(tiny, params):
     model, tok = tiny
     model = copy.deepcopy(model)

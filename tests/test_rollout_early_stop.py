@@ -14,7 +14,7 @@ from opentinker.backend import Completion, HFRolloutEngine, SamplingParams
 from tests.games import PictureGame, ScriptedTurns
 
 PARAMS = [SamplingParams(max_new_tokens=12, temperature=0.9), SamplingParams(max_new_tokens=12, top_p=0.8),
-          SamplingParams(max_new_tokens=12, top_k=None), SamplingParams(max_new_tokens=12, greedy=True)]
+          SamplingParams(max_new_tokens=12, top_k=20), SamplingParams(max_new_tokens=12, greedy=True)]
 BUDGETS = [12, 9, 5, 12]
 
 
@@ -44,11 +44,13 @@ def _generate(engine, prompts, params, budgets):
     config = GenerationConfig(max_new_tokens=max(1, min(params.max_new_tokens, max(budgets))), do_sample=not params.greedy,
                               temperature=None if params.greedy else params.temperature, top_k=None if params.greedy else params.top_k or 0,
                               top_p=None if params.greedy or params.top_p >= 1.0 else params.top_p,
-                              eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id, return_dict_in_generate=True, output_logits=True)
+                              eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id, return_dict_in_generate=True, output_logits=True,
+                              output_scores=True)
     engine.model.eval()
     gen = engine.model.generate(input_ids=input_ids, attention_mask=attention, generation_config=config, past_key_values=cache)
     new = gen.sequences[:, input_ids.shape[1]:]
-    logprobs = torch.log_softmax(torch.stack(gen.logits, 1).float() / (1.0 if params.greedy else params.temperature), -1)
+    # the distribution each token was drawn from: greedy, the raw logits; sampling, the processed scores (temperature, top-k, top-p)
+    logprobs = torch.log_softmax(torch.stack(gen.logits if params.greedy else gen.scores, 1).float(), -1)
     logprobs = logprobs.gather(-1, new[..., None]).squeeze(-1)
     out = []
     for row, budget in enumerate(budgets):
@@ -77,7 +79,7 @@ def _same(a, b, tolerance=1e-5) -> None:
     assert max(abs(x - y) for c, d in zip(a, b) for x, y in zip(c.logprobs, d.logprobs)) <= tolerance
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["t0.9", "top_p", "no_top_k", "greedy"])
+@pytest.mark.parametrize("params", PARAMS, ids=["t0.9", "top_p", "top_k", "greedy"])
 def test_finished_rows_leave_the_batch_and_the_samples_stay_those_of_generate(tiny, params):
     model, tok = tiny
     counter = RowCounter(model)
@@ -145,3 +147,29 @@ def test_image_batches_leave_early_too():
     assert all(not t.failed for t in early) and [t.token_ids for t in early] == [t.token_ids for t in held]
     assert max(abs(x - y) for a, b in zip(early, held) for x, y in zip(a.sampling_logprobs, b.sampling_logprobs)) < 1e-5
     assert early_engine.decode_positions == early_engine.useful_positions < held_engine.decode_positions
+
+
+def test_sampling_draws_from_the_distribution_whose_logprobs_it_records(tiny):
+    """No implicit truncation: by default tokens come from the full softmax (as often outside the
+    50 likeliest as its mass says) and their recorded logprobs are that softmax's; with an
+    explicit top-k every token is among the k likeliest and its logprob is the renormalised one."""
+    model, tok = tiny
+    engine = HFRolloutEngine(model, tok, max_batch_size=512, prefix_cache_tokens=0)
+    engine.stop_ids = []
+    prompt = tok("The capital of France is")["input_ids"]
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
+    torch.manual_seed(0)
+    drawn = engine.generate([prompt] * 512, SamplingParams(max_new_tokens=1))
+    tokens = torch.tensor([c.token_ids[0] for c in drawn])
+    assert max(abs(c.logprobs[0] - float(full[c.token_ids[0]])) for c in drawn) < 1e-4
+    top50 = set(full.topk(50).indices.tolist())
+    outside = sum(t not in top50 for t in tokens.tolist()) / len(drawn)
+    expected = 1.0 - float(full.topk(50).values.exp().sum())
+    assert abs(outside - expected) < 4 * (expected * (1 - expected) / len(drawn)) ** 0.5 + 0.02, (outside, expected)
+
+    drawn = engine.generate([prompt] * 64, SamplingParams(max_new_tokens=1, top_k=5))
+    top5 = full.topk(5)
+    renormalised = dict(zip(top5.indices.tolist(), torch.log_softmax(top5.values, -1).tolist()))
+    assert {c.token_ids[0] for c in drawn} <= set(renormalised)
+    assert max(abs(c.logprobs[0] - renormalised[c.token_ids[0]]) for c in drawn) < 1e-4

@@ -8,8 +8,8 @@ the batch ends when no row is left.
 
 What a row gets is what `model.generate` gave it: the same inputs to the model (positions from
 the attention mask, the mask dropped when it has no padding, `logits_to_keep=1`), the same
-sampling distribution (temperature, top-k, top-p: transformers' warpers), and the same random
-draws: `torch.multinomial` is called on the full batch's shape at every step (the rows that left
+sampling distribution (temperature, top-k, top-p: transformers' warpers; the logprob recorded
+is the token's under that processed distribution), and the same random draws: `torch.multinomial` is called on the full batch's shape at every step (the rows that left
 have a placeholder distribution), so each row reads the same noise as before. Only the row
 count of the forward passes changes. With `compact=False` rows stay to the end as they do in
 `model.generate` (finished ones fed padding): the reference the tests compare with.
@@ -70,9 +70,10 @@ def row_states(cache, row: int, columns: torch.Tensor) -> LayerStates:
 
 
 class Chooser:
-    """Next tokens from logits: argmax when greedy, else a draw from softmax(logits / T) after
-    top-k and top-p (transformers' warpers, in `generate`'s order), with `torch.multinomial`
-    called on the shape of the whole batch."""
+    """Next tokens from logits, and the log-probabilities of the distribution they were drawn from:
+    argmax when greedy (logprobs at temperature 1), else a draw from softmax(logits / T) after
+    top-k and top-p (transformers' warpers, in `generate`'s order; tokens they remove get -inf),
+    with `torch.multinomial` called on the shape of the whole batch."""
 
     def __init__(self, rows: int, temperature: float | None, top_k: int | None, top_p: float):
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -83,20 +84,21 @@ class Chooser:
         if temperature is not None and top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p=top_p))
 
-    def __call__(self, logits: torch.Tensor, batch_rows: list[int]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.temperature is None:
-            return torch.argmax(logits, dim=-1)
+            return torch.argmax(logits, dim=-1), torch.log_softmax(logits, dim=-1)
         scores = logits / self.temperature if self.temperature != 1.0 else logits
         for warp in self.warpers:
             scores = warp(None, scores)
+        logp = torch.log_softmax(scores, dim=-1)
         probs = torch.nn.functional.softmax(scores, dim=-1)
         if len(batch_rows) == self.rows:
-            return torch.multinomial(probs, num_samples=1).squeeze(1)
+            return torch.multinomial(probs, num_samples=1).squeeze(1), logp
         index = torch.tensor(batch_rows, device=probs.device)
         full = probs.new_zeros((self.rows, probs.shape[-1]))
         full[:, 0] = 1.0  # rows that left: any valid distribution; their draws are not used
         full[index] = probs
-        return torch.multinomial(full, num_samples=1).squeeze(1)[index]
+        return torch.multinomial(full, num_samples=1).squeeze(1)[index], logp
 
 
 @torch.no_grad()
@@ -123,7 +125,6 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
     inputs = {"input_ids": input_ids[:, past:], "position_ids": positions[:, past:], **(extra or {})}
     keep = logits_kwargs(model)
     chooser = Chooser(rows, temperature, top_k, top_p)
-    log_temperature = 1.0 if temperature is None else temperature
     sampled: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     states: list[LayerStates | None] = [None] * rows
@@ -145,8 +146,8 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
         cache = result.past_key_values
         logits = result.logits[:, -1].float()
         del result
-        tokens = chooser(logits, batch)
-        chosen = torch.log_softmax(logits / log_temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        tokens, logp = chooser(logits, batch)
+        chosen = logp.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         token_list = tokens.tolist()
         staying, feed = [], []
         for at, row in enumerate(batch):

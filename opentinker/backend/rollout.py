@@ -2,9 +2,10 @@
 
 `RolloutEngine` is the interface the agent loop calls; `HFRolloutEngine` implements it with
 batched decoding over a transformers model (KV cache). A vLLM engine implements the same two
-members. Logprobs are those of softmax(logits / temperature), which is the policy the trainer
-scores; top-k and top-p truncation of the sampling distribution are not part of them (top_k=None
-and top_p=1 sample exactly that distribution).
+members. Logprobs are those of the distribution each token was drawn from: softmax(logits / T)
+by default (no truncation: the policy the trainer scores), or, when top-k or top-p is asked for,
+the processed one (truncated and renormalised, as vLLM's `processed_logprobs`), so the ratios of
+the update are taken against the behaviour policy that really sampled.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     greedy: bool = False
-    # Sampling keeps the 50 likeliest tokens: what `model.generate` did by default (transformers'
-    # top_k=50) when this engine sampled through it. The recorded logprobs are those of the full
-    # softmax(logits / T); None samples from that full distribution.
-    top_k: int | None = 50
+    # None: no truncation (transformers' `generate` would keep 50 tokens unless told otherwise; this
+    # engine never truncates unless asked). With top_k or top_p < 1 the recorded logprobs are the
+    # truncated, renormalised distribution's.
+    top_k: int | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ an evicted one is loaded again from its folder when it is next used.
 Sampling follows the Tinker API: `stop` omitted stops at the end-of-sequence token, `[]` never
 stops, token ids or strings stop at the first occurrence and keep it; `temperature` 0 is greedy;
 `top_k` −1 and `top_p` 1 are off; the same `seed` gives the same tokens. Sampled logprobs are
-those of softmax(logits / temperature), before top-k/top-p truncation, in every reply.
+those of the distribution each token was drawn from, in every reply: softmax(logits / temperature),
+truncated and renormalised when top-k or top-p is on.
 """
 
 from __future__ import annotations

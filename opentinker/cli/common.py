@@ -29,28 +29,33 @@ def quiet_libraries() -> None:
 
 
 def exit_invalid(kind: str, path: Path, err: SpecError) -> None:
-    """Print `invalid <kind> <path>:` and one `field: reason` line per problem, then exit 2."""
+    """Print `invalid <kind> <path>: field: reason` (one problem), or that header and one
+    `field: reason` line per problem, then exit 2."""
+    lines = str(err).splitlines() or ["<spec>: invalid"]
+    if len(lines) == 1:  # a problem of the file itself already starts with its path
+        where = "" if lines[0].startswith(f"{path}: ") else f"{path}: "
+        console.print(f"invalid {kind} {where}{lines[0]}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2)
     console.print(f"invalid {kind} {path}:", style="red", markup=False, soft_wrap=True)
-    for line in str(err).splitlines():
+    for line in lines:
         console.print(f"  {line}", markup=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
 def load_any_spec(path: Path):
-    """An RL or SFT spec (told apart by shape, as the scheduler routes them), or exit 2."""
-    from opentinker.core.spec import read_spec_yaml
+    """An RL or SFT spec (told apart by shape, as the scheduler routes them), or exit 2. The file
+    is read and parsed once (opentinker.core.spec_limits bounds its size, nesting and aliases)."""
+    from opentinker.core.spec import parse_spec, read_spec_yaml
     from opentinker.sft.spec import is_sft_spec, parse_sft_spec
 
     try:
         data = read_spec_yaml(path)
-        if is_sft_spec(data):
-            return parse_sft_spec(data)
+        return parse_sft_spec(data) if is_sft_spec(data) else parse_spec(data)
     except FileNotFoundError:
         console.print(f"spec not found: {path}", style="red", markup=False)
         raise typer.Exit(2)
     except SpecError as err:
         exit_invalid("spec", path, err)
-    return load_job_spec(path)
 
 
 def load_job_spec(path: Path, steps: Optional[int] = None) -> JobSpec:

@@ -8,7 +8,7 @@ from opentinker.client.http import Gateway, InvalidJob, JobFailed
 from opentinker.core.credentials import remember
 from opentinker.core.polling import through_blips, wait_for
 from opentinker.core.spec_input import config_to_dict
-from opentinker.core.spec_limits import size_problem
+from opentinker.core.spec_limits import SpecError, input_problem
 from opentinker.core.states import TERMINAL
 
 
@@ -22,8 +22,11 @@ class SchedulerClient:
     def submit_job(self, config: Any, num_gpus: float | None = None) -> dict[str, Any]:
         """Validate and queue a job. Returns job_id, state, server_url (for ServiceClient) and
         links. Without an environment in `config` the job waits for `ServiceClient.fit(env=…)`."""
-        data = config_to_dict(config)
-        if problem := size_problem(data):  # refused here, before megabytes travel to be refused there
+        try:
+            data = config_to_dict(config)
+        except SpecError as err:  # a YAML file too big, too deep or not YAML: the line `opentinker validate` prints
+            raise InvalidJob(422, str(err)) from None
+        if problem := input_problem(data):  # refused here, before megabytes travel to be refused there
             raise InvalidJob(422, problem)
         return self._gateway.request("POST", "/v1/jobs", json={"config": data, "num_gpus": num_gpus})
 

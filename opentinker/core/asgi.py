@@ -1,5 +1,6 @@
-"""Two guards every HTTP server of the project wears (gateway, inference, environment server),
-as plain ASGI middleware: a cap on request bodies (413) and a bearer token (401).
+"""Guards the project's HTTP servers wear (gateway, inference, environment server), as plain ASGI
+middleware: a cap on request bodies (413), a bearer token (401), and a 500 that leaves the
+connection usable (ServerErrors).
 
 Plain ASGI so that each app, whatever framework built it, gets the same behaviour before any of
 its code runs: an oversized body is refused while it streams in, never buffered whole.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -81,3 +83,40 @@ class BearerToken:
             await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong token"})
             return
         await _reply(send, 401, "missing or wrong token: send Authorization: Bearer <token>", [(b"www-authenticate", b"Bearer")])
+
+
+class ServerErrors:
+    """An exception out of `app` ends as a 500 with one line of JSON, and the connection stays
+    usable: the exception goes to `log`, not to the server. (Starlette answers the 500 and then
+    raises the exception again, and uvicorn closes a connection whose app raised: the client's
+    next request on that keep-alive connection was reset.) A response cut off half way is still
+    raised: its connection cannot be reused."""
+
+    def __init__(self, app: ASGIApp, log: logging.Logger):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = finished = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as err:  # the one place unforeseen errors end
+            if started and not finished:
+                raise
+            if finished:  # the app's own handler answered (and logged) it already
+                self.log.debug("%s %s: %s after its response", scope.get("method"), scope.get("path"), type(err).__name__)
+                return
+            from opentinker.core.errors import one_line
+
+            self.log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            await _reply(send, 500, one_line(err))

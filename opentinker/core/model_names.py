@@ -27,8 +27,14 @@ KNOWN_MODELS = (SMOLLM2, TINY, SMOLVLM, TINY_VLM)
 
 
 def is_resolvable(name: str) -> bool:
-    """A known name, or a local folder holding a model's config.json."""
-    return name in KNOWN_MODELS or (Path(name).is_dir() and (Path(name) / "config.json").exists())
+    """A known name, or a local folder holding a model's config.json (a name no file system takes,
+    too long or with a NUL, is neither)."""
+    if name in KNOWN_MODELS:
+        return True
+    try:
+        return Path(name).is_dir() and (Path(name) / "config.json").exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _safetensors_problem(path: Path) -> str | None:
@@ -53,7 +59,10 @@ def folder_problem(name: str) -> str | None:
     """Why a local model folder named as `model.name` cannot be loaded, or None (also for known
     names and for paths that are not folders at all)."""
     folder = Path(name)
-    if name in KNOWN_MODELS or not folder.is_dir():
+    try:
+        if name in KNOWN_MODELS or not folder.is_dir():
+            return None
+    except (OSError, ValueError):  # too long for a path, a NUL: not a folder
         return None
     if not any(folder.iterdir()):
         return f"{name} is an empty folder"

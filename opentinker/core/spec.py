@@ -16,7 +16,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opentinker.core.model_names import folder_problem, is_resolvable
-from opentinker.core.spec_limits import size_problem
+from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, field_name, input_problem, read_spec_file
 
 
 def storage_url(v: str) -> str:
@@ -46,9 +46,18 @@ LearningRate = Annotated[float, Field(gt=0), AfterValidator(_finite)]
 
 
 class Section(BaseModel):
-    """A spec section: unknown keys are errors, assignments are validated."""
+    """A spec section: unknown keys are errors, assignments are validated, and every string of it
+    (names, paths, URLs, keys) is at most MAX_FIELD_CHARS long and holds no control character."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, str_max_length=MAX_FIELD_CHARS)
+
+    @field_validator("*")
+    @classmethod
+    def _no_control_characters(cls, v: Any) -> Any:
+        for text in ([v] if isinstance(v, str) else v if isinstance(v, list) else ()):
+            if isinstance(text, str) and (problem := control_problem(text)):
+                raise ValueError(problem)
+        return v
 
 
 class ModelSpec(Section):
@@ -364,18 +373,20 @@ class JobSpec(BaseJobSpec):
         return self
 
 
-class SpecError(ValueError):
-    """A job spec that cannot run; the message lists `field.path: reason` per problem."""
+MAX_ERROR_LINES = 20
+"""Problems listed for one spec; the rest are counted."""
 
 
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full")))
+        path = field_name([p for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full"))])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{path or '<spec>'}: {msg}")
+        lines.append(f"{path}: {' '.join(msg.split())}")
+    if len(lines) > MAX_ERROR_LINES:
+        lines = [*lines[:MAX_ERROR_LINES], f"<spec>: {len(lines) - MAX_ERROR_LINES} more problems"]
     return "\n".join(lines)
 
 
@@ -384,7 +395,7 @@ def validate_spec(model: type[_M], data: Any) -> _M:
     raise SpecError with one `field.path: reason` line per problem."""
     if not isinstance(data, dict):
         raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
-    if problem := size_problem(data):
+    if problem := input_problem(data):
         raise SpecError(problem)
     try:
         return model.model_validate(data)
@@ -393,11 +404,9 @@ def validate_spec(model: type[_M], data: Any) -> _M:
 
 
 def read_spec_yaml(path: str | Path) -> Any:
-    """A spec file's YAML (a mapping for a valid spec), or SpecError if it does not parse."""
-    try:
-        return yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as err:
-        raise SpecError(f"<spec>: not valid YAML: {err}") from None
+    """A spec file's YAML (a mapping for a valid spec), read and parsed once within the limits of
+    opentinker.core.spec_limits; SpecError (one line naming the file) if it cannot be."""
+    return read_spec_file(path)
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:

@@ -6,16 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 
 def config_to_dict(config: Any) -> dict[str, Any]:
     from pydantic import BaseModel
 
     if isinstance(config, BaseModel):  # JobSpec, SFTSpec
         return config.model_dump(mode="json", exclude_none=True)
-    if isinstance(config, (str, Path)):
-        return dict(yaml.safe_load(Path(config).read_text()) or {})
+    if isinstance(config, (str, Path)):  # read as `opentinker validate` reads it: bounded, one line if refused
+        from opentinker.core.spec_limits import SpecError, read_spec_file
+
+        data = read_spec_file(config)
+        if not isinstance(data, dict):
+            raise SpecError(f"{config}: expected a mapping of spec sections, got {type(data).__name__}")
+        return dict(data)
     if isinstance(config, dict):
         return dict(config)
     try:  # omegaconf DictConfig, as in the reference design's scripts

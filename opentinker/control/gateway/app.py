@@ -14,25 +14,60 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
+from fastapi import Path as PathParam
+from fastapi import Query
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from starlette.background import BackgroundTask
 
 from opentinker.control.gateway.jobs import JobConflict, JobNotFound, TenantJobs, TooManyJobs
 from opentinker.control.gateway.link import LinkHub, valid_calls
 from opentinker.control.gateway.tenants import TenantStore
 from opentinker.control.scheduler import SchedulingError
-from opentinker.core.asgi import BodyLimit
+from opentinker.core.asgi import BodyLimit, ServerErrors
 from opentinker.core.errors import one_line
 from opentinker.core.settings import Settings, get_settings
 from opentinker.core.spec import SpecError
+from opentinker.core.spec_limits import MAX_FIELD_CHARS, control_problem, field_name
 from opentinker.core.tokens import bearer, is_job_token
 
 
 log = logging.getLogger("opentinker.gateway")
+
+
+def _plain(text: str) -> str:
+    if problem := control_problem(text):
+        raise ValueError(problem)
+    return text
+
+
+Text = Annotated[str, Field(max_length=MAX_FIELD_CHARS), AfterValidator(_plain)]
+"""A string a request names something with: at most MAX_FIELD_CHARS, no control character (422)."""
+
+JobId = Annotated[str, PathParam(max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+ArtifactPath = Annotated[str, PathParam(max_length=MAX_FIELD_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")]
+ArtifactQuery = Annotated[str | None, Query(max_length=MAX_FIELD_CHARS, pattern=r"^[^\x00-\x1f\x7f]*$")]
+
+
+def _validation_line(err: RequestValidationError) -> str:
+    """A request that does not fit its model, as one line: `field: reason; …` (the input itself
+    is never echoed back, FastAPI's default answer would hold all of it)."""
+    lines = []
+    for e in err.errors():
+        loc = list(e.get("loc", ()))
+        loc = loc[1:] if loc and loc[0] in ("body", "query", "path", "header", "cookie") else loc
+        msg = " ".join(str(e.get("msg", "invalid")).removeprefix("Value error, ").split())
+        if e.get("type") == "string_pattern_mismatch":
+            msg = "contains a control character or is empty"
+        elif e.get("type") == "json_invalid":
+            loc, msg = [], f"not JSON ({(e.get('ctx') or {}).get('error', 'invalid')})"
+        lines.append(f"{field_name(loc) if loc else 'body'}: {msg[:300]}")
+    more = f"; and {len(lines) - 5} more" if len(lines) > 5 else ""
+    return "; ".join(lines[:5]) + more
 
 
 class SubmitRequest(BaseModel):
@@ -46,7 +81,7 @@ class StartRequest(BaseModel):
 
 
 class InferenceRequest(BaseModel):
-    model_path: str = Field(description="a checkpoint in your storage (job id, job/step path or URL) or models:/<name>@<alias>")
+    model_path: Text = Field(description="a checkpoint in your storage (job id, job/step path or URL) or models:/<name>@<alias>")
     num_gpus: float = Field(0, ge=0)
     engine: Literal["auto", "hf", "vllm"] = "auto"
     max_model_len: int | None = Field(None, gt=0)
@@ -64,6 +99,10 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
         """Anything unforeseen: one line for the client, the traceback in the gateway's log."""
         log.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse({"detail": one_line(err)}, status_code=500)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": _validation_line(err)}, status_code=422)
 
     def tenant_of(headers) -> TenantJobs:
         tenant = store.authenticate(bearer(headers.get("authorization")))
@@ -102,7 +141,7 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
 
         try:
             jobs = tenant_of(socket.headers)
-            owned = await asyncio.to_thread(jobs.owns, job_id)
+            owned = len(job_id) <= 256 and not control_problem(job_id) and await asyncio.to_thread(jobs.owns, job_id)
         except HTTPException:
             owned = False
         if not owned:  # a missing key, another tenant's job, no such job: all look the same
@@ -111,7 +150,7 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
         await hub.serve_client(job_id, socket)
 
     @app.post("/v1/internal/jobs/{job_id}/link")
-    async def job_link(job_id: str, request: Request) -> StreamingResponse:
+    async def job_link(job_id: JobId, request: Request) -> StreamingResponse:
         if not is_job_token(settings.stack_secret(), job_id, bearer(request.headers.get("authorization"))):
             raise HTTPException(401, "this endpoint takes the job's token")
         try:
@@ -129,27 +168,27 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
         return jobs.list()
 
     @app.get("/v1/jobs/{job_id}")
-    def status(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+    def status(job_id: JobId, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
         return guarded(jobs.status, job_id)
 
     @app.post("/v1/jobs/{job_id}/start")
-    def start(job_id: str, body: StartRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+    def start(job_id: JobId, body: StartRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
         return guarded(jobs.start, job_id, body.env, body.steps)
 
     @app.post("/v1/jobs/{job_id}/cancel")
-    def cancel(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+    def cancel(job_id: JobId, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
         return guarded(jobs.cancel, job_id)
 
     @app.get("/v1/jobs/{job_id}/metrics")
-    def metrics(job_id: str, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+    def metrics(job_id: JobId, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
         return guarded(jobs.metrics, job_id)
 
     @app.get("/v1/jobs/{job_id}/artifacts")
-    def artifacts(job_id: str, path: str | None = None, jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:
+    def artifacts(job_id: JobId, path: ArtifactQuery = None, jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:
         return guarded(jobs.artifacts, job_id, path)
 
     @app.get("/v1/jobs/{job_id}/artifacts/{path:path}")
-    def artifact(job_id: str, path: str, jobs: TenantJobs = Depends(tenant_jobs)) -> FileResponse:
+    def artifact(job_id: JobId, path: ArtifactPath, jobs: TenantJobs = Depends(tenant_jobs)) -> FileResponse:
         if ".." in Path(path).parts:
             raise HTTPException(400, "artifact path must stay inside the run")
         tmp = tempfile.TemporaryDirectory()
@@ -171,4 +210,4 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     from opentinker.control.gateway.tinker_sessions import PrefectSessions
 
     add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
-    return BodyLimit(app, settings.max_request_bytes)
+    return ServerErrors(BodyLimit(app, settings.max_request_bytes), log)

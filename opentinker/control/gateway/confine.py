@@ -68,8 +68,12 @@ def model_name(settings: Settings, given: str) -> str:
     if given in KNOWN_MODELS:
         return given
     folder = settings.models_folder
-    candidate = (folder / given).resolve()
-    if "/" in given or given.startswith(".") or candidate.parent != folder or not (candidate / "config.json").exists():
+    try:
+        candidate = (folder / given).resolve()
+        found = "/" not in given and not given.startswith(".") and candidate.parent == folder and (candidate / "config.json").exists()
+    except (OSError, ValueError):  # a name no file system takes (too long, a NUL)
+        found = False
+    if not found:
         raise SpecError(f"model.name: {given!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a model "
                         "of this service's model folder")
     return str(candidate)

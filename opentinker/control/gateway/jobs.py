@@ -18,6 +18,7 @@ from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, ch
                                           flow_for, job_state, job_tags, parked_state, prefect_client)
 from opentinker.core.settings import Settings
 from opentinker.core.spec import SpecError, parse_spec
+from opentinker.core.spec_limits import input_problem
 from opentinker.core.tokens import job_token
 from opentinker.sft.spec import is_sft_spec, parse_sft_spec
 from opentinker.storage.registry import model_name_for
@@ -66,6 +67,8 @@ class TenantJobs:
     # --- submit ---------------------------------------------------------------------------
     def _normalise(self, config: dict[str, Any], num_gpus: float | None) -> tuple[Any, bool]:
         """(validated spec in the tenant's namespace, whether the environment is still missing)."""
+        if problem := input_problem(config):  # before anything below touches a file name or a module
+            raise SpecError(problem)
         data = dict(config)
         sft = is_sft_spec(data)
         env = dict(data.get("env") or {})
@@ -127,6 +130,8 @@ class TenantJobs:
         """Complete a parked job's spec with its environment (and step count) and queue it."""
         from prefect.states import Scheduled
 
+        if problem := input_problem({"env": env}):  # before a name or a module in it is looked up
+            raise SpecError(problem)
         run = self._run(job_id)
         if not (run.state and run.state.name == AWAITING_ENV):
             raise JobConflict(f"job {job_id} is not waiting for its environment (state {job_state(run)[0]})")

@@ -21,6 +21,7 @@ from opentinker.orchestration.serving import serve_in_actor
 from opentinker.inference.launch import check_engine, launch
 from opentinker.inference.spec import InferenceSpec, endpoint_key
 from opentinker.storage.resolve import resolve_checkpoint
+from opentinker.core.ids import check_job_id
 from opentinker.core.settings import get_settings
 from opentinker.core.tokens import job_token
 
@@ -44,8 +45,8 @@ def _publish(job_id: str, server: Any, checkpoint: str) -> None:
 @flow(name="serve-model", persist_result=False, log_prints=True)
 def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | None = None) -> dict[str, Any]:
     """Serve `spec.model_path` until cancelled (or for `spec.ttl_s`); `tenant` is bookkeeping only."""
+    job_id = check_job_id(job_id or f"serve-{str(runtime.flow_run.id or 'local')[:8]}", "job_id")  # it names the server's folder
     logger = get_run_logger()
-    job_id = job_id or f"serve-{str(runtime.flow_run.id or 'local')[:8]}"
     checkpoint = resolve_checkpoint(spec.model_path)
     check_engine(spec)
     with held_slots(spec.num_gpus, tenant):

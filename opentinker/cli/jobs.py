@@ -14,6 +14,20 @@ from opentinker.cli.common import (console, fmt, load_job_spec, quiet_libraries,
                                    submit_to_pool)
 
 
+def checked_job_id(job_id: Optional[str], what: str = "--job-id") -> Optional[str]:
+    """`job_id` (None stays None) when it follows the rule of core/ids.py, else one red line naming
+    the argument and the reason, and exit 2: a bad id is refused before anything is started or written."""
+    from opentinker.core.ids import InvalidJobId, check_job_id
+
+    if job_id is None:
+        return None
+    try:
+        return check_job_id(job_id, what)
+    except InvalidJobId as err:
+        console.print(str(err), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
 def _failed(metrics: dict[str, Any], prefix: str) -> str:
     """`failed N` and, when some failed, the most common reason."""
     n = int(metrics.get(f"{prefix}/failed_episodes", 0))
@@ -27,6 +41,7 @@ def run(
     job_id: Optional[str] = typer.Option(None, help="job id; re-running the same id resumes from its last checkpoint"),
 ) -> None:
     """Train in this process (no scheduler): rollout → update → evaluate → checkpoint, with live progress."""
+    job_id = checked_job_id(job_id)
     spec = load_job_spec(spec_path, steps)
     quiet_libraries()
     import torch
@@ -146,6 +161,7 @@ def train(
     job_id: Optional[str] = typer.Option(None, help="job id; submitting the same id again resumes it"),
 ) -> None:
     """Submit a training job to the stack (started if needed) and follow it until it ends."""
+    job_id = checked_job_id(job_id)  # before the stack starts: nothing is queued or written
     spec = load_job_spec(spec_path, steps)
     settings = settings_and_env()
     quiet_libraries()
@@ -160,6 +176,7 @@ def train(
 
 def follow(job_id: str = typer.Argument(..., help="the job's id (as `train` printed it)")) -> None:
     """Re-attach to a job on the stack and follow it until it ends."""
+    checked_job_id(job_id, "JOB_ID")
     settings = settings_and_env()
     from opentinker.control.follow import latest_flow_run
 

@@ -137,7 +137,8 @@ app.add_typer(tenant_app, name="tenant")
 
 
 @tenant_app.command("add")
-def tenant_add(name: str, rotate: bool = typer.Option(False, help="replace the key of an existing tenant")) -> None:
+def tenant_add(name: str = typer.Argument(..., help="2-32 lowercase letters and digits, starting with a letter"),
+               rotate: bool = typer.Option(False, help="replace the key of an existing tenant")) -> None:
     """Create a tenant and print its API key once (it is stored only as a hash)."""
     from opentinker.control.gateway.tenants import TenantStore
 
@@ -145,7 +146,7 @@ def tenant_add(name: str, rotate: bool = typer.Option(False, help="replace the k
     try:
         key = TenantStore(settings.state_dir / "tenants.json").create(name, rotate=rotate)
     except ValueError as err:
-        console.print(str(err), style="red", markup=False)
+        console.print(str(err), style="red", markup=False, soft_wrap=True)
         raise typer.Exit(2)
     console.print(f"tenant [cyan]{name}[/]; API key (shown once, keep it secret):")
     print(key)
@@ -153,11 +154,66 @@ def tenant_add(name: str, rotate: bool = typer.Option(False, help="replace the k
 
 @tenant_app.command("list")
 def tenant_list() -> None:
-    """Tenant names (keys are not recoverable)."""
-    from opentinker.control.gateway.tenants import TenantStore
+    """Tenant names (keys are not recoverable). A name that breaks the naming rule (let in by an
+    older version, e.g. with a trailing newline) is shown quoted: its key is refused; remove it."""
+    from opentinker.control.gateway.tenants import TENANT_NAME, TenantStore
 
     for name in TenantStore(settings_and_env().state_dir / "tenants.json").names():
-        print(name)
+        print(name if TENANT_NAME.fullmatch(name) else f"{name!r} (not a valid name, its key is refused: "
+                                                        f"opentinker tenant remove {name!r})")
+
+
+@tenant_app.command("remove")
+def tenant_remove(name: str = typer.Argument(..., help="the tenant, as `opentinker tenant list` shows it")) -> None:
+    """Remove a tenant: its API key is revoked at once (its next request to the gateway, native or
+    Tinker door, is a 401; `tenant add NAME` later makes a new key).
+
+    Nothing else is touched. Jobs it queued or started are not cancelled and run to their end:
+    the command lists those still queued or running (when the stack's Prefect server answers);
+    cancel them in the Prefect UI (tag tenant:NAME). Its data stays until the operator deletes
+    it: checkpoints and files under <storage>/tenants/NAME, the MLflow experiment NAME, registered
+    models NAME-*. A tenant added later under the same name reaches all of it, so delete it first
+    when the name goes to someone else."""
+    from opentinker.control.gateway.confine import tenant_storage
+    from opentinker.control.gateway.tenants import TenantStore, UnknownTenant
+
+    settings = settings_and_env()
+    try:
+        TenantStore(settings.state_dir / "tenants.json").remove(name)
+    except UnknownTenant as err:
+        console.print(str(err), style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(2)
+    say = lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False)  # noqa: E731
+    say(f"tenant {name!r} removed: its API key no longer authenticates")
+    live = _live_jobs(settings, name)
+    if live is None:
+        say(f"jobs: not checked (the Prefect server at {settings.prefect_ui_url} does not answer); none is cancelled")
+    elif live:
+        say(f"jobs: {len(live)} still queued or running, not cancelled: {', '.join(live)}; "
+            f"cancel them in the Prefect UI ({settings.prefect_ui_url}, tag tenant:{name})")
+    else:
+        say("jobs: none queued or running")
+    say(f"data: left in place ({tenant_storage(settings, name)}, MLflow experiment {name}, registered models {name}-*); "
+        "delete it before the name goes to someone else")
+
+
+def _live_jobs(settings, tenant: str) -> Optional[list[str]]:
+    """Ids of the tenant's jobs still queued or running, or None when Prefect does not answer."""
+    import httpx
+
+    try:
+        httpx.get(f"{settings.prefect_api_url}/health", timeout=3.0).raise_for_status()
+    except httpx.HTTPError:
+        return None
+    from opentinker.control.gateway.jobs import TenantJobs
+    from opentinker.control.scheduler import job_state
+
+    newest: dict[str, str] = {}
+    for flow_run in TenantJobs(settings, tenant)._runs():  # newest first: a resubmitted job's latest run counts
+        job_id = next((t.split(":", 1)[1] for t in flow_run.tags or [] if t.startswith("job:")), None)
+        if job_id and job_id not in newest:
+            newest[job_id] = job_state(flow_run)[0]
+    return sorted(job_id for job_id, state in newest.items() if state in ("QUEUED", "RUNNING"))
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -44,6 +44,9 @@ def sft(
     job_id: Optional[str] = typer.Option(None, help="job id (default: the spec's, else a new one)"),
 ) -> None:
     """SFT with TRL's SFTTrainer on JSONL chats; the checkpoint can start an RL job (model.init_from)."""
+    from opentinker.cli.jobs import checked_job_id
+
+    job_id = checked_job_id(job_id)
     spec, n = _load(spec_path, epochs)
     from opentinker.core.ids import new_job_id
 

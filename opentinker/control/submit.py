@@ -48,10 +48,14 @@ def deployed(settings: Settings) -> bool:
 
 def submit_job(spec_data: dict[str, Any], job_id: str, settings: Settings) -> str:
     """Create a flow run of the deployment for the spec's kind (rl-train, self-play or sft, see
-    `flow_for`) on the job's pool; returns the flow-run id."""
+    `flow_for`) on the job's pool; returns the flow-run id. A bad job id (core/ids.py) is refused
+    before anything is queued: InvalidJobId."""
     from prefect.deployments import run_deployment
 
     from opentinker.control.scheduler import check_fits, deployment_name, flow_for, job_tags
+    from opentinker.core.ids import check_job_id
+
+    check_job_id(job_id, "job_id")
 
     pool = check_fits(settings, float((spec_data.get("resources") or {}).get("num_gpus", 0)))
     run = run_deployment(deployment_name(flow_for(spec_data), pool), parameters={"spec": spec_data, "job_id": job_id},

@@ -276,6 +276,10 @@ def run_inference(
     (max_new_tokens, max_turns, max_total_tokens) and env.config.game_kwargs become the defaults
     here, so the evaluation is the job's own; explicit arguments win.
     """
+    if job_id is not None:  # it names the default output folder and the MLflow experiment
+        from opentinker.core.ids import check_job_id
+
+        check_job_id(job_id, "job_id")
     cfg = _config(config)
     rollout = cfg.get("rollout") or {}
     env_cfg = ((cfg.get("env") or {}).get("config") or cfg.get("env_config") or {})

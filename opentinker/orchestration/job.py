@@ -23,6 +23,7 @@ from prefect.artifacts import create_markdown_artifact
 from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
+from opentinker.core.ids import check_job_id
 from opentinker.core.polling import through_blips
 from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
 from opentinker.orchestration.actors import check_placeable
@@ -187,14 +188,17 @@ class JobContext:
 def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobContext]:
     """Fail fast on a missing MLflow server, unusable storage or an unplaceable job, then hold the
     job's slots for the whole run; `tenant` names the MLflow experiment (the settings' project when
-    None). A failure inside the job is logged in full and raised as one line (JobError)."""
+    None). A failure inside the job is logged in full and raised as one line (JobError). A job id
+    that breaks the rule (core/ids.py; e.g. `../../x` from a flow run made past the gateway and the
+    CLI) is refused first, before anything is written: InvalidJobId."""
+    job_id = check_job_id(job_id or spec.job_id or f"job-{str(runtime.flow_run.id or 'local')[:8]}", "job_id")
     settings = get_settings()
     check_mlflow(settings.mlflow_url)
     check_job_storage(spec)
     check_placeable(spec)
     with held_slots(spec.resources.num_gpus, tenant):
         flow_run_id = str(runtime.flow_run.id or "local")
-        context = JobContext(job_id or spec.job_id or f"job-{flow_run_id[:8]}", flow_run_id, tenant or settings.project)
+        context = JobContext(job_id, flow_run_id, tenant or settings.project)
         try:
             yield context
         except Exception as err:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from opentinker.backend.device import check_gpus
-from opentinker.core.ids import new_job_id
+from opentinker.core.ids import job_id_for
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
 from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
@@ -26,11 +26,13 @@ class RLJob:
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None):
         """`start_server` starts the job's own inference server for `rollout.engine: server`
-        (opentinker.inference.launch.rollout_server; the runtime's callers pass it)."""
+        (opentinker.inference.launch.rollout_server; the runtime's callers pass it). A job id
+        that is not one folder name (core/ids.py) is refused first: InvalidJobId, nothing written."""
+        job_id = job_id_for(spec, job_id)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         check_gpus(spec.resources.num_gpus)
         self.spec = spec
-        self.job_id = job_id or new_job_id(spec)
+        self.job_id = job_id
         seed_everything(spec.seed)
         self.policy = Policy(spec, job_id=self.job_id)
         self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,

@@ -11,6 +11,7 @@ import torch
 
 from opentinker.backend import PolicyTrainer
 from opentinker.backend.device import placement
+from opentinker.core.ids import check_folder_name
 from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, read_policy_info
 from opentinker.storage import checkpoint as ckpt
@@ -46,6 +47,8 @@ class Policy:
     `<checkpoint.base_url>/<job_id>/`. Loads its model unless one is given."""
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None):
+        if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
+            check_folder_name(job_id, "job id")
         self.spec, self.job_id = spec, job_id
         self.init_from = pinned_init_from(spec, job_id)
         if model is None:

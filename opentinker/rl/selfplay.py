@@ -30,7 +30,7 @@ from opentinker.agent.selfplay import Seat, play_matches
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.env import environment_from_spec
 from opentinker.env.hosting import start_episode
-from opentinker.core.ids import new_job_id
+from opentinker.core.ids import check_folder_name, job_id_for
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
 from opentinker.core.trajectory import Trajectory
@@ -69,7 +69,9 @@ class SelfPlayJob:
         if spec.multiagent is None:
             raise ValueError("multiagent: this job has no multiagent section")
         self.spec, self.ma = spec, spec.multiagent
-        self.job_id = job_id or new_job_id(spec)
+        self.job_id = job_id_for(spec, job_id)
+        for player in self.ma.players:  # each learner's checkpoints go to <job_id>.<player>/
+            check_folder_name(player, "multiagent.players: player")
         seed_everything(spec.seed)
         self.env = environment_from_spec(spec, self.job_id)
         players = self.ma.players

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from opentinker.core.ids import new_job_id
+from opentinker.core.ids import job_id_for
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import LoraSpec, SpecError
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, resolve_model, wrap_model
@@ -75,7 +75,7 @@ class SFTJob:
 
     def __init__(self, spec: SFTSpec, job_id: str | None = None):
         self.spec = spec
-        self.job_id = job_id or new_job_id(spec)
+        self.job_id = job_id_for(spec, job_id)  # a bad id is refused before anything is read or written
         check_job_storage(spec)  # a wrong bucket or missing credentials: one line, before anything loads
         self.reused = _reuse(spec, self.job_id)
         if self.reused:

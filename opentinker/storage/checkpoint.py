@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from opentinker.core.ids import check_folder_name
 from opentinker.storage.committed import (COMMIT, CheckpointWriteError, committed_manifest, is_complete, join_url, read_manifest,  # noqa: F401 - re-exported
                                           remove_committed, url_to_fs, write_committed)
 
@@ -46,7 +47,9 @@ class CheckpointRef:
 
 
 def job_url(base_url: str, job_id: str) -> str:
-    return join_url(base_url, job_id)
+    """`<base_url>/<job_id>`; a job id that is not one folder name (`..`, a `/`, a control
+    character) is refused here too, whichever entry point let it through (see core/ids.py)."""
+    return join_url(base_url, check_folder_name(job_id, "job id"))
 
 
 def rng_state() -> dict[str, Any]:

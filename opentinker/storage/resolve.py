@@ -16,7 +16,7 @@ def resolve_checkpoint(uri: str) -> str:
     if ckpt.is_complete(fs, path):
         return uri.rstrip("/")
     base, _, job = uri.rstrip("/").rpartition("/")
-    latest = ckpt.latest_checkpoint(base, job) if base else None
+    latest = ckpt.latest_checkpoint(base, job) if base and job not in ("", ".", "..") else None
     if latest is None:
         raise FileNotFoundError(f"{uri}: neither a complete checkpoint nor a job folder holding one")
     return latest.url

@@ -14,16 +14,17 @@ def test_tiny_model_learns_the_uppercase_task(tmp_path, tiny_path):
     spec = tiny_spec(
         tmp_path,
         adapter={"kind": "full"},
-        rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 4},
+        rollout={"prompts_per_step": 8, "group_size": 4, "max_new_tokens": 4, "temperature": 0.1},
         optimization={"steps": 16, "lr": 1e-3},
         checkpoint={"every": 0},
     )
     result = RLJob(spec, job_id="learn").run()
     rewards = [h["rollout/reward_mean"] for h in result.history]
-    early, late = statistics.fmean(rewards[:4]), statistics.fmean(rewards[-4:])
-    assert late >= early + 0.2, rewards
     first_eval, last_eval = result.evaluations[0].metrics, result.evaluations[-1].metrics
-    assert last_eval["eval/accuracy"] > first_eval["eval/accuracy"], (first_eval, last_eval)
+    # Greedy accuracy is what moves: the random model's logits are nearly flat over 49k tokens, so
+    # its argmax turns right long before sampling (the full softmax, even at 0.1) concentrates on it.
+    assert last_eval["eval/accuracy"] >= first_eval["eval/accuracy"] + 0.5, (first_eval, last_eval, rewards)
+    assert statistics.fmean(rewards[-4:]) >= statistics.fmean(rewards[:4]), rewards
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opentinker.core.model_names import folder_problem, is_resolvable
-from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, field_name, input_problem, read_spec_file
+from opentinker.core.spec_limits import MAX_ERROR_LINES, MAX_FIELD_CHARS, SpecError, control_problem, field_name, input_problem, read_spec_file
 
 
 def storage_url(v: str) -> str:
@@ -371,10 +371,6 @@ class JobSpec(BaseJobSpec):
                 f"so group_size must be at least 2 (got {self.rollout.group_size})"
             )
         return self
-
-
-MAX_ERROR_LINES = 20
-"""Problems listed for one spec; the rest are counted."""
 
 
 def _format_errors(err: ValidationError) -> str:

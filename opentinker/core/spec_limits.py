@@ -31,6 +31,9 @@ MAX_FIELD_CHARS = 2048
 """One string of the spec's own fields (names, paths, URLs); `env.config` is the game's data and
 its strings are bounded by the spec's size only."""
 
+MAX_ERROR_LINES = 20
+"""Problems listed for one spec; the rest are counted."""
+
 FREE_FORM = (("env", "config"),)
 """Where a spec holds the game's own data: any key, any string a JSON document may hold (a
 control character other than tab, newline or CR excepted)."""

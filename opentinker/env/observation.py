@@ -5,10 +5,12 @@ images) shown before it. Text-only games are unchanged, and a text-only observat
 travels as a plain string.
 
 Between hosts (an environment server, the client link) images travel as PNG in base64,
-`{"text": ..., "images": [{"mime": "image/png", "data": ...}]}`, each capped in encoded bytes and
-in pixels, at most `MAX_IMAGES` per observation. Anything else in `images`, an image over a cap
-or a payload that does not decode is a ValueError/TypeError naming it: the episode that got it
-fails with that reason, the job goes on.
+`{"text": ..., "images": [{"mime": "image/png", "data": ...}]}`, each capped in encoded bytes, in
+pixels and in decoded bytes (from the header, before any pixel is decoded: a small PNG can claim a
+huge 16-bit image), at most `MAX_IMAGES` and `MAX_OBSERVATION_BYTES` of pixels per observation.
+Every image is stored as 8-bit RGB (16-bit samples scaled, not clipped), whatever it came as.
+Anything else in `images`, an image over a cap or a payload that does not decode is a
+ValueError/TypeError naming it: the episode that got it fails with that reason, the job goes on.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_IMAGES = 8
-MAX_PIXELS = 4096 * 4096
+MAX_PIXELS = 2048 * 2048
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded PNG
+MAX_DECODED_BYTES = 16 * 1024 * 1024  # one image's pixels in the mode it decodes to (2048² RGBA)
+MAX_OBSERVATION_BYTES = 32 * 1024 * 1024  # all images of one observation, as stored (8-bit RGB)
+# Bytes per pixel of PIL's modes; a mode not listed counts as 8.
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "La": 2, "PA": 2, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2,
+               "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4, "RGBa": 4, "RGBX": 4, "CMYK": 4, "I": 4, "F": 4}
 
 
 @dataclass
@@ -40,7 +47,26 @@ def _check_image(image: Any, where: str) -> Any:
     width, height = image.size
     if width < 1 or height < 1 or width * height > MAX_PIXELS:
         raise ValueError(f"{where} is {width}x{height} pixels (at most {MAX_PIXELS:,} pixels)")
+    decoded = width * height * _MODE_BYTES.get(image.mode, 8)
+    if decoded > MAX_DECODED_BYTES:
+        raise ValueError(f"{where} is {width}x{height} {image.mode}: {decoded:,} bytes decoded (at most {MAX_DECODED_BYTES:,})")
     return image
+
+
+def _rgb(image: Any) -> Any:
+    """8-bit RGB: 16-bit grey scaled to 8 bits (PIL's own conversion would clip it), alpha dropped."""
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I;16"):
+        image = image.convert("I").point(lambda v: v / 257).convert("L")
+    return image.convert("RGB")
+
+
+def _checked_total(images: list[Any], what: str) -> list[Any]:
+    total = sum(img.size[0] * img.size[1] * 3 for img in images)
+    if total > MAX_OBSERVATION_BYTES:
+        raise ValueError(f"{what}: its images hold {total:,} bytes as RGB (at most {MAX_OBSERVATION_BYTES:,} an observation)")
+    return images
 
 
 def as_observation(value: Any, what: str = "observation") -> Observation:
@@ -55,7 +81,8 @@ def as_observation(value: Any, what: str = "observation") -> Observation:
     images = list(value.images or [])
     if len(images) > MAX_IMAGES:
         raise ValueError(f"{what} has {len(images)} images (at most {MAX_IMAGES})")
-    return Observation(value.text, [_check_image(img, f"{what}.images[{i}]") for i, img in enumerate(images)])
+    checked = _checked_total([_check_image(img, f"{what}.images[{i}]") for i, img in enumerate(images)], what)
+    return Observation(value.text, [_rgb(img) for img in checked])
 
 
 def observation_text(value: str | Observation) -> str:
@@ -72,9 +99,10 @@ def encode_image(image: Any) -> dict[str, str]:
     return {"mime": "image/png", "data": base64.b64encode(data).decode("ascii")}
 
 
-def decode_image(payload: Any, where: str = "image") -> Any:
-    """A PIL image (RGB) from `encode_image`'s payload, or from raw base64 image bytes; checks the
-    encoded size before decoding and the pixel count before loading the pixels."""
+def decode_image(payload: Any, where: str = "image", budget: int = MAX_OBSERVATION_BYTES) -> Any:
+    """A PIL image (8-bit RGB) from `encode_image`'s payload, or from raw base64 image bytes; checks
+    the encoded size before decoding, and the pixel count, the decoded bytes and the RGB bytes
+    against `budget` (what the observation has left) before loading the pixels."""
     from PIL import Image, UnidentifiedImageError
 
     data = payload.get("data") if isinstance(payload, dict) else payload
@@ -85,11 +113,13 @@ def decode_image(payload: Any, where: str = "image") -> Any:
     try:
         raw = base64.b64decode(data, validate=True)
         image = Image.open(io.BytesIO(raw))
-        _check_image(image, where)  # the header gives the size: nothing large is decoded before this
+        _check_image(image, where)  # the header gives size and mode: nothing large is decoded before this
+        if image.size[0] * image.size[1] * 3 > budget:
+            raise ValueError(f"{where}: the observation's images would hold over {MAX_OBSERVATION_BYTES:,} bytes as RGB")
         image.load()
     except (binascii.Error, UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
         raise ValueError(f"{where}: not a readable image ({type(err).__name__}: {err})") from None
-    return image.convert("RGB")
+    return _rgb(image)
 
 
 def to_wire(value: str | Observation) -> Any:
@@ -109,7 +139,11 @@ def from_wire(value: Any, what: str = "observation") -> str | Observation:
     images = value.get("images", [])
     if len(images) > MAX_IMAGES:
         raise ValueError(f"{what} has {len(images)} images (at most {MAX_IMAGES})")
-    return Observation(value.get("text", ""), [decode_image(img, f"{what}.images[{i}]") for i, img in enumerate(images)])
+    decoded, budget = [], MAX_OBSERVATION_BYTES
+    for i, img in enumerate(images):
+        decoded.append(decode_image(img, f"{what}.images[{i}]", budget))
+        budget -= decoded[-1].size[0] * decoded[-1].size[1] * 3
+    return Observation(value.get("text", ""), decoded)
 
 
 def data_url(image: Any) -> str:

@@ -218,9 +218,8 @@ def test_a_50mb_spec_is_refused_at_once_in_a_short_message(tmp_path):
     from opentinker.client import InvalidJob, SchedulerClient
 
     data = tiny_spec(tmp_path).model_dump(mode="json")
-    data["env"]["config"]["note"] = "x" * 50_000_000
     path = tmp_path / "huge.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path.write_bytes(yaml.safe_dump(data).encode() + b"# " + b"x" * 50_000_000 + b"\n")  # a valid spec, 50 MB with its comment
     t0 = time.monotonic()
     out = _cli("validate", str(path))
     assert out.returncode == 2 and time.monotonic() - t0 < 60 and len(out.stdout + out.stderr) < 500

@@ -50,8 +50,9 @@ def resolve(report: Path, python: str, requirements: list[str]) -> subprocess.Po
 
 def test_the_gpu_worker_installs_resolve_for_every_supported_python(tmp_path):
     installs = worker_installs()
+    # side by side; the project's environment on 3.11 is what `make install` resolves on every run already
     running = {(env, python): resolve(tmp_path / f"{env}-{python}.json", python, installs[env])
-               for env in installs for python in PYTHONS}  # side by side: mostly waiting on the index
+               for env in installs for python in PYTHONS if (env, python) != ("project", "3.11")}
     for (env, python), proc in running.items():
         output, _ = proc.communicate(timeout=600)
         errors = [line for line in output.splitlines() if line.startswith("ERROR")]

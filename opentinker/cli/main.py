@@ -208,12 +208,7 @@ def _live_jobs(settings, tenant: str) -> Optional[list[str]]:
     from opentinker.control.gateway.jobs import TenantJobs
     from opentinker.control.scheduler import job_state
 
-    newest: dict[str, str] = {}
-    for flow_run in TenantJobs(settings, tenant)._runs():  # newest first: a resubmitted job's latest run counts
-        job_id = next((t.split(":", 1)[1] for t in flow_run.tags or [] if t.startswith("job:")), None)
-        if job_id and job_id not in newest:
-            newest[job_id] = job_state(flow_run)[0]
-    return sorted(job_id for job_id, state in newest.items() if state in ("QUEUED", "RUNNING"))
+    return sorted(job_id for job_id, run in TenantJobs(settings, tenant).latest_runs().items() if job_state(run)[0] in ("QUEUED", "RUNNING"))
 
 
 def main() -> None:  # pragma: no cover - console entry point

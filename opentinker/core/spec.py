@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from opentinker.core.ids import JOB_ID_PATTERN
 from opentinker.core.model_names import folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_ERROR_LINES, MAX_FIELD_CHARS, SpecError, control_problem, field_name, input_problem, read_spec_file
 
@@ -314,7 +315,7 @@ class BaseJobSpec(Section):
     model and adapter it trains, where its files go, what it asks the cluster for, and how its
     final checkpoint is registered."""
 
-    job_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    job_id: str | None = Field(None, pattern=rf"^{JOB_ID_PATTERN}$")
     model: ModelSpec
     adapter: AdapterSpec = Field(default_factory=LoraSpec)
     checkpoint: CheckpointLocation = Field(default_factory=CheckpointLocation)

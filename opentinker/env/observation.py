@@ -26,9 +26,6 @@ MAX_PIXELS = 2048 * 2048
 MAX_IMAGE_BYTES = 8 * 1024 * 1024  # encoded PNG
 MAX_DECODED_BYTES = 16 * 1024 * 1024  # one image's pixels in the mode it decodes to (2048² RGBA)
 MAX_OBSERVATION_BYTES = 32 * 1024 * 1024  # all images of one observation, as stored (8-bit RGB)
-# Bytes per pixel of PIL's modes; a mode not listed counts as 8.
-_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "La": 2, "PA": 2, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2,
-               "RGB": 3, "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4, "RGBa": 4, "RGBX": 4, "CMYK": 4, "I": 4, "F": 4}
 
 
 @dataclass
@@ -39,6 +36,17 @@ class Observation:
     images: list[Any] = field(default_factory=list)
 
 
+def _bytes_per_pixel(mode: str) -> int:
+    """From PIL's own mode table (bands x the array type's size, `|u1`, `<u2`, `<i4`); 8 for a mode it does not know."""
+    from PIL import ImageMode
+
+    try:
+        described = ImageMode.getmode(mode)
+    except KeyError:
+        return 8
+    return int(described.typestr[2:]) * len(described.bands)
+
+
 def _check_image(image: Any, where: str) -> Any:
     from PIL import Image
 
@@ -47,7 +55,7 @@ def _check_image(image: Any, where: str) -> Any:
     width, height = image.size
     if width < 1 or height < 1 or width * height > MAX_PIXELS:
         raise ValueError(f"{where} is {width}x{height} pixels (at most {MAX_PIXELS:,} pixels)")
-    decoded = width * height * _MODE_BYTES.get(image.mode, 8)
+    decoded = width * height * _bytes_per_pixel(image.mode)
     if decoded > MAX_DECODED_BYTES:
         raise ValueError(f"{where} is {width}x{height} {image.mode}: {decoded:,} bytes decoded (at most {MAX_DECODED_BYTES:,})")
     return image

@@ -191,13 +191,13 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
     None). A failure inside the job is logged in full and raised as one line (JobError). A job id
     that breaks the rule (core/ids.py; e.g. `../../x` from a flow run made past the gateway and the
     CLI) is refused first, before anything is written: InvalidJobId."""
-    job_id = check_job_id(job_id or spec.job_id or f"job-{str(runtime.flow_run.id or 'local')[:8]}", "job_id")
+    flow_run_id = str(runtime.flow_run.id or "local")
+    job_id = check_job_id(job_id or spec.job_id or f"job-{flow_run_id[:8]}", "job_id")
     settings = get_settings()
     check_mlflow(settings.mlflow_url)
     check_job_storage(spec)
     check_placeable(spec)
     with held_slots(spec.resources.num_gpus, tenant):
-        flow_run_id = str(runtime.flow_run.id or "local")
         context = JobContext(job_id, flow_run_id, tenant or settings.project)
         try:
             yield context

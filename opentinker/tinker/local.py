@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.inference.server import serve_in_thread
+from opentinker.storage.committed import join_url
 from opentinker.tinker.paths import SessionGone
 from opentinker.tinker.server import create_app
 from opentinker.tinker.session import TinkerSession
@@ -25,7 +26,7 @@ class LocalSessions:
 
     def storage_url(self, tenant: str) -> str:
         root = str(self.storage_root)
-        return f"{root.rstrip('/')}/tenants/{tenant}" if "://" in root else f"file://{root}/tenants/{tenant}"
+        return join_url(root if "://" in root else f"file://{root}", "tenants", tenant)
 
     def create(self, tenant: str, body: dict[str, Any]) -> str:
         mine = [s for s in self.live if s.startswith(f"{tenant}-")]

@@ -98,14 +98,18 @@ class TenantJobs:
     def storage_url(self) -> str:
         return confine.tenant_storage(self.settings, self.tenant)
 
+    def latest_runs(self) -> dict[str, Any]:
+        """{job id: its newest flow run} of the tenant (a resubmitted job's latest run counts)."""
+        latest: dict[str, Any] = {}
+        for run in self._runs():  # newest first
+            job_id = next((t.split(":", 1)[1] for t in run.tags if t.startswith("job:")), None)
+            if job_id and job_id not in latest:
+                latest[job_id] = run
+        return latest
+
     def check_limits(self) -> None:
         """TooManyJobs when the tenant already has its limit of waiting jobs."""
-        waiting = {}
-        for run in self._runs():
-            job_id = next((t.split(":", 1)[1] for t in run.tags if t.startswith("job:")), None)
-            if job_id and job_id not in waiting:
-                waiting[job_id] = job_state(run)[0]
-        queued = sum(state == "QUEUED" for state in waiting.values())
+        queued = sum(job_state(run)[0] == "QUEUED" for run in self.latest_runs().values())
         if queued >= self.settings.tenant_max_queued:
             raise TooManyJobs(f"tenant {self.tenant} has {queued} jobs waiting, the limit is {self.settings.tenant_max_queued}: "
                               "wait for some to start or cancel them")
@@ -163,12 +167,7 @@ class TenantJobs:
         return out
 
     def list(self) -> list[dict[str, Any]]:
-        seen: dict[str, dict[str, Any]] = {}
-        for run in self._runs():
-            job_id = next((t.split(":", 1)[1] for t in run.tags if t.startswith("job:")), None)
-            if job_id and job_id not in seen:
-                seen[job_id] = self.describe(job_id, run)
-        return list(seen.values())
+        return [self.describe(job_id, run) for job_id, run in self.latest_runs().items()]
 
     def status(self, job_id: str) -> dict[str, Any]:
         out = self.describe(job_id, self._run(job_id))

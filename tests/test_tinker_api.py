@@ -271,6 +271,44 @@ def test_a_checkpoint_past_its_ttl_is_gone_for_every_route(service, trainer):
     service.create_training_client_from_state(kept).result()
 
 
+def test_set_checkpoint_ttl_sets_and_removes_an_expiry(service, trainer, gateway):
+    """PUT …/ttl: an expiry an hour to ten years from now, or none; out of range is refused in one
+    line; another tenant's checkpoint reads as missing; a TTL that passes deletes the checkpoint."""
+    from datetime import datetime, timezone
+
+    from opentinker.storage.committed import update_manifest
+    from opentinker.tinker.paths import TenantCheckpoints, parse_path
+
+    rest = service.create_rest_client()
+    path = trainer.save_state("ttl-changed").result().path
+
+    def expiry():
+        return {c.tinker_path: c.expires_at for c in rest.list_checkpoints(trainer.model_id).result().checkpoints}[path]
+
+    assert expiry() is None
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    left = (expiry() - datetime.now(timezone.utc)).total_seconds()
+    assert 7000 < left <= 7200
+    rest.set_checkpoint_ttl_from_tinker_path(path, None).result()
+    assert expiry() is None
+    for wrong in (59, 11 * 365 * 86400):
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+            rest.set_checkpoint_ttl_from_tinker_path(path, wrong).result()
+    url, keys, sessions = gateway
+    bob = tinker.ServiceClient(base_url=url, api_key=keys["bob"])
+    try:
+        with pytest.raises(tinker.NotFoundError):
+            bob.create_rest_client().set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    finally:
+        bob.close("success")
+    assert expiry() is None
+    # an expiry already past (written as a TTL set long ago would read) removes it for every route
+    update_manifest(TenantCheckpoints(sessions.storage_url("alice")).url(parse_path(path)), {"expires_at": "2000-01-01T00:00:00+00:00"})
+    assert path not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+    with pytest.raises(tinker.NotFoundError):
+        rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+
+
 def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):
     """A save_weights_for_sampler checkpoint loads in the inference engine (what `opentinker serve`
     runs) and answers greedily what the Tinker sampler answers."""

@@ -80,6 +80,20 @@ def committed_manifest(url: str) -> dict[str, Any] | None:
     return read_manifest(fs, path)
 
 
+def update_manifest(url: str, changes: dict[str, Any]) -> None:
+    """Change header fields of a complete checkpoint's COMMIT.json (one object rewritten whole, so
+    a reader sees the old record or the new one); files and hashes are never touched here."""
+    fs, path = url_to_fs(url)
+    manifest = read_manifest(fs, path)
+    if manifest is None:
+        raise FileNotFoundError(url)
+    protected = {"files", "sha256", "time"} & set(changes)
+    if protected:
+        raise ValueError(f"COMMIT.json fields {sorted(protected)} are written only with the files")
+    with fs.open(join_url(path, COMMIT), "wb") as f:
+        f.write(json.dumps({**manifest, **changes}).encode())
+
+
 def remove_committed(url: str) -> None:
     """Delete a checkpoint folder, uncommitting it first (a half-deleted folder is never trusted)."""
     fs, path = url_to_fs(url)

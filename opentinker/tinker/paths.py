@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from opentinker.storage.committed import committed_manifest, join_url, makedirs, remove_committed, url_to_fs
+from opentinker.storage.committed import committed_manifest, join_url, makedirs, remove_committed, update_manifest, url_to_fs
 
 SESSION = re.compile(r"^[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}$")
 MODEL = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):train:(?P<n>\d{1,6})$")
@@ -32,6 +32,7 @@ REQUEST = re.compile(r"^(?P<session>[a-z][a-z0-9]{1,31}-tk-[0-9a-f]{12}):req:(?P
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 RUN_FILE = "run.json"
+TTL_RANGE_S = (3600, 10 * 365 * 86400)  # what the SDK documents for set_checkpoint_ttl: an hour to ten years
 
 
 class PathError(ValueError):
@@ -227,6 +228,21 @@ class TenantCheckpoints:
         if hashlib.sha256(data).hexdigest() != manifest["sha256"][name]:
             raise NotFound(f"{path}: {name} differs from its commit record (corrupt)")
         return data
+
+    def set_ttl(self, path: TinkerPath, ttl_seconds: int | None) -> str | None:
+        """Expire the checkpoint `ttl_seconds` from now, or never (None); the new `expires_at`."""
+        if ttl_seconds is not None:
+            low, high = TTL_RANGE_S
+            if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or not low <= ttl_seconds <= high:
+                raise PathError(f"ttl_seconds {ttl_seconds!r}: a whole number of seconds from {low} (an hour) to {high} (ten years), or null")
+        if not self.exists(path):
+            raise NotFound(f"no checkpoint {path}")
+        expires = iso_in(float(ttl_seconds)) if ttl_seconds is not None else None
+        try:
+            update_manifest(self.url(path), {"expires_at": expires})
+        except FileNotFoundError:
+            raise NotFound(f"no checkpoint {path}") from None
+        return expires
 
     def delete(self, path: TinkerPath) -> None:
         if not self.exists(path):

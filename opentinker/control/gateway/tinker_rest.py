@@ -133,6 +133,20 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
             raise bad(str(err), 404) from None
         return Response(status_code=204)
 
+    @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)
+    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request, name: str = Depends(tenant)) -> Response:
+        """`ttl_seconds` from now (an hour to ten years), or null: never expires."""
+        body = await json_body(request)
+        try:
+            kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
+            path = paths.TinkerPath(owned_run(name, run_id), kind, ckpt)
+            await asyncio.to_thread(checkpoints_of(name).set_ttl, path, body.get("ttl_seconds"))
+        except paths.PathError as err:
+            raise bad(str(err)) from None
+        except paths.NotFound as err:
+            raise bad(str(err), 404) from None
+        return Response(status_code=204)
+
     @router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     def external_weights_urls(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> dict[str, Any]:
         """Signed URLs (an hour) for each file of an exported adapter: the URL alone opens it, no key."""
@@ -195,7 +209,6 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
 
     for method, route_path, what in (("POST", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
                                       ("DELETE", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),
-                                      ("PUT", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", "changing a checkpoint's TTL"),
                                       ("POST", "/copy_weights", "copy_weights"), ("POST", "/sessions/search", "searching sessions"),
                                       ("PUT", "/sessions/{session_id}/project", "projects"),
                                       ("GET", "/sessions/{session_id}/trace_export", "trace export")):

@@ -21,7 +21,15 @@ so each advantage is divided by the batch's number of sampled tokens, which give
 loss's gradient. Target, as the native bench's: greedy held-out accuracy >= 75% and >= 30 points
 above step 0 within 25 steps.
 
-    python bench/learning_tinker.py [--model smollm2-135m-instruct] [--steps 25] [--every 5] [--loss importance_sampling|ppo] [--eval-n 64]
+Temperature: Tinker's losses score log p at temperature 1 (the API carries no temperature), so
+with samples drawn at T=0.7 the sampler's logprobs make every importance ratio p1/p0.7 (high
+variance: 57.8% at step 25 in one run). `--recompute-logprobs` passes instead the policy's own
+temperature-1 logprobs of each completion (`compute_logprobs`, as the cookbook's issue #396
+suggests), so the ratio is 1 and the update is the temperature-1 policy gradient on samples drawn
+at 0.7: off-policy by the temperature, stated, not corrected. `--temperature`/`--lr` override the spec.
+
+    python bench/learning_tinker.py --recompute-logprobs   # the README's run
+    python bench/learning_tinker.py [--model smollm2-135m-instruct] [--steps 25] [--every 5] [--loss importance_sampling|ppo] [--eval-n 64] [--temperature T] [--lr LR]
 writes bench/results/learning_tinker.json and bench/results/learning_tinker.md (beside the
 native curve of bench/results/learning_math.json when it is there)
 """
@@ -46,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 TARGET = {"accuracy": 0.75, "gain": 0.30}  # as bench/learning_math.py's "rl" recipe
 SPEC = ROOT / "examples" / "math_grpo.yaml"
 NATIVE = ROOT / "bench" / "results" / "learning_math.json"
+BEHAVIOUR = {False: "the sampler's (softmax(logits / T) of each drawn token)",
+             True: "the policy's own at temperature 1 (`compute_logprobs` on the sampler, after sampling)"}
 TINKER_LORA_ALPHA = 32.0  # Tinker's LoRA alpha (not on the wire)
 TINKER_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # train_attn + train_mlp
 
@@ -95,11 +105,11 @@ def episode_metrics(outcomes: list[dict[str, Any]], prefix: str) -> dict[str, fl
 class Run:
     """The Tinker side: one LoRA training client and the sampler of its current weights."""
 
-    def __init__(self, spec, model: str, loss: str):
+    def __init__(self, spec, model: str, loss: str, recompute: bool = False):
         import tinker
         from tinker import types
 
-        self.tinker, self.types, self.spec, self.loss = tinker, types, spec, loss
+        self.tinker, self.types, self.spec, self.loss, self.recompute = tinker, types, spec, loss, recompute
         self.service = tinker.ServiceClient()
         self.trainer = self.service.create_lora_training_client(
             base_model=model, rank=spec.adapter.r, seed=spec.seed, train_attn=True, train_mlp=True, train_unembed=False).result()
@@ -121,12 +131,21 @@ class Run:
         prompts = [prompt_tokens(self.tokenizer, env.make_game(), task) for task in tasks]
         futures = [sampler.sample(self.types.ModelInput.from_ints(p), num_samples=samples, sampling_params=params) for p in prompts]
         outcomes = []
+        rescored = []  # the policy's own (temperature 1) logprobs of each completion, when asked for
+        if self.recompute and samples > 1:
+            rescored = [sampler.compute_logprobs(self.types.ModelInput.from_ints(p + list(seq.tokens)))
+                        for p, f in zip(prompts, futures) for seq in f.result().sequences]
+        k = 0
         for task, prompt, future in zip(tasks, prompts, futures):
             for seq in future.result().sequences:
                 game = env.make_game()
                 game.reset(**task)
                 result = game.step(self.tokenizer.decode(seq.tokens, skip_special_tokens=True))
-                outcomes.append({"task": task, "prompt": prompt, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs or []),
+                logprobs = list(seq.logprobs or [])
+                if rescored:
+                    logprobs = [float(x) for x in rescored[k].result()[len(prompt):]]
+                k += 1
+                outcomes.append({"task": task, "prompt": prompt, "tokens": list(seq.tokens), "logprobs": logprobs,
                                  "reward": float(result.reward), "info": result.info,
                                  "text": self.tokenizer.decode(seq.tokens, skip_special_tokens=True)})
         return outcomes
@@ -207,6 +226,10 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--loss", choices=["importance_sampling", "ppo"], default="importance_sampling")
     parser.add_argument("--eval-n", type=int, default=None, help="held-out problems per evaluation (default: the spec's, 64)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the spec's)")
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the spec's)")
+    parser.add_argument("--recompute-logprobs", action="store_true",
+                        help="pass the sampler's compute_logprobs (temperature 1) as the behaviour logprobs, not the sampled ones")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_tinker"))
     args = parser.parse_args()
 
@@ -220,6 +243,10 @@ def main() -> int:
     quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)  # the Tinker sessions run in this process
     spec = load_spec(SPEC)
+    if args.temperature is not None or args.lr is not None:  # stated in the results' header, never silent
+        spec = spec.model_copy(update={
+            "rollout": spec.rollout.model_copy(update={"temperature": args.temperature if args.temperature is not None else spec.rollout.temperature}),
+            "optimization": spec.optimization.model_copy(update={"lr": args.lr if args.lr is not None else spec.optimization.lr})})
     check_matchable(spec)
     model = args.model or spec.model.name
     eval_n = args.eval_n or spec.evaluation.n_samples
@@ -233,7 +260,7 @@ def main() -> int:
         os.environ.update(TINKER_BASE_URL=url, TINKER_API_KEY=keys["alice"], TINKER_TELEMETRY="0")
         try:
             t0 = time.perf_counter()
-            run = Run(spec, model, args.loss)
+            run = Run(spec, model, args.loss, args.recompute_logprobs)
             load_s = time.perf_counter() - t0
             t_run = time.perf_counter()
             evaluations, steps = [], []
@@ -278,6 +305,7 @@ def main() -> int:
     out = {
         "model": model,
         "loss": args.loss,
+        "behaviour_logprobs": BEHAVIOUR[args.recompute_logprobs],
         "spec": spec.model_dump(mode="json"),
         "tinker_settings": {"lora": {"rank": spec.adapter.r, "alpha": TINKER_LORA_ALPHA, "seed": spec.seed, "train_attn": True,
                                      "train_mlp": True, "train_unembed": False},
@@ -308,7 +336,8 @@ def main() -> int:
         "",
         (f"The native run's settings ({SPEC.relative_to(ROOT)}) driven by the unmodified `tinker` SDK: {args.steps} steps of "
          f"{P} prompts x {G} samples, {spec.rollout.max_new_tokens} new tokens, T={spec.rollout.temperature:g}; "
-         f"loss `{args.loss}`, AdamW lr {spec.optimization.lr:g}; greedy evaluation on {eval_n} held-out problems."),
+         f"loss `{args.loss}`, AdamW lr {spec.optimization.lr:g}; greedy evaluation on {eval_n} held-out problems. "
+         f"Behaviour logprobs: {BEHAVIOUR[args.recompute_logprobs]}."),
         (f"Wall time {wall:.0f} s (median step {out['median_step_seconds'] or 0:.1f} s, evaluations included), "
          f"model load {load_s:.0f} s, {os.cpu_count()} CPUs."),
     ]

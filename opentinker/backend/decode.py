@@ -91,7 +91,7 @@ class Chooser:
         for warp in self.warpers:
             scores = warp(None, scores)
         logp = torch.log_softmax(scores, dim=-1)
-        probs = torch.nn.functional.softmax(scores, dim=-1)
+        probs = logp.exp()  # the same distribution, one pass over the vocabulary fewer than a second softmax
         if len(batch_rows) == self.rows:
             return torch.multinomial(probs, num_samples=1).squeeze(1), logp
         index = torch.tensor(batch_rows, device=probs.device)

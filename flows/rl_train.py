@@ -6,7 +6,8 @@
 The flow is the controller of one job. The model lives in the job's Ray actors for the whole
 run; each step's rollout, update, evaluation and checkpoint is a Prefect task (tasks/steps.py)
 driven by the one RL step loop (opentinker/rl/loop.py). A retried or re-submitted run with the
-same job id resumes from the job's latest complete checkpoint. A step's metrics go to MLflow
+same job id resumes from the job's newest intact checkpoint (signed for this job; newer folders
+that are not are skipped, each named in the log). A step's metrics go to MLflow
 once the checkpoint that covers it has committed, and travel inside that checkpoint: after a
 crash and resume MLflow holds each step exactly once.
 """
@@ -31,11 +32,10 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
     """One RL job. `tenant` names its MLflow experiment (the settings' project when None)."""
     logger = get_run_logger()
     with scheduled_job(spec, job_id, tenant) as job, job.tracked(spec) as tracker:
-        actors = create_actors(spec, job.job_id)
+        actors = create_actors(spec, job.job_id, job.tenant)
         try:
             result = run_steps(spec, TaskSteps(actors, job.job_id), LoopHooks(
-                on_restore=lambda r: logger.info(f"resuming at step {r.step}; logged steps "
-                                                 f"{tracker.log_missing_metrics(r.metrics)} that MLflow missed"),
+                on_restore=job.on_restore(tracker),
                 on_eval=lambda ev: tracker.log_transcripts(ev.step, ev.transcripts),
                 on_commit=tracker.log_steps,
                 on_step=lambda report: logger.info(f"step {report.step}/{report.total_steps}: {_summary(report.metrics)}"),
@@ -54,8 +54,9 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
                     job, tenant, url, tracker, kind="rl", spec_data=data, base_model=spec.model.name,
                     model_name=model_name_for(data, job.experiment, tenant), environment=spec.env.game or spec.env.label)
         return {"job_id": job.job_id, "steps": spec.optimization.steps, "resumed_from": result.resumed_from,
-                "checkpoint": url, "mlflow_run_id": tracker.run_id, "mlflow_run_url": tracker.run_url,
-                "history": result.history, "loop_seconds": result.loop_seconds, "registered_model": registered}
+                "skipped_checkpoints": result.skipped, "checkpoint": url, "mlflow_run_id": tracker.run_id,
+                "mlflow_run_url": tracker.run_url, "history": result.history, "loop_seconds": result.loop_seconds,
+                "registered_model": registered}
 
 
 def _summary(metrics: dict[str, float]) -> str:

@@ -33,11 +33,10 @@ def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = Non
     logger = get_run_logger()
     agents = learner_names(spec.multiagent)
     with scheduled_job(spec, job_id, tenant) as job, job.tracked(spec) as tracker:
-        actor = create_selfplay_actor(spec, job.job_id)
+        actor = create_selfplay_actor(spec, job.job_id, job.tenant)
         try:
             result = run_steps(spec, SelfPlayTaskSteps(actor, job.job_id, agents, spec.multiagent.phase_timeout_s), LoopHooks(
-                on_restore=lambda r: logger.info(f"resuming at step {r.step}; logged steps "
-                                                 f"{tracker.log_missing_metrics(r.metrics)} that MLflow missed"),
+                on_restore=job.on_restore(tracker),
                 on_commit=tracker.log_steps,
                 on_step=lambda report: logger.info(f"step {report.step}/{report.total_steps}: " + ", ".join(
                     f"{a} win {report.metrics.get(f'{a}/rollout/win_rate', 0):.2f}" for a in agents)),
@@ -51,7 +50,8 @@ def self_play(spec: JobSpec, job_id: str | None = None, tenant: str | None = Non
             raise JobUnhealthy(result.not_registrable)
         registered = {a: _register(spec, job, tenant, url, tracker, a) for a, url in urls.items()} if spec.registry.register else {}
         return {"job_id": job.job_id, "steps": spec.optimization.steps, "resumed_from": result.resumed_from, "checkpoints": urls,
-                "agents": agents, "mlflow_run_id": tracker.run_id, "history": result.history, "registered_models": registered}
+                "skipped_checkpoints": result.skipped, "agents": agents, "mlflow_run_id": tracker.run_id, "history": result.history,
+                "registered_models": registered}
 
 
 def _register(spec: JobSpec, job: JobContext, tenant: str | None, url: str, tracker, agent: str) -> dict[str, Any]:

@@ -22,13 +22,13 @@ from opentinker.storage.registry import model_name_for
 
 
 @task(name="sft", task_run_name="sft-{job_id}", cache_policy=NO_CACHE, persist_result=False, log_prints=False)
-def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str) -> dict[str, Any]:
+def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str, tenant: str | None = None) -> dict[str, Any]:
     """Train and checkpoint; metrics go straight to the job's MLflow run (found by its job id)."""
     from opentinker.sft.job import run_sft
     from opentinker.tracking.runs import JobTracker
 
     tracker = JobTracker(tracking_uri, experiment, job_id, spec)
-    result = run_sft(spec, job_id, tracker_callback=tracker.log_metrics)
+    result = run_sft(spec, job_id, tracker_callback=tracker.log_metrics, tenant=tenant)
     result.pop("history", None)  # already in MLflow; the task result stays small
     return result
 
@@ -43,7 +43,8 @@ def sft(spec: SFTSpec, job_id: str | None = None, tenant: str | None = None) -> 
         logger.info(f"SFT job {job.job_id}: {spec.model.name} ({spec.adapter.kind}) on {spec.data.path}; MLflow {tracker.run_url}")
         with remote_options(num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_retries=0,
                             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}):
-            result = sft_train.submit(spec=spec, job_id=job.job_id, tracking_uri=tracker.tracking_uri, experiment=job.experiment).result()
+            result = sft_train.submit(spec=spec, job_id=job.job_id, tracking_uri=tracker.tracking_uri, experiment=job.experiment,
+                                    tenant=tenant).result()
         logger.info(f"SFT job {job.job_id}: {result['steps']} steps, loss {_loss_line(result)}; checkpoint {result['checkpoint']}")
         tracker.log_checkpoint(result["checkpoint"])
         result["registered_model"] = None

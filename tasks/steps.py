@@ -71,7 +71,7 @@ class TaskSteps:
         if a.colocated:
             return ray.get(a.job.restore.remote())
         restored = ray.get(a.policy.restore_latest.remote())
-        if restored is not None:
+        if restored is not None and restored.resumed:
             ray.get(a.sampler.load_env_state.remote(restored.env_state))
             ray.get(a.sampler.sync.remote(a.policy.weights.remote()))
         return restored

@@ -139,6 +139,10 @@ def test_a_checkpoint_carrying_a_pickle_payload_is_refused_and_runs_nothing(tmp_
     manifest["files"]["optimizer.pt"] = len(buffer.getvalue())
     manifest["sha256"]["optimizer.pt"] = hashlib.sha256(buffer.getvalue()).hexdigest()
     (folder / "COMMIT.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CheckpointError, match="refused: its COMMIT.json does not match its signature"):
+        ckpt.load_checkpoint(ref.url)
+    # even re-signed with the stack's own secret (an insider), the payload is refused, not run
+    (folder / "COMMIT.json").write_text(json.dumps(ckpt.signed({k: v for k, v in manifest.items() if k != "signature"})))
     with pytest.raises(ckpt.CheckpointError, match="refused: optimizer.pt holds more than tensors and numbers"):
         ckpt.load_checkpoint(ref.url)
     assert not marker.exists()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -116,42 +116,156 @@ def test_bad_submissions_fail_with_the_field_and_numbers(service, tmp_path):
         InferenceSchedulerClient(url=settings.gateway_url, api_key=key).submit_inference_job(model_path="x", num_gpus=0)
 
 
-def test_two_slots_bound_running_jobs_and_cancel_frees_them(service, tmp_path):
-    from opentinker.storage import checkpoint as ckpt
-    from opentinker.client import SchedulerClient
+def _prefect_run(job_id: str):
+    from opentinker.control.follow import latest_flow_run
 
-    settings, key, _ = service
-    client = SchedulerClient(url=settings.gateway_url, api_key=key)
-    jobs = [client.submit_job(config=_args(tmp_path / str(i), steps=40, with_env=True))["job_id"] for i in range(3)]
-    most, cancelled_queued, running = 0, None, []
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        statuses = {j: client.job_status(j) for j in jobs}
-        running = [j for j, s in statuses.items() if s["state"] == "RUNNING"]
-        queued = [j for j, s in statuses.items() if s["state"] == "QUEUED"]
-        most = max(most, len(running), _slots(settings))
-        if cancelled_queued is None and len(running) == 2 and queued:
-            # queued: parked in Prefect, or its process warming up and waiting for a slot
-            cancelled_queued = queued[0]
-            client.cancel_job(cancelled_queued)
-            assert client.wait(cancelled_queued, timeout=60, poll=1)["state"] == "CANCELLED"
-        if cancelled_queued and running and all(statuses[j]["step"] >= 2 for j in running):
-            break
-        time.sleep(1)
-    assert cancelled_queued and len(running) == 2 and most == 2
-    for job_id in running:
+    return latest_flow_run(job_id)
+
+
+def _active(name: str) -> int:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).active_slots
+        except ObjectNotFound:
+            return 0
+
+
+@contextmanager
+def _gateway(settings):
+    """The gateway app, as the stack serves it, on a free port of this process (its own settings)."""
+    import contextvars
+    import threading
+
+    import uvicorn
+
+    from opentinker.control.gateway.app import create_app
+    from opentinker.core.polling import wait_for
+    from tests.stack_fixtures import free_ports
+
+    port = free_ports(1)[0]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(server.run,), daemon=True)  # this test's Prefect settings
+    thread.start()
+    wait_for(lambda: server.started or None, interval=0.1, timeout=60, what="the test's gateway")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_burst_of_submissions_admits_exactly_the_queued_limit(service, tmp_path):
+    """40 submissions of one tenant at once (jobs parked for fit(): no process starts) to a gateway
+    whose tenant_max_queued is 5: exactly 5 are admitted, 35 are a 429 with the numbers. (Counting
+    and creating apart, 500 at once were 59 admitted against a limit of 20.)"""
+    from collections import Counter
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+
+    from opentinker.client import SchedulerClient
+    from opentinker.control.gateway.tenants import TenantStore
+
+    settings, _, _ = service
+    key = TenantStore(settings.state_dir / "tenants.json").create("burst", rotate=True)
+    limit, tries = 5, 40
+    config, start = _args(tmp_path, steps=1), Barrier(tries)
+    with _gateway(settings.model_copy(update={"tenant_max_queued": limit})) as url:
+        def submit(_: int) -> httpx.Response:
+            with httpx.Client(timeout=180) as http:
+                start.wait()  # all requests leave together
+                return http.post(f"{url}/v1/jobs", json={"config": config}, headers={"Authorization": f"Bearer {key}"})
+
+        with ThreadPoolExecutor(tries) as pool:
+            answers = list(pool.map(submit, range(tries)))
+        assert Counter(a.status_code for a in answers) == {201: limit, 429: tries - limit}, [a.text for a in answers if a.status_code != 201][:3]
+        assert {a.json()["detail"] for a in answers if a.status_code == 429} == {
+            f"tenant burst has {limit} jobs waiting, the limit is {limit}: wait for some to start or cancel them"}
+        client = SchedulerClient(url=url, api_key=key)
+        jobs = [j["job_id"] for j in client.list_jobs()]
+        assert len(jobs) == limit
+        for job_id in jobs:  # parked jobs cancel at once, on the first cancel
+            assert client.cancel_job(job_id)["state"] == "CANCELLED"
+
+
+def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(service, tmp_path):
+    """acme's backlog (6 long jobs) fills both slots; globex's job then waits in a process of its
+    own (acme's work queue takes at most 4 of the pool's 5 processes). When one of acme's running
+    jobs stops, the freed slot goes to globex (holding 0) and not to acme's jobs waiting next to it
+    (acme holds 1), while acme's backlog waits; globex's queue then moves to the back. Never more than 2 run. Queued jobs cancelled in
+    each state a queued job can be in (parked for fit(); scheduled, no process: acme's queue is
+    full; pending: its process starting; started and waiting for slots) read CANCELLED on the
+    first cancel, never hold a slot, and end Cancelled in Prefect."""
+    from prefect.client.orchestration import get_client
+
+    from opentinker.client import SchedulerClient
+    from opentinker.core.polling import wait_for
+    from opentinker.storage import checkpoint as ckpt
+
+    settings, key_a, key_b = service
+    acme = SchedulerClient(url=settings.gateway_url, api_key=key_a)
+    globex = SchedulerClient(url=settings.gateway_url, api_key=key_b)
+    most = 0
+
+    def states(client, jobs) -> dict[str, str]:
+        nonlocal most
+        found = {j: client.job_status(j)["state"] for j in jobs}
+        most = max(most, _slots(settings), sum(s == "RUNNING" for s in found.values()))
+        return found
+
+    def prefect_state(job_id: str) -> str:
+        return _prefect_run(job_id).state.type.value
+
+    backlog = [acme.submit_job(config=_args(tmp_path / str(i), steps=40, with_env=True))["job_id"] for i in range(6)]
+    wait_for(lambda: list(states(acme, backlog).values()).count("RUNNING") == 2 or None, interval=1, timeout=240,
+             what="two of acme's jobs running")
+    parked = acme.submit_job(config=_args(tmp_path / "parked", steps=1))["job_id"]
+    # acme's work queue holds 4 of the 5 processes: 2 running, 2 waiting for a slot; the rest get none
+    wait_for(lambda: _active("waiting-cpu-acme") == 2 or None, interval=1, timeout=180, what="two of acme's jobs waiting for a slot")
+    running = [j for j, s in states(acme, backlog).items() if s == "RUNNING"]
+    unstarted = [j for j in backlog if prefect_state(j) == "SCHEDULED"]
+    assert len(running) == 2 and len(unstarted) == 2, {j: prefect_state(j) for j in backlog}
+    waiting_a = [j for j in backlog if j not in running and j not in unstarted]
+
+    queued_cancels = {parked: "SCHEDULED", unstarted[1]: "SCHEDULED"}
+    for job_id in queued_cancels:
+        assert acme.cancel_job(job_id)["state"] == "CANCELLED"  # the first cancel
+
+    other = globex.submit_job(config=_args(tmp_path / "globex", steps=2, with_env=True))["job_id"]
+    wait_for(lambda: _active("waiting-cpu-globex") == 1 or None, interval=1, timeout=120, what="globex's job waiting for a slot")
+    assert states(globex, [other])[other] == "QUEUED" and _active("waiting-cpu-acme") == 2
+
+    wait_for(lambda: all(acme.job_status(j)["step"] >= 1 for j in running) or None, interval=2, timeout=180, what="a first step")
+    acme.cancel_job(running[0])  # frees a slot, and a process: acme's next job starts (Pending while its process loads)
+    wait_for(lambda: prefect_state(unstarted[0]) != "SCHEDULED" or None, interval=0.1, timeout=120, what="acme's next job starting")
+    assert prefect_state(unstarted[0]) == "PENDING"
+    assert acme.cancel_job(unstarted[0])["state"] == "CANCELLED"
+    queued_cancels[unstarted[0]] = "PENDING"
+    # the slot goes to globex (holding none), not to acme's jobs waiting beside it (acme holds one)
+    wait_for(lambda: states(globex, [other])[other] == "RUNNING" or None, interval=0.5, timeout=120, what="globex's job running")
+    assert states(acme, [running[1], *waiting_a]) == {running[1]: "RUNNING", **{j: "QUEUED" for j in waiting_a}}
+    with get_client(sync_client=True) as prefect:  # round robin: the tenant that got slots last starts last
+        queues = {q.name: q.priority for q in prefect.read_work_queues(work_pool_name="cpu")}
+    assert queues["tenant-globex"] == max(queues.values()), queues
+
+    for job_id in waiting_a:
+        assert acme.cancel_job(job_id)["state"] == "CANCELLED"  # started, waiting for its slot
+        queued_cancels[job_id] = "RUNNING"
+    for job_id in queued_cancels:
+        ended = wait_for(lambda j=job_id: prefect_state(j) == "CANCELLED" or None, interval=1, timeout=60, what=f"{job_id} Cancelled")
+        run = _prefect_run(job_id)
+        assert ended and "opentinker:slots-held" not in run.tags and acme.job_status(job_id)["state"] == "CANCELLED", (job_id, run.state)
+    assert most == 2
+
+    for client, job_id in ((acme, running[1]), (globex, other)):
         client.cancel_job(job_id)
-    for job_id in running:
+    for client, job_id in ((acme, running[0]), (acme, running[1]), (globex, other)):
         assert client.wait(job_id, timeout=120, poll=1)["state"] == "CANCELLED"
-    deadline = time.monotonic() + 90  # the cancelled runs' leases are released (or expire)
-    while _slots(settings) and time.monotonic() < deadline:
-        time.sleep(2)
-    assert _slots(settings) == 0
-    # cancelled jobs keep their complete checkpoints
-    base = f"{settings.storage_url}/tenants/acme"
-    for job_id in running:
-        latest = ckpt.latest_checkpoint(base, job_id)
-        assert latest is not None and latest.step >= 2
+    wait_for(lambda: _slots(settings) == 0 or None, interval=2, timeout=90, what="every slot released")
+    latest = ckpt.latest_checkpoint(f"{settings.storage_url}/tenants/acme", running[0])  # a cancelled job keeps its checkpoints
+    assert latest is not None and latest.step >= 1
 
 
 def test_no_api_key_is_written_anywhere(service):
@@ -189,3 +303,30 @@ def test_job_state_reads_a_cancelled_run_as_cancelled_even_if_its_process_crashe
     assert job_state(run(Cancelled(), CANCEL_REQUESTED_TAG))[0] == "CANCELLED"
     assert job_state(run(Running(), SLOTS_HELD_TAG, CANCEL_REQUESTED_TAG))[0] == "RUNNING"
     assert job_state(run(Running()))[0] == "QUEUED"
+    # cancelled before it held slots: CANCELLED at once, whatever Prefect's state on the way out
+    from prefect.states import Pending, Scheduled
+
+    for prefect_state in (Scheduled(), Pending(), Running()):
+        assert job_state(run(prefect_state, CANCEL_REQUESTED_TAG)) == ("CANCELLED", "cancelled while queued")
+
+
+def test_fair_share_gives_a_free_slot_to_the_waiting_tenant_that_holds_fewest():
+    """The rule of opentinker/orchestration/admission.py on the counts a waiting job reads."""
+    import logging
+
+    from opentinker.orchestration.admission import DEFER_S, _Turn, _View
+
+    def turn(tenant: str, need: int = 1) -> _Turn:
+        return _Turn("cpu", tenant, need, logging.getLogger("test"))
+
+    contested = _View(free=1, held={"acme": 1, "globex": 0}, waiting={"acme": 1, "globex": 1})
+    assert not turn("acme")._my_turn(contested)  # acme's backlog lets globex, holding fewer, go first
+    assert turn("globex")._my_turn(contested)
+    assert turn("acme")._my_turn(_View(free=1, held={"acme": 1}, waiting={"acme": 1}))  # alone: every slot
+    assert turn("acme")._my_turn(_View(free=1, held={"acme": 1, "globex": 1}, waiting={"acme": 1, "globex": 1}))  # as many: first asker
+    assert turn("acme")._my_turn(_View(free=1, held={"acme": 1, "globex": 0}, waiting={"acme": 1, "globex": 0}))  # globex not waiting
+    assert not turn("globex", need=2)._my_turn(_View(free=1, held={}, waiting={"globex": 1}))  # not enough free
+    patient = turn("acme")
+    assert not patient._my_turn(contested)
+    patient.deferring_since -= DEFER_S  # globex's job did not take the free slot in DEFER_S: it is not left idle
+    assert patient._my_turn(contested)

@@ -202,7 +202,7 @@ def test_flow_with_a_missing_bucket_fails_before_training(stack_env, s3_url, tmp
 # --- corrupt checkpoints fail clearly and change nothing -----------------------------------------
 
 
-def test_corrupt_checkpoint_on_s3_fails_clearly_and_changes_nothing(s3_server, s3_url, tmp_path, tiny_path):
+def test_corrupt_checkpoint_on_s3_fails_clearly_and_resume_goes_on_from_the_intact_one(s3_server, s3_url, tmp_path, tiny_path):
     from opentinker.model.policy import load_policy
     from opentinker.rl import RLJob
 
@@ -220,9 +220,12 @@ def test_corrupt_checkpoint_on_s3_fails_clearly_and_changes_nothing(s3_server, s
         ckpt.load_checkpoint(step2)
     with pytest.raises(FileNotFoundError, match=match):
         load_policy(step2)
-    with pytest.raises(FileNotFoundError, match=match):  # resume refuses it rather than training on garbage
-        RLJob(_on(s3_url, tmp_path, optimization={"steps": 4}, checkpoint={"every": 1}), job_id="corrupt").run()
     assert s3_server.objects(s3_url) == before
+    # resume refuses it rather than training on garbage, says so, and goes on from the intact step 1
+    result = RLJob(_on(s3_url, tmp_path, optimization={"steps": 3}, checkpoint={"every": 1}), job_id="corrupt").run()
+    assert result.resumed_from == 1 and result.steps_done == 3
+    assert len(result.skipped) == 1 and result.skipped[0].startswith(match)
+    assert ckpt.load_checkpoint(step2).step == 2  # redone
 
 
 def test_checkpoint_without_policy_or_spec_fails_clearly_and_changes_nothing(s3_server, s3_url, tmp_path, tiny_path):
@@ -238,6 +241,8 @@ def test_checkpoint_without_policy_or_spec_fails_clearly_and_changes_nothing(s3_
     for name in ("policy.json", "spec.yaml"):  # as if an older writer had never written them
         client.delete_object(Bucket=bucket, Key=f"{prefix}/{name}")
         del manifest["files"][name], manifest["sha256"][name]
+    for name in ("signature", "job", "tenant"):  # nor signed its checkpoints (loading by URL still accepts those)
+        del manifest[name]
     client.put_object(Bucket=bucket, Key=f"{prefix}/COMMIT.json", Body=json.dumps(manifest).encode())
     before = s3_server.objects(s3_url)
     with pytest.raises((ValueError, FileNotFoundError), match=f"{step1}.*policy.json"):

@@ -91,6 +91,8 @@ def run(
         finally:
             job.close()
 
+    for line in result.skipped:  # checkpoint folders resume refused: it went on from an older one
+        console.print(f"skipped {line}", style="yellow", markup=False, soft_wrap=True)
     table = Table(title=f"job {job.job_id}", show_header=False)
     table.add_row("steps", f"{result.steps_done} (resumed from {result.resumed_from})" if result.resumed_from else str(result.steps_done))
     if result.evaluations:

@@ -77,6 +77,8 @@ def _run_local(spec, job_id: str) -> None:
         for line in str(err).splitlines():
             console.print(line, style="red", markup=False)
         raise typer.Exit(2)
+    for line in job.skipped:  # checkpoint folders of this job id that are not its own, intact
+        console.print(f"skipped {line}", style="yellow", markup=False, soft_wrap=True)
     progress = step_progress("[bold]step")
     with progress:
         bar = progress.add_task("sft", total=None if job.reused else job.max_steps, summary="")

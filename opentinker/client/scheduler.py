@@ -42,6 +42,15 @@ class SchedulerClient:
     def metrics(self, job_id: str) -> dict[str, list[list[float]]]:
         return self._gateway.request("GET", f"/v1/jobs/{job_id}/metrics")
 
+    def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's checkpoint step folders, oldest first: step, url, `valid`, and otherwise the
+        `problem` (the line resume skips it with)."""
+        return self._gateway.request("GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    def delete_checkpoint(self, job_id: str, step: int) -> dict[str, Any]:
+        """Delete the job's checkpoint of `step` (every agent's folder of it); JobNotFound when none."""
+        return self._gateway.request("DELETE", f"/v1/jobs/{job_id}/checkpoints/{step}")
+
     def wait(self, job_id: str, timeout: float | None = None, poll: float = 2.0) -> dict[str, Any]:
         """Poll until the job ends; returns its last status (TimeoutError past `timeout`). A gateway
         that does not answer for a while (restarting) is tried again, for up to 15 minutes."""

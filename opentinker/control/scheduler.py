@@ -1,11 +1,16 @@
 """The scheduler is Prefect: this module only names and configures Prefect's own parts.
 
 - Work pools per hardware class (`gpu`, `cpu`), process type, whose concurrency limit bounds how
-  many job processes exist at once (the slots plus one warming up per slot).
+  many job processes exist at once (the slots, one warming up per slot, and one more for another
+  tenant's job).
 - A global concurrency limit per pool, `slots-<pool>`, with one slot per GPU (or per concurrent
   CPU job): a job asking for N GPUs holds N slots for its whole life (see opentinker/orchestration/job.py).
   Slots are leases: released on completion, failure or cancellation, and expired by the server
   when a crashed job stops renewing them.
+- Per tenant: a work queue in each pool, `tenant-<name>`, whose concurrency limit leaves room in
+  the pool for other tenants' jobs, and the counters `held-<pool>-<name>` and `waiting-<pool>-<name>`
+  (global concurrency limits used as counters) by which waiting jobs take turns: the fair-share
+  rule is in opentinker/orchestration/admission.py.
 - Deployments per job kind and pool, declared in `deployments/prefect.yaml`, and the flow (job
   kind) a spec runs as.
 - The job states users see, mapped from Prefect states.
@@ -37,6 +42,8 @@ SLOTS_HELD_TAG = "opentinker:slots-held"
 # process as crashed (SIGTERM before the engine installs its handler, e.g. while importing).
 CANCEL_REQUESTED_TAG = "opentinker:cancel-requested"
 AWAITING_ENV = "AwaitingEnvironment"
+# The reason a job cancelled before it held its slots reads.
+QUEUED_CANCEL = "cancelled while queued"
 # A run waiting for its environment is parked far in the future, out of every worker's reach.
 _PARKED = timedelta(days=3650)
 
@@ -75,11 +82,67 @@ def tenant_limit(tenant: str) -> str:
     return f"tenant-{tenant}"
 
 
+def admit_limit(pool: str) -> str:
+    """A one-slot limit that serializes the decisions of jobs taking a pool's slots (a mutex)."""
+    return f"admit-{pool}"
+
+
+def held_limit(pool: str, tenant: str) -> str:
+    """Counts the slots of `pool` that the tenant's jobs hold (taken together with the slots)."""
+    return f"held-{pool}-{tenant}"
+
+
+def waiting_limit(pool: str, tenant: str) -> str:
+    """Counts the tenant's jobs waiting for slots of `pool` (leased: a dead waiter stops counting)."""
+    return f"waiting-{pool}-{tenant}"
+
+
+# The limit of the counting limits above: they count, they never refuse.
+COUNTER = 1_000_000
+
+
+def tenant_queue(tenant: str) -> str:
+    """The tenant's work queue, in each pool."""
+    return f"tenant-{tenant}"
+
+
+def tenant_queue_limit(slots: int) -> int:
+    """Job processes one tenant may have in a pool of `slots` slots (running, or started and waiting
+    for a slot): one running and one warming up per slot, every process the pool may start but the
+    one kept for another tenant's job, which so always starts and waits its turn."""
+    return max(1, 2 * slots)
+
+
+def ensure_tenant_queue(settings: Settings, tenant: str, pool: str) -> str:
+    """Create the tenant's work queue in `pool`, sized to the pool's slots now, before its first job
+    is queued there (`resize_pool` resizes it with the pool); its name."""
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = tenant_queue(tenant)
+    with prefect_client() as client:
+        try:
+            client.read_work_queue_by_name(name, work_pool_name=pool)
+        except ObjectNotFound:
+            try:
+                client.create_work_queue(name=name, work_pool_name=pool, concurrency_limit=tenant_queue_limit(live_capacity(settings, pool)),
+                                         description=f"jobs of tenant {tenant}")
+            except ObjectAlreadyExists:  # a concurrent first submission created it
+                pass
+    return name
+
+
 def ensure_tenant_limit(tenant: str, running: int) -> None:
     """Create (or resize) the tenant's running-jobs limit before its job is queued."""
     from prefect.exceptions import ObjectAlreadyExists
 
+    from prefect.exceptions import ObjectNotFound
+
     with prefect_client() as client:
+        try:
+            if client.read_global_concurrency_limit_by_name(tenant_limit(tenant)).limit == running:
+                return  # the usual case: one read per submission
+        except ObjectNotFound:
+            pass
         try:
             client.upsert_global_concurrency_limit_by_name(tenant_limit(tenant), running)
         except ObjectAlreadyExists:  # a concurrent first submission created it between Prefect's read and create
@@ -122,8 +185,10 @@ def resize_pool(pool: str, slots: int) -> None:
     # One waiting job per slot may start: it loads (imports, checks) while the others run, then
     # waits for a slot, so each freed slot is refilled in about a second, not after a whole
     # process start-up, even when jobs started together end together (bench/scheduler_load.py).
-    # The slots bound what runs.
-    limit = 2 * slots
+    # The slots bound what runs. One more process is kept for another tenant's job: one tenant's
+    # queue takes at most 2 × slots (`tenant_queue_limit`), so another tenant's job can always
+    # start and wait its turn.
+    limit = 2 * slots + 1
     with prefect_client() as client:
         try:
             existing = client.read_work_pool(pool)
@@ -139,6 +204,10 @@ def resize_pool(pool: str, slots: int) -> None:
             if existing.concurrency_limit != limit:
                 client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=limit))
         client.upsert_global_concurrency_limit_by_name(slot_limit(pool), slots)
+        client.upsert_global_concurrency_limit_by_name(admit_limit(pool), 1)
+        for queue in client.read_work_queues(work_pool_name=pool):  # tenants' queues follow the pool's size
+            if queue.name.startswith("tenant-") and queue.concurrency_limit != tenant_queue_limit(slots):
+                client.update_work_queue(queue.id, concurrency_limit=tenant_queue_limit(slots))
 
 
 def live_capacity(settings: Settings, pool: str) -> int:
@@ -258,12 +327,17 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
     """(user-facing state, reason) of a job's flow run.
 
     QUEUED: scheduled, pending, parked for its environment, or started but still waiting for
-    its slots; RUNNING: holding its slots (or cancelling); the rest are terminal.
+    its slots; RUNNING: holding its slots (or cancelling); the rest are terminal. A job cancelled
+    before it held its slots is CANCELLED at once, even while the process Prefect had started
+    for it is still on its way out (it never runs the job: opentinker/orchestration/admission.py).
     """
     state = flow_run.state
     if state is None:
         return "QUEUED", None
     kind, name, message = state.type.value, state.name, state.message
+    tags = flow_run.tags or []
+    if CANCEL_REQUESTED_TAG in tags and SLOTS_HELD_TAG not in tags and kind in ("SCHEDULED", "PENDING", "PAUSED", "RUNNING", "CANCELLING"):
+        return "CANCELLED", QUEUED_CANCEL
     if kind == "SCHEDULED" and name == AWAITING_ENV:
         return "QUEUED", "waiting for the environment: call ServiceClient.fit()"
     if kind in ("SCHEDULED", "PENDING", "PAUSED"):

@@ -53,31 +53,32 @@ def actor_options(spec: JobSpec, name: str) -> dict[str, Any]:
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}}
 
 
-def create_actors(spec: JobSpec, job_id: str) -> JobActors:
-    """Start the job's actors with the resources the spec asks for, and wait until they are up."""
+def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobActors:
+    """Start the job's actors with the resources the spec asks for, and wait until they are up;
+    `tenant`: whose job (its checkpoints are signed as such)."""
     import ray
 
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
 
     if spec.resources.colocate:
-        job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server)
+        job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job)
-    policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id)
+    policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
     return JobActors(policy=policy, sampler=sampler)
 
 
-def create_selfplay_actor(spec: JobSpec, job_id: str) -> Any:
+def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None) -> Any:
     """A self-play job's agents in one actor (on CPU they share the cores anyway)."""
     import ray
 
     from opentinker.rl.selfplay import SelfPlayJob
 
-    handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents")).remote(spec, job_id)
+    handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents")).remote(spec, job_id, tenant=tenant)
     ray.get(handle.__ray_ready__.remote())
     return handle
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +20,14 @@ from uuid import uuid4
 from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, SLOTS_HELD_TAG, pool_for, prefect_client, slot_limit, slots_for, tenant_limit
+from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, pool_for, prefect_client, slots_for
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
 from opentinker.core.ids import check_job_id
 from opentinker.core.polling import through_blips
 from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
 from opentinker.orchestration.actors import check_placeable
-from opentinker.orchestration.slot_lease import leased_slots
+from opentinker.orchestration.admission import admitted
 from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner, authenticate
 from opentinker.storage.preflight import check_job_storage
 from opentinker.tracking.runs import JobTracker, check_mlflow
@@ -116,7 +116,9 @@ def job_runtime_env(settings: Settings) -> dict[str, Any]:
 @contextmanager
 def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
     """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit,
-    and for a tenant's job first one slot of the tenant's running-jobs limit.
+    and for a tenant's job first one slot of the tenant's running-jobs limit, taking turns with
+    other tenants' jobs (the fair-share rule: opentinker/orchestration/admission.py). A job
+    cancelled while it waits ends Cancelled here, without running anything.
 
     Only deployment runs take slots (the scheduler's runs); a direct call, as in a notebook or a
     benchmark, runs unscheduled. The leases are renewed while the run lives, through a Prefect
@@ -126,20 +128,8 @@ def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
     if runtime.deployment.id is None:
         yield
         return
-    from contextlib import ExitStack
-
-    def tag_running() -> None:
-        with prefect_client() as client:
-            run = client.read_flow_run(runtime.flow_run.id)
-            client.update_flow_run(run.id, tags=[*run.tags, SLOTS_HELD_TAG])
-
-    logger = get_run_logger()
-    with ExitStack() as held:
-        if tenant:
-            held.enter_context(leased_slots(tenant_limit(tenant), 1, lease_s=SLOT_LEASE_S, blip_s=CONTROL_BLIP_S, logger=logger))
-        held.enter_context(leased_slots(slot_limit(pool_for(num_gpus)), slots_for(num_gpus), lease_s=SLOT_LEASE_S,
-                                        blip_s=CONTROL_BLIP_S, logger=logger))
-        through_blips(tag_running, give_up_after_s=CONTROL_BLIP_S)
+    with admitted(pool_for(num_gpus), slots_for(num_gpus), tenant, lease_s=SLOT_LEASE_S, blip_s=CONTROL_BLIP_S,
+                  log=get_run_logger()):
         try:
             yield
         except BaseException:  # SystemExit on the SIGTERM that stops a cancelled run
@@ -165,6 +155,23 @@ class JobContext:
     job_id: str
     flow_run_id: str
     experiment: str
+    tenant: str | None = None  # whose job: its checkpoints are signed as this tenant's (None: the operator's)
+
+    def on_restore(self, tracker: JobTracker) -> Callable[[Any], None]:
+        """The step loop's `on_restore` hook (rl.loop): one warning per checkpoint folder the resume
+        refused (also kept in the MLflow run's tag `opentinker.skipped_checkpoints`), then the
+        steps the restored checkpoint covers that MLflow missed, logged."""
+        logger = get_run_logger()
+
+        def hook(restored: Any) -> None:
+            for line in restored.skipped:
+                logger.warning(f"resume skipped {line}")
+            tracker.set_tags({"opentinker.skipped_checkpoints": "\n".join(restored.skipped)[:5000]})  # this resume's, "" for none
+            if restored.resumed:
+                logger.info(f"resuming at step {restored.step}; logged steps {tracker.log_missing_metrics(restored.metrics)} that MLflow missed")
+            else:
+                logger.warning(f"job {self.job_id}: no intact checkpoint, starting from step 0")
+        return hook
 
     @contextmanager
     def tracked(self, spec) -> Iterator[JobTracker]:
@@ -198,29 +205,29 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
     check_job_storage(spec)
     check_placeable(spec)
     with held_slots(spec.resources.num_gpus, tenant):
-        context = JobContext(job_id, flow_run_id, tenant or settings.project)
+        context = JobContext(job_id, flow_run_id, tenant or settings.project, tenant)
         try:
             yield context
         except Exception as err:
             get_run_logger().error(f"job {context.job_id} failed", exc_info=True)  # with a Ray worker's traceback, if any
-            raise JobError(f"job {context.job_id}: {lost_cluster_line(err, spec, context.job_id) or one_line(err)}") from err
+            raise JobError(f"job {context.job_id}: {lost_cluster_line(err, spec, context.job_id, tenant) or one_line(err)}") from err
 
 
 # Ray's errors for work that vanished with a process or a node (not the job's own fault).
 _LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError"}
 
 
-def lost_cluster_line(err: BaseException, spec: Any, job_id: str) -> str | None:
+def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | None = None) -> str | None:
     """For a job whose actors or node went away (a node killed, the head dead): what happened and
     where a resubmission resumes, instead of Ray's paragraph about node ids; None for other errors."""
     if not _LOST & {cls.__name__ for cls in type(err).__mro__}:
         return None
     if getattr(err, "actor_init_failed", False):  # its __init__ raised (a bad game, say): the job's own error
         return None
-    from opentinker.storage.checkpoint import latest_checkpoint
+    from opentinker.storage.checkpoint import Owner, latest_checkpoint
 
     try:
-        latest = latest_checkpoint(spec.checkpoint.base_url, job_id)
+        latest = latest_checkpoint(spec.checkpoint.base_url, job_id, Owner(job_id, tenant))
         resume = f"from step {latest.step} ({latest.url})" if latest else "from the start (no checkpoint yet)"
     except Exception:  # noqa: BLE001 - the storage may be what failed; the line still says what to do
         resume = "from its last complete checkpoint"

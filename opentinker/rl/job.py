@@ -24,9 +24,11 @@ from opentinker.storage.preflight import check_job_storage
 class RLJob:
     """A `StepRunner` (see opentinker.rl.loop) over a policy and a sampler sharing one model."""
 
-    def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None):
+    def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None,
+                 tenant: str | None = None):
         """`start_server` starts the job's own inference server for `rollout.engine: server`
-        (opentinker.inference.launch.rollout_server; the runtime's callers pass it). A job id
+        (opentinker.inference.launch.rollout_server; the runtime's callers pass it). `tenant` is
+        whose job it is (its checkpoints are signed as such; None: the operator's). A job id
         that is not one folder name (core/ids.py) is refused first: InvalidJobId, nothing written."""
         job_id = job_id_for(spec, job_id)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
@@ -34,13 +36,13 @@ class RLJob:
         self.spec = spec
         self.job_id = job_id
         seed_everything(spec.seed)
-        self.policy = Policy(spec, job_id=self.job_id)
+        self.policy = Policy(spec, job_id=self.job_id, tenant=tenant)
         self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
                                start_server=start_server)
 
     def restore(self) -> Restored | None:
         restored = self.policy.restore_latest()
-        if restored is not None:
+        if restored is not None and restored.resumed:
             self.sampler.load_env_state(restored.env_state)
             self.sampler.sync(self.policy.version)
         return restored

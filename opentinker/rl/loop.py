@@ -29,7 +29,7 @@ StepMetrics = list[tuple[int, dict[str, float]]]
 
 class StepRunner(Protocol):
     def restore(self) -> Restored | None:
-        """Continue from the job's latest complete checkpoint, if any."""
+        """Continue from the job's newest intact checkpoint, if any (see Restored.skipped)."""
 
     def rollout(self, step: int) -> dict[str, float]:
         """Play the step's episodes; the batch stays with the runner."""
@@ -73,6 +73,7 @@ class LoopResult:
     seconds: float = 0.0  # everything, restore and the first evaluation included
     loop_seconds: float = 0.0  # the steps alone
     not_registrable: str | None = None  # why the final checkpoint must not be registered (job health)
+    skipped: list[str] = field(default_factory=list)  # checkpoint folders resume refused, one line each
 
 
 def _call(hook: Callable | None, *args: Any) -> None:
@@ -89,7 +90,8 @@ def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None)
     start = restored.step if restored else 0
     if restored:
         _call(hooks.on_restore, restored)
-    result = LoopResult(resumed_from=start, steps_done=start, checkpoint=restored.checkpoint if restored else None)
+    result = LoopResult(resumed_from=start, steps_done=start, checkpoint=restored.checkpoint if restored else None,
+                        skipped=restored.skipped if restored else [])
     total = spec.optimization.steps
     pending: StepMetrics = []  # metrics no checkpoint covers yet
 

@@ -20,21 +20,28 @@ from opentinker.storage.resolve import resolve_checkpoint
 
 @dataclass
 class Restored:
-    """What a job got back from its latest complete checkpoint."""
+    """What a job got back from its newest intact checkpoint; with `checkpoint` None, only the
+    folders it skipped (none was intact: the job starts over)."""
 
     step: int
     checkpoint: Any  # a CheckpointRef (per agent for self-play: {agent: CheckpointRef})
-    env_state: dict[str, Any]
+    env_state: dict[str, Any] | None  # None when nothing was restored (see `resumed`)
     metrics: list = field(default_factory=list)  # the (step, metrics) the checkpoint covers
+    skipped: list[str] = field(default_factory=list)  # one line per newer folder refused (see newest_intact)
+
+    @property
+    def resumed(self) -> bool:
+        """False when folders were there but none was intact: the job starts over (checkpoint None)."""
+        return self.checkpoint is not None
 
 
-def pinned_init_from(spec: JobSpec, job_id: str | None) -> str | None:
+def pinned_init_from(spec: JobSpec, job_id: str | None, tenant: str | None = None) -> str | None:
     """The checkpoint `model.init_from` means for this job, resolved once: a resumed job reuses
-    what its latest checkpoint recorded, so a registry alias that moved since cannot change the
+    what its latest own checkpoint recorded, so a registry alias that moved since cannot change the
     base under trained weights."""
     if not spec.model.init_from:
         return None
-    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id) if job_id else None
+    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id, ckpt.Owner(job_id, tenant)) if job_id else None
     if latest is not None:
         recorded = read_policy_info(latest.url).get("init_from")
         if recorded:
@@ -44,13 +51,14 @@ def pinned_init_from(spec: JobSpec, job_id: str | None) -> str | None:
 
 class Policy:
     """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
-    `<checkpoint.base_url>/<job_id>/`. Loads its model unless one is given."""
+    `<checkpoint.base_url>/<job_id>/`, signed as `tenant`'s (None: the operator's). Loads its
+    model unless one is given."""
 
-    def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None):
+    def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None, tenant: str | None = None):
         if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
             check_folder_name(job_id, "job id")
-        self.spec, self.job_id = spec, job_id
-        self.init_from = pinned_init_from(spec, job_id)
+        self.spec, self.job_id, self.tenant = spec, job_id, tenant
+        self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
@@ -92,18 +100,28 @@ class Policy:
                    "metrics": [[int(s), {k: v if isinstance(v, str) else float(v) for k, v in m.items()}] for s, m in metrics]},
             extra_files=extra,
             keep_last=self.spec.checkpoint.keep_last,
+            tenant=self.tenant,
         )
 
+    @property
+    def owner(self) -> ckpt.Owner:
+        return ckpt.Owner(self.job_id, self.tenant)
+
     def restore_latest(self) -> Restored | None:
-        """Load the job's latest complete checkpoint (weights, optimizer, version, RNG), if any."""
-        ref = ckpt.latest_checkpoint(self.spec.checkpoint.base_url, self.job_id)
-        if ref is None:
-            return None
-        loaded = self.restore(ref.url)
-        return Restored(step=loaded.step, checkpoint=ref, env_state=loaded.state["env"], metrics=loaded.state.get("metrics", []))
+        """Load the job's newest intact checkpoint (weights, optimizer, version, RNG), skipping newer
+        folders that are not (each named in `skipped`); None when the job has no step folder."""
+        found = ckpt.newest_intact(self.spec.checkpoint.base_url, self.job_id, self.owner)
+        if found.ref is None:
+            return Restored(step=0, checkpoint=None, env_state=None, skipped=found.skipped) if found.skipped else None
+        loaded = self.apply(found.loaded)
+        return Restored(step=loaded.step, checkpoint=found.ref, env_state=loaded.state["env"],
+                        metrics=loaded.state.get("metrics", []), skipped=found.skipped)
 
     def restore(self, url: str) -> ckpt.LoadedCheckpoint:
-        loaded = ckpt.load_checkpoint(url)
+        """Load this job's checkpoint at `url` (refused unless it is this job's, intact)."""
+        return self.apply(ckpt.load_checkpoint(url, self.owner))
+
+    def apply(self, loaded: ckpt.LoadedCheckpoint) -> ckpt.LoadedCheckpoint:
         self.trainer.load_trainable_state(loaded.weights)
         self.trainer.optimizer.load_state_dict(loaded.optimizer_state)
         self.trainer.version = int(loaded.state["policy_version"])

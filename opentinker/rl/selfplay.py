@@ -65,7 +65,8 @@ def learner_names(multiagent) -> list[str]:
 
 
 class SelfPlayJob:
-    def __init__(self, spec: JobSpec, job_id: str | None = None):
+    def __init__(self, spec: JobSpec, job_id: str | None = None, tenant: str | None = None):
+        """`tenant`: whose job it is (each learner's checkpoints are signed as such; None: the operator's)."""
         if spec.multiagent is None:
             raise ValueError("multiagent: this job has no multiagent section")
         self.spec, self.ma = spec, spec.multiagent
@@ -76,7 +77,7 @@ class SelfPlayJob:
         self.env = environment_from_spec(spec, self.job_id)
         players = self.ma.players
         self.learners = learner_names(self.ma)
-        self.policies = {name: Policy(spec, job_id=self.agent_job_id(name)) for name in self.learners}
+        self.policies = {name: Policy(spec, job_id=self.agent_job_id(name), tenant=tenant) for name in self.learners}
         if self.ma.opponent == "snapshot":
             self.policies[SNAPSHOT] = Policy(spec)
             self.refresh_snapshot()
@@ -202,21 +203,29 @@ class SelfPlayJob:
         return {agent: self.policies[agent].save(step, state, metrics) for agent in self.learners}
 
     def restore(self) -> Restored | None:
-        """Restore every learner (and the snapshot) at the newest step all of them have."""
+        """Restore every learner (and the snapshot) at the newest step all of them have intact;
+        a newer step where one agent's checkpoint is refused is skipped, with the reason."""
         base = self.spec.checkpoint.base_url
-        steps = [{ref.step: ref for ref in ckpt.list_checkpoints(base, self.agent_job_id(a))} for a in self.learners]
+        steps = [{ref.step: ref for ref in ckpt.step_folders(base, self.agent_job_id(a))} for a in self.learners]
         common = set.intersection(*(set(s) for s in steps)) if steps else set()
-        if not common:
-            return None
-        step = max(common)
-        for agent, refs in zip(self.learners, steps):
-            loaded = self.policies[agent].restore(refs[step].url)
+        skipped, found = [], None
+        for step in sorted(common, reverse=True):
+            try:
+                found = {a: ckpt.load_checkpoint(refs[step].url, self.policies[a].owner) for a, refs in zip(self.learners, steps)}
+                break
+            except ckpt.CheckpointError as err:
+                skipped.append(str(err))
+                ckpt.log.warning("resume skips %s", err)
+        if found is None:
+            return Restored(step=0, checkpoint=None, env_state=None, skipped=skipped) if skipped else None
+        for agent, one in found.items():
+            loaded = self.policies[agent].apply(one)
             self.engines[agent].policy_version = self.policies[agent].version
         self.env.load_state(loaded.state["env"])
         if self.ma.opponent == "snapshot":
             self.refresh_snapshot()
         return Restored(step=step, checkpoint={a: refs[step] for a, refs in zip(self.learners, steps)},
-                        env_state=loaded.state["env"], metrics=loaded.state.get("metrics", []))
+                        env_state=loaded.state["env"], metrics=loaded.state.get("metrics", []), skipped=skipped)
 
     def run(self, hooks: LoopHooks | None = None) -> LoopResult:
         """Train to `optimization.steps` in this process, resuming from the latest checkpoints."""

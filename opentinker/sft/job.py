@@ -36,21 +36,18 @@ from opentinker.storage.resolve import resolve_checkpoint
 
 
 
-def _reuse(spec: SFTSpec, job_id: str) -> dict[str, Any] | None:
+def _reuse(spec: SFTSpec, job_id: str, tenant: str | None) -> ckpt.Intact:
     """The result of an earlier run of this job id with the same spec (a retried flow does not
-    train twice); an earlier run with another spec is refused, since its checkpoint would mix in."""
-    latest = ckpt.latest_checkpoint(spec.checkpoint.base_url, job_id)
-    if latest is None:
-        return None
-    fs, path = ckpt.url_to_fs(latest.url)
-    try:
-        earlier = yaml.safe_load(fs.cat_file(f"{path}/{SFT_SPEC_FILE}"))
-    except FileNotFoundError:
-        earlier = None
-    if earlier != spec.model_dump(mode="json"):
-        raise SpecError(f"job_id: {job_id!r} already has a checkpoint from another spec ({latest.url}); use a new job id")
-    state = json.loads(fs.cat_file(f"{path}/state.json"))
-    return {**state["result"], "checkpoint": latest.url, "reused": True}
+    train twice), from its newest intact checkpoint; an earlier run with another spec is refused,
+    since its checkpoint would mix in. Folders that are not intact are skipped, each named."""
+    def earlier_result(url: str, owner: ckpt.Owner) -> dict[str, Any]:
+        earlier = ckpt.read_file(url, SFT_SPEC_FILE, missing_ok=True, owner=owner)
+        if (yaml.safe_load(earlier) if earlier else None) != spec.model_dump(mode="json"):
+            raise SpecError(f"job_id: {job_id!r} already has a checkpoint from another spec ({url}); use a new job id")
+        state = json.loads(ckpt.read_file(url, "state.json", owner=owner))
+        return {**state["result"], "checkpoint": url, "reused": True}
+
+    return ckpt.newest_intact(spec.checkpoint.base_url, job_id, ckpt.Owner(job_id, tenant), earlier_result)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -73,11 +70,13 @@ class SFTJob:
     """Validates data, loads the model (from `model.init_from` when set), trains with SFTTrainer
     and writes the checkpoint. `model` stays available after `run` (for tests and notebooks)."""
 
-    def __init__(self, spec: SFTSpec, job_id: str | None = None):
-        self.spec = spec
+    def __init__(self, spec: SFTSpec, job_id: str | None = None, tenant: str | None = None):
+        """`tenant`: whose job it is (its checkpoint is signed as such; None: the operator's)."""
+        self.spec, self.tenant = spec, tenant
         self.job_id = job_id_for(spec, job_id)  # a bad id is refused before anything is read or written
         check_job_storage(spec)  # a wrong bucket or missing credentials: one line, before anything loads
-        self.reused = _reuse(spec, self.job_id)
+        earlier = _reuse(spec, self.job_id, tenant)
+        self.reused, self.skipped = earlier.loaded, earlier.skipped
         if self.reused:
             return
         chats = load_chats(spec.data.path)  # bad data fails before the model loads
@@ -171,7 +170,7 @@ class SFTJob:
     def run(self, on_log: MetricsCallback | None = None) -> dict[str, Any]:
         """Train, measure before/after, checkpoint; `on_log(step, metrics)` sees every metric point."""
         if self.reused:
-            return self.reused
+            return {**self.reused, "skipped_checkpoints": self.skipped}
         import tempfile
 
         t0 = time.perf_counter()
@@ -204,9 +203,9 @@ class SFTJob:
                 weights={n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad},
                 optimizer_state=_to_cpu(trainer.optimizer.state_dict()),
                 state={"policy_version": steps, "kind": "sft", "result": result},
-                extra_files=extra,
+                extra_files=extra, tenant=self.tenant,
             )
-        return {**result, "checkpoint": ref.url, "seconds": time.perf_counter() - t0, "reused": False}
+        return {**result, "checkpoint": ref.url, "seconds": time.perf_counter() - t0, "reused": False, "skipped_checkpoints": self.skipped}
 
     @property
     def max_steps(self) -> int:
@@ -215,6 +214,7 @@ class SFTJob:
         return math.ceil(batches / self.spec.training.grad_accum) * self.spec.training.epochs
 
 
-def run_sft(spec: SFTSpec, job_id: str | None = None, tracker_callback: MetricsCallback | None = None) -> dict[str, Any]:
+def run_sft(spec: SFTSpec, job_id: str | None = None, tracker_callback: MetricsCallback | None = None,
+            tenant: str | None = None) -> dict[str, Any]:
     """One SFT job in this process; returns small, JSON-able facts (losses, steps, checkpoint URL)."""
-    return SFTJob(spec, job_id).run(on_log=tracker_callback)
+    return SFTJob(spec, job_id, tenant=tenant).run(on_log=tracker_callback)

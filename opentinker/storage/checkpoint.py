@@ -7,7 +7,10 @@ is unpickled, so a checkpoint someone crafted cannot run code when it is loaded.
 only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
 point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
 COMMIT.json also records each file's sha256, so a file changed after the commit (same size, other
-bytes) makes loading fail with the URL and the file named instead of restoring garbage.
+bytes) makes loading fail with the URL and the file named instead of restoring garbage; and it
+names the job, tenant and step, signed with the stack's secret (signing.py), so a folder copied
+from another job or re-hashed over other bytes is refused. Resume takes the newest checkpoint that
+passes all of it and names each newer folder it skipped (`newest_intact`).
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import pickle
 import random
-import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,21 +33,17 @@ from safetensors.torch import save as save_safetensors
 
 from opentinker.core.ids import check_folder_name
 from opentinker.storage.committed import (COMMIT, CheckpointWriteError, committed_manifest, is_complete, join_url, read_manifest,  # noqa: F401 - re-exported
-                                          remove_committed, url_to_fs, write_committed)
+                                          remove_committed, url_to_fs, why_incomplete, write_committed)
+from opentinker.storage import signing
+from opentinker.storage.signing import CheckpointRef, Owner, folder_problem, problem, signed, stack_secret  # noqa: F401 - re-exported
 
-_STEP_DIR = re.compile(r"step-(\d{8})$")
+log = logging.getLogger("opentinker.checkpoint")
 
 
 class CheckpointError(FileNotFoundError):
     """No usable checkpoint at a URL: none there, uncommitted (no COMMIT.json, a size differs) or
     corrupt (bytes differ from the recorded sha256, or do not parse). A FileNotFoundError, so
     callers asking "is there a checkpoint here" treat all of them alike; the message says which."""
-
-
-@dataclass
-class CheckpointRef:
-    url: str
-    step: int
 
 
 def job_url(base_url: str, job_id: str) -> str:
@@ -84,9 +84,12 @@ def save_checkpoint(
     state: dict[str, Any],
     extra_files: dict[str, bytes] | None = None,
     keep_last: int | None = None,
+    tenant: str | None = None,
 ) -> CheckpointRef:
-    """Write one checkpoint and commit it; then prune older complete ones beyond `keep_last`."""
+    """Write one checkpoint and commit it, signed as `tenant`'s job `job_id` at `step`; then prune
+    the job's older checkpoints beyond `keep_last`."""
     url = join_url(job_url(base_url, job_id), f"step-{step:08d}")
+    owner = Owner(job_id, tenant)
     opt_buf = io.BytesIO()
     torch.save(optimizer_state, opt_buf)
     files = {
@@ -96,9 +99,10 @@ def save_checkpoint(
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }
-    write_committed(url, files, {"step": step})
+    secret = stack_secret()
+    write_committed(url, files, owner.header(step), sign=lambda manifest: signed(manifest, secret))
     if keep_last:
-        prune(base_url, job_id, keep_last)
+        prune(base_url, job_id, keep_last, owner)
     return CheckpointRef(url=url, step=step)
 
 
@@ -119,13 +123,22 @@ def _verified(fs, path: str, url: str, manifest: dict[str, Any], name: str) -> b
     return data
 
 
-def read_file(url: str, name: str, missing_ok: bool = False) -> bytes | None:
+def trusted_manifest(fs, path: str, url: str, owner: Owner | None = None) -> dict[str, Any]:
+    """COMMIT.json of the folder, else CheckpointError with the one-line reason: incomplete, or
+    (signing.problem) not signed by this stack, or with `owner` not that job's checkpoint."""
+    manifest = read_manifest(fs, path)
+    if manifest is None:
+        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT}: {why_incomplete(fs, path)})")
+    if reason := problem(url, manifest, owner):
+        raise CheckpointError(reason)
+    return manifest
+
+
+def read_file(url: str, name: str, missing_ok: bool = False, owner: Owner | None = None) -> bytes | None:
     """One file of a complete checkpoint, verified against COMMIT.json; None when the checkpoint
     has no such file and `missing_ok` (e.g. policy.json in checkpoints older than it)."""
     fs, path = url_to_fs(url)
-    manifest = read_manifest(fs, path)
-    if manifest is None:
-        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+    manifest = trusted_manifest(fs, path, url, owner)
     if name not in manifest["files"]:
         if missing_ok:
             return None
@@ -133,30 +146,59 @@ def read_file(url: str, name: str, missing_ok: bool = False) -> bytes | None:
     return _verified(fs, path, url, manifest, name)
 
 
-def list_checkpoints(base_url: str, job_id: str) -> list[CheckpointRef]:
-    """Complete checkpoints of a job, oldest first."""
-    root_url = job_url(base_url, job_id)
-    fs, root = url_to_fs(root_url)
-    fs.invalidate_cache(root)  # before exists(): s3fs answers it from a cached parent listing
-    if not fs.exists(root):
-        return []
+def step_folders(base_url: str, job_id: str) -> list[CheckpointRef]:
+    """Every `step-N` folder of a job, committed or not, oldest first."""
+    return signing.step_folders(job_url(base_url, job_id))
+
+
+def list_checkpoints(base_url: str, job_id: str, owner: Owner | None = None) -> list[CheckpointRef]:
+    """Complete checkpoints of a job, oldest first; with `owner`, only those whose COMMIT.json is
+    that job's, signed (the files' bytes are checked when one is loaded)."""
     out = []
-    for entry in fs.ls(root, detail=False):
-        m = _STEP_DIR.search(entry.rstrip("/"))
-        if m and is_complete(fs, entry.rstrip("/")):
-            out.append(CheckpointRef(url=join_url(root_url, m.group(0)), step=int(m.group(1))))
-    return sorted(out, key=lambda c: c.step)
+    for ref in step_folders(base_url, job_id):
+        fs, path = url_to_fs(ref.url)
+        if (is_complete(fs, path) if owner is None else folder_problem(ref.url, owner) is None):
+            out.append(ref)
+    return out
 
 
-def latest_checkpoint(base_url: str, job_id: str) -> CheckpointRef | None:
-    found = list_checkpoints(base_url, job_id)
+def latest_checkpoint(base_url: str, job_id: str, owner: Owner | None = None) -> CheckpointRef | None:
+    found = list_checkpoints(base_url, job_id, owner)
     return found[-1] if found else None
 
 
-def prune(base_url: str, job_id: str, keep_last: int) -> None:
-    complete = list_checkpoints(base_url, job_id)
+def prune(base_url: str, job_id: str, keep_last: int, owner: Owner | None = None) -> None:
+    """Remove the job's checkpoints older than its `keep_last` newest (with `owner`, counting and
+    removing only its own: a foreign folder never pushes out a real checkpoint)."""
+    complete = list_checkpoints(base_url, job_id, owner)
     for ref in complete[:-keep_last]:
         remove_committed(ref.url)
+
+
+@dataclass
+class Intact:
+    """The newest checkpoint that verified and loaded (None: none did), what loading returned, and
+    one line per newer folder skipped (each names the folder and why)."""
+
+    ref: CheckpointRef | None = None
+    loaded: Any = None
+    skipped: list[str] = field(default_factory=list)
+
+
+def newest_intact(base_url: str, job_id: str, owner: Owner, load: Callable[[str, Owner], Any] | None = None) -> Intact:
+    """Walk the job's step folders newest first and take the first that `load` (default
+    `load_checkpoint`) accepts: a corrupt, foreign or unsigned latest costs its steps, not the job."""
+    found = Intact()
+    for ref in reversed(step_folders(base_url, job_id)):
+        try:
+            found.loaded = (load or load_checkpoint)(ref.url, owner)
+        except CheckpointError as err:
+            found.skipped.append(str(err))
+            log.warning("resume skips %s", err)
+            continue
+        found.ref = ref
+        break
+    return found
 
 
 @dataclass
@@ -174,12 +216,11 @@ def _tensors_only(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")  # the optimizer moves it to its parameters' device
 
 
-def load_checkpoint(url: str) -> LoadedCheckpoint:
-    """Read a complete checkpoint; CheckpointError names the URL and the file when it is not usable."""
+def load_checkpoint(url: str, owner: Owner | None = None) -> LoadedCheckpoint:
+    """Read a complete checkpoint (with `owner`: only that job's, see trusted_manifest);
+    CheckpointError names the URL and the file when it is not usable."""
     fs, path = url_to_fs(url)
-    manifest = read_manifest(fs, path)
-    if manifest is None:
-        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT})")
+    manifest = trusted_manifest(fs, path, url, owner)
 
     def parsed(name: str, parse):
         data = _verified(fs, path, url, manifest, name)

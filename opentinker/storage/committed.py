@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
 
 COMMIT = "COMMIT.json"
+SIGNATURE = "signature"  # a job checkpoint's HMAC of its own COMMIT.json (signing.py)
 # Stores without folders: s3fs's makedirs would create a missing *bucket* instead of failing.
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "abfs", "az"}
 
@@ -51,13 +53,17 @@ def makedirs(fs, path: str) -> None:
         fs.makedirs(path, exist_ok=True)
 
 
-def write_committed(url: str, files: dict[str, bytes], header: dict[str, Any] | None = None) -> None:
+def write_committed(url: str, files: dict[str, bytes], header: dict[str, Any] | None = None,
+                    sign: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Write `files` into the folder `url` (replacing an uncommitted or older one there), then its
-    COMMIT.json (sizes and sha256 of every file, plus `header`): the folder counts only once that
-    last write lands. CheckpointWriteError, with the partial folder removed, when a write fails."""
+    COMMIT.json (sizes and sha256 of every file, plus `header`; passed through `sign` when given,
+    see signing.py): the folder counts only once that last write lands. CheckpointWriteError, with
+    the partial folder removed, when a write fails."""
     fs, path = url_to_fs(url)
     manifest = {**(header or {}), "time": time.time(), "files": {n: len(d) for n, d in files.items()},
                 "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
+    if sign is not None:
+        manifest = sign(manifest)
     name = "the folder"
     try:
         fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
@@ -87,9 +93,11 @@ def update_manifest(url: str, changes: dict[str, Any]) -> None:
     manifest = read_manifest(fs, path)
     if manifest is None:
         raise FileNotFoundError(url)
-    protected = {"files", "sha256", "time"} & set(changes)
+    protected = {"files", "sha256", "time", SIGNATURE} & set(changes)
     if protected:
         raise ValueError(f"COMMIT.json fields {sorted(protected)} are written only with the files")
+    if SIGNATURE in manifest:  # a job checkpoint's: any change would break its signature
+        raise ValueError(f"{url}: a signed COMMIT.json is written only with its files")
     with fs.open(join_url(path, COMMIT), "wb") as f:
         f.write(json.dumps({**manifest, **changes}).encode())
 
@@ -113,6 +121,25 @@ def read_manifest(fs, path: str) -> dict[str, Any] | None:
     except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
         return None
     return manifest if complete else None
+
+
+def why_incomplete(fs, path: str) -> str:
+    """Why `path` holds no committed checkpoint (for a folder `read_manifest` refused), said of its COMMIT.json."""
+    try:
+        manifest = json.loads(fs.cat_file(join_url(path, COMMIT)))
+    except FileNotFoundError:
+        return "none there: a write that never finished, or one still under way"
+    except (ValueError, OSError) as err:
+        return f"unreadable ({cause(err)})"
+    try:
+        for name, size in manifest["files"].items():
+            if not fs.exists(join_url(path, name)):
+                return f"{name}, which it lists, is missing"
+            if fs.size(join_url(path, name)) != size:
+                return f"{name} is not the size it records"
+    except (KeyError, TypeError, AttributeError) as err:
+        return f"unreadable ({cause(err)})"
+    return "it changed while it was read"
 
 
 def is_complete(fs, path: str) -> bool:

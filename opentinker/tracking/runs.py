@@ -140,22 +140,26 @@ class JobTracker(Run):
         self.set_tags(tags or {})
 
     def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
-        """Each (step, metrics) of a committed checkpoint."""
-        for step, metrics in steps:
-            self.log_metrics(step, metrics)
+        """Each (step, metrics) of a committed checkpoint, unless MLflow holds that step already: a
+        step redone after resuming from an older checkpoint (the newer one refused) is not logged twice."""
+        self.log_missing_metrics(steps)
 
     def log_missing_metrics(self, steps: list[tuple[int, dict[str, float]]]) -> list[int]:
         """Log the steps (as a checkpoint carries them) that MLflow does not hold yet: a process
         killed between committing a checkpoint and logging its steps loses nothing, and a step
         already logged is not logged twice. Returns the steps logged now."""
-        logged = []
+        logged, held = [], {}
         for step, metrics in steps:
-            if not metrics:
+            numbers = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+            if not numbers:
                 continue
-            key = sorted(metrics)[0]
-            if any(m.step == step for m in self.client.get_metric_history(self.run_id, key)):
+            key = numbers[0]  # text values are tags, with no history to ask
+            if key not in held:
+                held[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+            if step in held[key]:
                 continue
             self.log_metrics(step, metrics)
+            held[key].add(step)
             logged.append(step)
         return logged
 

@@ -24,7 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.background import BackgroundTask
 
-from opentinker.control.gateway.jobs import JobConflict, JobNotFound, TenantJobs, TooManyJobs
+from opentinker.control.gateway.jobs import CheckpointNotFound, JobConflict, JobNotFound, TenantJobs, TooManyJobs
 from opentinker.control.gateway.link import LinkHub, valid_calls
 from opentinker.control.gateway.tenants import TenantStore
 from opentinker.control.scheduler import SchedulingError
@@ -118,6 +118,8 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
             return fn(*args)
         except JobNotFound as err:
             raise HTTPException(404, f"no job {err.args[0]!r}") from None
+        except CheckpointNotFound as err:
+            raise HTTPException(404, str(err)) from None
         except (SpecError, SchedulingError) as err:
             raise HTTPException(422, str(err)) from None
         except JobConflict as err:
@@ -197,6 +199,15 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
             tmp.cleanup()
             raise HTTPException(400, f"{path} is a folder: list it with ?path={path}")
         return FileResponse(local, filename=Path(local).name, background=BackgroundTask(tmp.cleanup))
+
+    @app.get("/v1/jobs/{job_id}/checkpoints")
+    def list_checkpoints(job_id: JobId, jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:
+        """The job's step folders, oldest first: valid, or the reason resume skips it."""
+        return guarded(jobs.list_checkpoints, job_id)
+
+    @app.delete("/v1/jobs/{job_id}/checkpoints/{step}")
+    def delete_checkpoint(job_id: JobId, step: Annotated[int, PathParam(ge=0)], jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        return guarded(jobs.delete_checkpoint, job_id, step)
 
     @app.post("/v1/inference", status_code=201)
     def submit_inference(body: InferenceRequest, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from typing import Any
 
 from opentinker.control.gateway import confine
 from opentinker.inference.spec import InferenceSpec, endpoint_key
-from opentinker.control.scheduler import check_fits, deployment_name, ensure_tenant_limit, job_state, job_tags, prefect_client
+from opentinker.control.scheduler import (check_fits, deployment_name, ensure_tenant_limit, ensure_tenant_queue, job_state, job_tags,
+                                          prefect_client)
 from opentinker.core.spec import SpecError
 from opentinker.core.tokens import job_token
 
@@ -40,18 +41,18 @@ def submit(jobs: Any, model_path: str, num_gpus: float = 0, **options: Any) -> d
     """Queue a `serve-model` run for the tenant of `jobs` (a TenantJobs); returns its status."""
     pool = check_fits(jobs.settings, num_gpus)
     checkpoint = tenant_checkpoint(jobs.settings, jobs.tenant, model_path)
-    jobs.check_limits()
     ensure_tenant_limit(jobs.tenant, jobs.settings.tenant_max_running)
+    queue = ensure_tenant_queue(jobs.settings, jobs.tenant, pool)
     try:
         spec = InferenceSpec(model_path=checkpoint, num_gpus=num_gpus, **{k: v for k, v in options.items() if v is not None})
     except ValueError as err:
         raise SpecError(str(err)) from None
     job_id = f"{jobs.tenant}-inf-{uuid.uuid4().hex[:8]}"
-    with prefect_client() as client:
+    with jobs.admission(), prefect_client() as client:  # counted with the tenant's waiting jobs
         deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
         run = client.create_flow_run_from_deployment(
             deployment.id, parameters={"spec": spec.model_dump(mode="json"), "job_id": job_id, "tenant": jobs.tenant},
-            tags=[*job_tags(jobs.tenant, job_id), KIND_TAG],
+            tags=[*job_tags(jobs.tenant, job_id), KIND_TAG], work_queue_name=queue,
         )
     return jobs.describe(job_id, run) | {"requested_model_path": model_path}
 

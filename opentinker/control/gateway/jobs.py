@@ -3,19 +3,26 @@
 Every lookup filters on the tenant's tag, so a job of another tenant is indistinguishable from
 a job that does not exist. Specs (RL, self-play or SFT) are validated here, before anything
 reaches Prefect, and everything they name is confined to the tenant (see confine.py). A tenant
-may have `tenant_max_queued` jobs waiting (one more is refused, 429) and `tenant_max_running`
-running (the rest wait their turn in the queue: the flow holds a slot of `tenant-<name>`).
+may have `tenant_max_queued` jobs waiting (one more is refused, 429; counted and created under the
+tenant's lock, so a burst admits exactly that many: quota.py) and `tenant_max_running` running (the
+rest wait their turn in the queue: the flow holds a slot of `tenant-<name>`). A tenant's runs go to
+its own work queue of the pool, and waiting jobs of several tenants take turns for the slots (the
+fair-share rule: opentinker/orchestration/admission.py).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from opentinker.control.gateway import confine, inference
-from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, check_fits, deployment_name, ensure_tenant_limit,
-                                          flow_for, job_state, job_tags, parked_state, prefect_client)
+from opentinker.control.gateway import checkpoints, confine, inference
+from opentinker.control.gateway.quota import tenant_lock
+from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, QUEUED_CANCEL, SLOTS_HELD_TAG, check_fits, deployment_name,
+                                          ensure_tenant_limit, ensure_tenant_queue, flow_for, job_state, job_tags, parked_state,
+                                          prefect_client)
 from opentinker.core.settings import Settings
 from opentinker.core.spec import SpecError, parse_spec
 from opentinker.core.spec_limits import input_problem
@@ -35,6 +42,10 @@ class JobNotFound(LookupError):
 
 class JobConflict(RuntimeError):
     pass
+
+
+class CheckpointNotFound(LookupError):
+    """No folder of that step in one of the tenant's own jobs (HTTP 404); the message says so."""
 
 
 class TooManyJobs(RuntimeError):
@@ -107,26 +118,51 @@ class TenantJobs:
                 latest[job_id] = run
         return latest
 
+    def queued(self) -> int:
+        """How many of the tenant's flow runs wait now (QUEUED), among those that have not ended."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+        from prefect.client.schemas.objects import StateType
+
+        live = FlowRunFilter(tags=FlowRunFilterTags(all_=[f"tenant:{self.tenant}"]), state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED, StateType.RUNNING])))
+        count, offset, page = 0, 0, 200
+        with prefect_client() as client:
+            while True:
+                runs = client.read_flow_runs(flow_run_filter=live, limit=page, offset=offset)
+                count += sum(job_state(run)[0] == "QUEUED" for run in runs)
+                if len(runs) < page:
+                    return count
+                offset += page
+
     def check_limits(self) -> None:
         """TooManyJobs when the tenant already has its limit of waiting jobs."""
-        queued = sum(job_state(run)[0] == "QUEUED" for run in self.latest_runs().values())
+        queued = self.queued()
         if queued >= self.settings.tenant_max_queued:
             raise TooManyJobs(f"tenant {self.tenant} has {queued} jobs waiting, the limit is {self.settings.tenant_max_queued}: "
                               "wait for some to start or cancel them")
 
+    @contextmanager
+    def admission(self) -> Iterator[None]:
+        """The block creates one more waiting job of the tenant: TooManyJobs at its limit, counted
+        under the tenant's lock (quota.py) so that concurrent submissions cannot all pass."""
+        self.check_limits()  # a burst over the limit is refused without waiting for the lock
+        with tenant_lock(self.settings, self.tenant):
+            self.check_limits()
+            yield
+
     def submit(self, config: dict[str, Any], num_gpus: float | None = None) -> dict[str, Any]:
         spec, awaiting_env = self._normalise(config, num_gpus)
         pool = check_fits(self.settings, spec.resources.num_gpus)
-        self.check_limits()
         ensure_tenant_limit(self.tenant, self.settings.tenant_max_running)
+        queue = ensure_tenant_queue(self.settings, self.tenant, pool)
         params = spec.model_dump(mode="json")
         if awaiting_env:  # kept: its limits; fit() gives the game and its config
             params["env"] = {k: v for k, v in params["env"].items() if k not in ("game", "url", "link", "config")}
-        with prefect_client() as client:
+        with self.admission(), prefect_client() as client:
             deployment = client.read_deployment_by_name(deployment_name(flow_for(params), pool))
             run = client.create_flow_run_from_deployment(
                 deployment.id, parameters={"spec": params, "job_id": spec.job_id, "tenant": self.tenant},
-                tags=job_tags(self.tenant, spec.job_id), state=parked_state() if awaiting_env else None,
+                tags=job_tags(self.tenant, spec.job_id), state=parked_state() if awaiting_env else None, work_queue_name=queue,
             )
         return self.describe(spec.job_id, run)
 
@@ -172,32 +208,51 @@ class TenantJobs:
     def status(self, job_id: str) -> dict[str, Any]:
         out = self.describe(job_id, self._run(job_id))
         ml = self._mlflow_run(job_id)
-        out |= {"step": 0, "metrics": {}, "checkpoint": None}
+        out |= {"step": 0, "metrics": {}, "checkpoint": None, "skipped_checkpoints": []}
         if ml is not None:
             client, run = ml
             out["metrics"] = dict(run.data.metrics)
             history = client.get_metric_history(run.info.run_id, headline_key(run.data.metrics, "rollout/reward_mean"))
             out["step"] = max((m.step for m in history), default=0)
             out["checkpoint"] = run.data.tags.get("opentinker.checkpoint")
+            out["skipped_checkpoints"] = [line for line in run.data.tags.get("opentinker.skipped_checkpoints", "").split("\n") if line]
             if run.data.metrics.get(headline_key(run.data.metrics, "rollout/failed_episodes")):
                 out["failure"] = run.data.tags.get("opentinker.rollout/first_failure")  # the newest step's most common one
             out["links"]["mlflow"] = f"{self.settings.mlflow_url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
         return out
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        """Queued jobs become CANCELLED at once; running ones go through CANCELLING (the worker
-        stops the process, the slots' lease is released)."""
+        """A job that holds no slots yet (scheduled, parked, pending, or started and waiting for
+        its slots) is CANCELLED at once, on the first cancel: tagged, then set Cancelled; a process
+        that exists or starts for it later sees the tag before it takes anything and ends without
+        running (opentinker/orchestration/admission.py). A running job goes through CANCELLING
+        (the worker stops the process, the slots' lease is released)."""
         from prefect.states import Cancelled, Cancelling
 
         run = self._run(job_id)
         state, _ = job_state(run)
         if state in ("COMPLETED", "FAILED", "CANCELLED"):
             raise JobConflict(f"job {job_id} already ended ({state})")
-        running = run.state is not None and run.state.type.value in ("RUNNING", "PENDING")
         with prefect_client() as client:
-            client.update_flow_run(run.id, tags=[*(run.tags or []), CANCEL_REQUESTED_TAG])
-            client.set_flow_run_state(run.id, Cancelling() if running else Cancelled(message="cancelled while queued"), force=True)
+            run = client.read_flow_run(run.id)  # its tags as they are now
+            tags = run.tags or []
+            if CANCEL_REQUESTED_TAG not in tags:  # first: the sign every process of the job looks for
+                client.update_flow_run(run.id, tags=[*tags, CANCEL_REQUESTED_TAG])
+            running = SLOTS_HELD_TAG in tags or (run.state is not None and run.state.is_cancelling())
+            client.set_flow_run_state(run.id, Cancelling() if running else Cancelled(message=QUEUED_CANCEL), force=True)
         return self.status(job_id)
+
+    # --- checkpoints (see checkpoints.py) ------------------------------------------------------
+    def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        spec = self._run(job_id).parameters.get("spec") or {}
+        return checkpoints.listed(self.storage_url, self.tenant, job_id, spec, self.settings.stack_secret())
+
+    def delete_checkpoint(self, job_id: str, step: int) -> dict[str, Any]:
+        spec = self._run(job_id).parameters.get("spec") or {}
+        deleted = checkpoints.delete(self.storage_url, job_id, spec, step)
+        if not deleted:
+            raise CheckpointNotFound(f"job {job_id} has no checkpoint folder of step {step}")
+        return {"job_id": job_id, "step": step, "deleted": deleted}
 
     # --- MLflow ---------------------------------------------------------------------------
     def _mlflow_run(self, job_id: str):

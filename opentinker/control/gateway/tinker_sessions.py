@@ -15,7 +15,9 @@ from typing import Any
 
 from opentinker.control.gateway import confine
 from opentinker.tinker.paths import SessionGone, SessionStarting
-from opentinker.control.scheduler import check_fits, deployment_name, ensure_tenant_limit, job_state, job_tags, prefect_client
+from opentinker.control.gateway.quota import tenant_lock
+from opentinker.control.scheduler import (CANCEL_REQUESTED_TAG, check_fits, deployment_name, ensure_tenant_limit, ensure_tenant_queue,
+                                          job_state, job_tags, prefect_client)
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key
 
@@ -41,24 +43,26 @@ class PrefectSessions:
             return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags)), limit=200)
 
     def create(self, tenant: str, body: dict[str, Any]) -> str:
-        """Queue a session for `tenant`; ValueError (one line) over its limit or when no pool fits."""
-        live = [r for r in self._runs(tenant) if job_state(r)[0] not in FINAL]
-        if len(live) >= self.settings.tinker_max_sessions:
-            raise ValueError(f"tenant {tenant} has {len(live)} live Tinker sessions, the limit is {self.settings.tinker_max_sessions}: "
-                             "close one (ServiceClient.close() or a `with` block) or wait for an idle one to expire "
-                             f"({self.settings.tinker_heartbeat_timeout_s:g} s without a heartbeat)")
+        """Queue a session for `tenant`; ValueError (one line) over its limit or when no pool fits.
+        Counted and created under the tenant's lock (quota.py): a burst opens exactly the limit."""
         num_gpus = self.settings.tinker_session_gpus
         pool = check_fits(self.settings, num_gpus)
         ensure_tenant_limit(tenant, self.settings.tenant_max_running)
+        queue = ensure_tenant_queue(self.settings, tenant, pool)
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
         meta = {str(k)[:64]: str(v)[:256] for k, v in list((body.get("user_metadata") or {}).items())[:32]}
-        with prefect_client() as client:
+        with tenant_lock(self.settings, tenant), prefect_client() as client:
+            live = [r for r in self._runs(tenant) if job_state(r)[0] not in FINAL]
+            if len(live) >= self.settings.tinker_max_sessions:
+                raise ValueError(f"tenant {tenant} has {len(live)} live Tinker sessions, the limit is {self.settings.tinker_max_sessions}: "
+                                 "close one (ServiceClient.close() or a `with` block) or wait for an idle one to expire "
+                                 f"({self.settings.tinker_heartbeat_timeout_s:g} s without a heartbeat)")
             deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
             client.create_flow_run_from_deployment(
                 deployment.id, parameters={"session_id": session_id, "tenant": tenant, "num_gpus": num_gpus,
                                            "user_metadata": meta, "sdk_version": str(body.get("sdk_version", ""))[:32],
                                            "heartbeat_timeout_s": self.settings.tinker_heartbeat_timeout_s},
-                tags=[*job_tags(tenant, session_id), KIND_TAG])
+                tags=[*job_tags(tenant, session_id), KIND_TAG], work_queue_name=queue)
         return session_id
 
     def list(self, tenant: str) -> list[str]:
@@ -106,7 +110,8 @@ class PrefectSessions:
             url, token = self.endpoint(tenant, session_id)
         except SessionStarting:
             run = self._runs(tenant, session_id)[0]
-            with prefect_client() as client:
+            with prefect_client() as client:  # tagged first: a process that starts for it later ends at once
+                client.update_flow_run(run.id, tags=[*run.tags, CANCEL_REQUESTED_TAG])
                 client.set_flow_run_state(run.id, Cancelled(message="finished by its client before it started"), force=True)
             return
         except LookupError:  # SessionGone too: nothing left to finish

@@ -88,3 +88,20 @@ def stack_env(stack):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def restart_gateway(settings, down_s: float = 0.0) -> None:
+    """SIGKILL the stack's gateway, leave it down `down_s` seconds, start it again (healthy on return)."""
+    import os
+    import signal
+    import time
+
+    from opentinker.control.stack import Stack
+
+    stack = Stack(settings)
+    os.kill(stack.pid("gateway"), signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while stack.pid("gateway") is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(down_s)
+    stack.start("gateway")

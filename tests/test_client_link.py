@@ -4,7 +4,10 @@ The client is a separate script whose game class lives in its `__main__` (no wor
 it, and it is not on the allowlist anyway): the reference client code, as written, submits the
 job and `fit()`s it; the job reaches the game through the gateway over the link the client
 opened. The client listens on no port. Killing it mid-job costs the episodes in flight; `fit()`
-again from a new process continues the job to the end.
+again from a new process continues the job to the end. A gateway killed and restarted mid-`fit()`
+costs the same: the link reopens, the job ends COMPLETED, nothing resubmitted. One client serves a
+job: a second `fit()` is refused in one line, a takeover tells the first; racing links and racing
+`/start`s: exactly one wins.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -24,7 +28,7 @@ from tests.conftest import tiny_spec
 
 CLIENT = textwrap.dedent('''
     import json, os, sys, time
-    from opentinker.client import SchedulerClient, ServiceClient
+    from opentinker.client import LinkLost, LinkRefused, SchedulerClient, ServiceClient
     from opentinker.env import GameEnvironment
     from opentinker.environment.base_game import AbstractGame, StepResult
 
@@ -56,23 +60,27 @@ CLIENT = textwrap.dedent('''
             return StepResult(observation="Once more." if not done else "", reward=reward, done=done)
 
     args = json.loads(sys.argv[2])
-    if sys.argv[1] == "train":  # the reference design's training workflow
-        scheduler = SchedulerClient(url=os.environ["GATEWAY"])
-        job_result = scheduler.submit_job(config=args, num_gpus=0)
-        job_id, server_url = job_result["job_id"], job_result["server_url"]
-        print(json.dumps({"job_id": job_id}), flush=True)
-        env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
-        client = ServiceClient(server_url=server_url)
-        client.set_config(args, env)
-        final = client.fit(env=env, num_epochs=2, poll=0.5, progress=False)
-    else:  # reconnect to a running job
-        job_id = sys.argv[3]
-        env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
-        client = ServiceClient(server_url=f"{os.environ['GATEWAY']}/v1/jobs/{job_id}")
-        final = client.fit(env=env, poll=0.5, progress=False)
+    try:
+        if sys.argv[1] == "train":  # the reference design's training workflow
+            scheduler = SchedulerClient(url=os.environ["GATEWAY"])
+            job_result = scheduler.submit_job(config=args, num_gpus=0)
+            job_id, server_url = job_result["job_id"], job_result["server_url"]
+            print(json.dumps({"job_id": job_id}), flush=True)
+            env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
+            client = ServiceClient(server_url=server_url)
+            client.set_config(args, env)
+            final = client.fit(env=env, num_epochs=2, poll=0.5, progress=False)
+        else:  # reconnect to a running job (or take its link over)
+            job_id = sys.argv[3]
+            env = GameEnvironment(game_class=CountingGame, config=args, job_id=job_id)
+            client = ServiceClient(server_url=f"{os.environ['GATEWAY']}/v1/jobs/{job_id}")
+            final = client.fit(env=env, poll=0.5, progress=False, takeover=sys.argv[1] == "takeover")
+    except (LinkRefused, LinkLost) as err:  # what the user is told
+        print(json.dumps({"error": f"{type(err).__name__}: {err}", "reopened": client.link and client.link.reopened}), flush=True)
+        sys.exit(3)
     link = client.link
     print(json.dumps({"final": {k: final[k] for k in ("state", "step", "metrics")},
-                      "calls": link.calls, "frames": link.frames}), flush=True)
+                      "calls": link.calls, "frames": link.frames, "reopened": link.reopened}), flush=True)
 ''')
 
 
@@ -95,10 +103,10 @@ def _args(tmp_path, epoch_size: int = 8) -> dict:
     return data
 
 
-def _client(tmp_path, settings, key, *argv, die_at_step_call: int = 0) -> subprocess.Popen:
+def _client(tmp_path, settings, key, *argv, die_at_step_call: int = 0, step_s: float = 0.05) -> subprocess.Popen:
     script = tmp_path / "my_training_script.py"
     script.write_text(CLIENT)
-    env = os.environ | {"GATEWAY": settings.gateway_url, "OPENTINKER_API_KEY": key, "GAME_STEP_SECONDS": "0.05",
+    env = os.environ | {"GATEWAY": settings.gateway_url, "OPENTINKER_API_KEY": key, "GAME_STEP_SECONDS": str(step_s),
                         "DIE_AT_STEP_CALL": str(die_at_step_call)}
     return subprocess.Popen([sys.executable, str(script), *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -157,3 +165,111 @@ def test_killing_the_client_costs_its_episodes_and_fit_again_continues(service, 
     failed = {m.step: m.value for m in ml.get_metric_history(run.info.run_id, "rollout/failed_episodes")}
     assert sorted(failed) == list(range(1, 7))  # every step ran, none twice
     assert 0 < failed[2] <= 8 and sum(failed.values()) == failed[2]  # the episodes in flight, nothing more
+
+
+def _report(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, dict]:
+    """(exit code, the last line the client script printed)."""
+    out, err = proc.communicate(timeout=timeout)
+    last = (out.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), (out[-2000:], err[-3000:])
+    return proc.returncode, json.loads(last)
+
+
+def _until_step(scheduler, job_id: str, proc: subprocess.Popen, step: int) -> None:
+    while (scheduler.job_status(job_id).get("step") or 0) < step:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.5)
+
+
+def _runs_once(job_id: str) -> bool:
+    """Nothing resubmitted or retried: the job is one flow run, run once."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as prefect:
+        runs = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{job_id}"])))
+    return len(runs) == 1 and runs[0].run_count == 1
+
+
+def test_a_job_waits_for_a_gateway_that_does_not_answer_as_for_a_client_that_went_away():
+    import numpy as np
+
+    from opentinker.env.linked import LinkDown, LinkedGameClass
+    from tests.stack_fixtures import free_ports
+
+    (port,) = free_ports(1)  # nothing listens there: a gateway that is down
+    game = LinkedGameClass(f"http://127.0.0.1:{port}", "acme-job", "otj_token", link_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(LinkDown, match=r"^job acme-job: no link to the client's environment for 2s \(env.link_timeout_s\): "
+                                       r"the gateway did not answer \(ConnectError"):
+        game.generate_task(np.random.default_rng(0))
+    assert 2 <= time.monotonic() - started < 3  # it waited, as for a client, and no longer
+
+
+def test_a_fit_rides_out_a_gateway_restart_and_keeps_its_link_until_taken_over(service, tmp_path):
+    """One job, three clients: the first's fit() outlives a SIGKILLed gateway (its link reopens,
+    the job waits for it), a second fit() is refused in one line, a third takes over and the first
+    is told; the job ends COMPLETED as one flow run, run once."""
+    from opentinker.client import SchedulerClient
+    from tests.stack_fixtures import restart_gateway
+
+    settings, _, key = service
+    args = _args(tmp_path, epoch_size=12)  # 6 steps; the first client's game is slow, the last one's fast
+    first = _client(tmp_path, settings, key, "train", json.dumps(args), step_s=1.0)
+    job_id = json.loads(first.stdout.readline())["job_id"]
+    scheduler = SchedulerClient(url=settings.gateway_url, api_key=key)
+    _until_step(scheduler, job_id, first, 1)
+    restart_gateway(settings, down_s=1)  # with its start-up, the job and fit() find no gateway for ~10 s
+    assert any("reopened" in line for line in first.stderr)  # its fit() says so (and "dropped; reopening it" before)
+    code, report = _report(_client(tmp_path, settings, key, "resume", json.dumps(args), job_id), timeout=120)
+    assert code == 3 and report["error"] == (f"LinkRefused: the gateway refused the environment link of job {job_id}: another client "
+                                             "is linked to this job (its fit() serves the game); fit(takeover=True) replaces it")
+    assert first.poll() is None  # the first one goes on, untouched
+    third = _client(tmp_path, settings, key, "takeover", json.dumps(args), job_id)
+    code, told = _report(first, timeout=120)
+    assert code == 3 and told["error"] == (f"LinkLost: another client took over the environment link of job {job_id} "
+                                           "(fit(takeover=True)); the job goes on with it, this fit() stops")
+    assert told["reopened"] == 1
+    code, report = _report(third)
+    assert code == 0 and report["final"]["state"] == "COMPLETED" and report["final"]["step"] == 6, report
+    assert _runs_once(job_id)  # nothing resubmitted
+
+
+def test_racing_links_and_racing_starts_exactly_one_wins(service, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from opentinker.client import LinkRefused, SchedulerClient
+    from opentinker.client.link import EnvironmentLink
+
+    settings, _, key = service
+    scheduler = SchedulerClient(url=settings.gateway_url, api_key=key)
+    job_id = scheduler.submit_job(config=_args(tmp_path), num_gpus=0)["job_id"]  # parked until a /start
+    links = [EnvironmentLink(settings.gateway_url, key, job_id, object) for _ in range(8)]
+    together = threading.Barrier(8)
+
+    def open_link(link: EnvironmentLink) -> str:
+        together.wait()
+        try:
+            link.open()
+            return "linked"
+        except LinkRefused as err:
+            return str(err)
+
+    def start(steps: int) -> int:
+        together.wait()
+        return httpx.post(f"{settings.gateway_url}/v1/jobs/{job_id}/start", json={"env": {"link": "CountingGame"}, "steps": steps},
+                          headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=60).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        opened = list(pool.map(open_link, links))
+        started = list(pool.map(start, range(1, 9)))
+    try:
+        assert opened.count("linked") == 1 and all("another client is linked" in o for o in opened if o != "linked"), opened
+        assert sorted(started) == [200] + [409] * 7, started
+        assert scheduler.job_status(job_id)["total_steps"] == started.index(200) + 1  # the winner's parameters, no one else's
+    finally:
+        for link in links:
+            link.close()
+        scheduler.cancel_job(job_id)

@@ -3,6 +3,11 @@ that runs elsewhere. The client opens a WebSocket to the gateway (nothing listen
 works wherever the client can reach the gateway) and answers the job's calls (see
 opentinker.env.linked): each call runs in a thread of its own, under the same hosting rules as
 every other host, and its answer goes back as soon as it is ready.
+
+A link that drops (the gateway restarted, the network) is reopened with backoff for up to
+`reconnect_timeout_s`, under the same client id, so the gateway lets it replace its old socket;
+the games it hosts stay, so episodes that were not mid-call go on. It ends for good, with
+`lost` saying why, when another client takes the job's link over or it cannot be reopened.
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ import json
 import logging
 import queue
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from opentinker.env.hosting import generate_reply, generator_from_state, reset_reply, step_reply
+from opentinker.env.linked import TAKEN_OVER
 
 log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 16 * 1024**2
@@ -26,34 +35,54 @@ def websocket_url(gateway_url: str, job_id: str) -> str:
     return f"{scheme}://{base.split('://', 1)[1]}/v1/jobs/{job_id}/link"
 
 
+class LinkRefused(RuntimeError):
+    """The gateway will not link this client to the job (another client holds the link, or the
+    job is not this key's): trying again would not help."""
+
+
 class EnvironmentLink:
     """Serve `game_class` to job `job_id` until `close()` (or the process ends)."""
 
     def __init__(self, gateway_url: str, api_key: str | None, job_id: str, game_class: type, game_kwargs: dict[str, Any] | None = None,
-                 threads: int = 64):
+                 threads: int = 64, takeover: bool = False, reconnect_timeout_s: float = 900.0):
         self.game_class, self.game_kwargs, self.job_id = game_class, dict(game_kwargs or {}), job_id
-        self.url = websocket_url(gateway_url, job_id)
+        self.client_id = uuid.uuid4().hex
+        self.url = f"{websocket_url(gateway_url, job_id)}?client={self.client_id}"
+        self._takeover, self.reconnect_timeout_s = takeover, reconnect_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._sessions: dict[str, Any] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-link")
         self._outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._socket = None
-        self.calls = self.frames = 0  # calls answered, frames of calls received
+        self._closed = threading.Event()
+        self.lost: str | None = None  # why the link ended for good (taken over, not reopened)
+        self.calls = self.frames = self.reopened = 0  # calls answered, frames of calls received, reconnections
 
     def open(self) -> EnvironmentLink:
-        """Connect (raises ConnectionError with the reason when the gateway refuses) and serve in the background."""
-        from websockets.exceptions import InvalidStatus
+        """Connect (LinkRefused or ConnectionError with the reason when that fails) and serve in the background."""
+        self._socket = self._connect(takeover=self._takeover)
+        threading.Thread(target=self._serve, name="env-link-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="env-link-writer", daemon=True).start()
+        return self
+
+    def _connect(self, takeover: bool = False) -> Any:
+        from websockets.exceptions import InvalidHandshake, InvalidStatus
         from websockets.sync.client import connect
 
         try:
-            self._socket = connect(self.url, additional_headers=self._headers, max_size=MAX_FRAME_BYTES, open_timeout=30)
+            return connect(self.url + ("&takeover=1" if takeover else ""), additional_headers=self._headers,
+                           max_size=MAX_FRAME_BYTES, open_timeout=30)
         except InvalidStatus as err:
-            raise ConnectionError(f"the gateway refused the environment link of job {self.job_id}: HTTP {err.response.status_code}") from None
-        except OSError as err:
-            raise ConnectionError(f"cannot reach the gateway at {self.url}: {err}") from None
-        threading.Thread(target=self._read, name="env-link-reader", daemon=True).start()
-        threading.Thread(target=self._write, name="env-link-writer", daemon=True).start()
-        return self
+            status = err.response.status_code
+            if status >= 500:  # a proxy in front of a gateway coming back up
+                raise ConnectionError(f"the gateway answered HTTP {status}") from None
+            try:
+                detail = json.loads(err.response.body)["detail"]
+            except (ValueError, KeyError, TypeError):
+                detail = f"HTTP {status}"
+            raise LinkRefused(f"the gateway refused the environment link of job {self.job_id}: {detail}") from None
+        except (OSError, InvalidHandshake) as err:  # unreachable, or gone in the middle of the handshake
+            raise ConnectionError(f"cannot reach the gateway at {self.url.split('?')[0]}: {err}") from None
 
     @property
     def alive(self) -> bool:
@@ -62,6 +91,7 @@ class EnvironmentLink:
         return self._socket is not None and self._socket.state is State.OPEN
 
     def close(self) -> None:
+        self._closed.set()
         if self._socket is not None:
             self._socket.close()
         self._outbox.put(None)
@@ -69,10 +99,48 @@ class EnvironmentLink:
             _close_game(game)
         self._sessions.clear()
 
-    # --- serving ---------------------------------------------------------------------------
-    def _read(self) -> None:
+    def _serve(self) -> None:
+        """Read calls until the socket closes; then reopen it, or say why the link ended."""
+        while True:
+            self._read(self._socket)
+            if self._closed.is_set():
+                return
+            if self._socket.close_code == TAKEN_OVER:
+                self.lost = (f"another client took over the environment link of job {self.job_id} (fit(takeover=True)); "
+                             "the job goes on with it, this fit() stops")
+                return
+            log.warning("environment link of job %s dropped; reopening it", self.job_id)
+            try:
+                socket = self._reopen()
+            except (LinkRefused, ConnectionError) as err:
+                self.lost = (f"the environment link of job {self.job_id} could not be reopened ({err}); the job waits "
+                             "env.link_timeout_s for a client: fit() again")
+                return
+            if socket is None:  # closed meanwhile
+                return
+            self._socket, self.reopened = socket, self.reopened + 1
+            log.warning("environment link of job %s reopened", self.job_id)
+            if self._closed.is_set():
+                socket.close()
+                return
+
+    def _reopen(self) -> Any:
+        """The link again, tried with backoff (0.5 s doubling to 5 s) for `reconnect_timeout_s`;
+        None once close() was called."""
+        retrying = Retrying(retry=retry_if_exception_type(ConnectionError), wait=wait_exponential(multiplier=0.5, max=5),
+                            stop=stop_after_delay(self.reconnect_timeout_s) | (lambda _: self._closed.is_set()),
+                            sleep=self._closed.wait, reraise=True)
         try:
-            for frame in self._socket:
+            return retrying(lambda: None if self._closed.is_set() else self._connect())
+        except ConnectionError:
+            if self._closed.is_set():
+                return None
+            raise
+
+    # --- serving ---------------------------------------------------------------------------
+    def _read(self, socket: Any) -> None:
+        try:
+            for frame in socket:
                 try:
                     calls = json.loads(frame)["calls"]
                 except (ValueError, KeyError, TypeError):
@@ -95,8 +163,8 @@ class EnvironmentLink:
                 batch.append(nxt)
             try:
                 self._socket.send(json.dumps({"results": batch}))
-            except Exception:  # noqa: BLE001 - closed: the gateway fails what was owed
-                return
+            except Exception:  # noqa: BLE001 - dropped: the gateway failed what this socket owed
+                continue
 
     def _answer(self, call: dict[str, Any]) -> None:
         call_id = call.get("id")

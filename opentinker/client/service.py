@@ -4,7 +4,10 @@ live metrics, as the reference design's `client.set_config(args, env); client.fi
 A game the service cannot import (the user's own class) stays in this process: `fit` opens the
 client link to the gateway (a WebSocket; no port is opened here) and serves the job's episodes
 while it follows the job. If this process stops, the job waits `env.link_timeout_s` for it:
-`fit()` again, with the same environment, reconnects and the job goes on.
+`fit()` again, with the same environment, reconnects and the job goes on. If the gateway
+restarts, the link reopens on its own and the job waits for it the same way. One client serves
+a job: a second `fit()` while the first one's link is open is refused (LinkRefused), unless it
+passes `takeover=True`; then the first `fit()` raises LinkLost saying so.
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ import math
 from typing import Any
 
 from opentinker.client.environment import env_section, hosted_game
-from opentinker.client.http import Gateway, GatewayUnreachable, JobFailed
+from opentinker.client.http import Gateway, GatewayError, GatewayUnreachable, JobFailed
 from opentinker.client.link import EnvironmentLink
 from opentinker.core.polling import through_blips, wait_for
 from opentinker.core.spec_input import config_to_dict
 from opentinker.core.states import TERMINAL
 from opentinker.tracking.metrics import headline_key
+
+
+class LinkLost(RuntimeError):
+    """This fit() no longer serves the job's game (another client took it over, or the link could
+    not be reopened); the job itself goes on, or waits for a client."""
 
 
 class ServiceClient:
@@ -49,11 +57,12 @@ class ServiceClient:
         return env_section(self._env, self._config or None, allowed)
 
     def fit(self, env: Any = None, num_epochs: float | None = None, num_steps: int | None = None,
-            poll: float = 2.0, progress: bool = True) -> dict[str, Any]:
+            poll: float = 2.0, progress: bool = True, takeover: bool = False) -> dict[str, Any]:
         """Start the job with its environment (if it waits for one), then follow it to the end.
 
         Returns the final status: state, metrics (the last value of each), checkpoint URI and
-        links. Raises JobFailed when the job fails or is cancelled.
+        links. Raises JobFailed when the job fails or is cancelled, LinkRefused when another
+        client serves the job's game (`takeover=True` replaces it), LinkLost when this one stops.
         """
         status = self.status()
         if env is not None:
@@ -62,13 +71,19 @@ class ServiceClient:
         waiting = status["state"] == "QUEUED" and "fit()" in (status.get("reason") or "")
         if waiting and section is None:
             raise ValueError("this job has no environment yet: fit(env=GameEnvironment(...)) or set_config(args, env)")
+        self.link = None
         if section is not None and section.get("link") and status["state"] not in TERMINAL:
             self.link = EnvironmentLink(self._gateway.url, self.api_key or self._gateway.api_key, self.job_id,
-                                        *hosted_game(self._env)).open()
+                                        *hosted_game(self._env), takeover=takeover,
+                                        reconnect_timeout_s=self.reconnect_timeout_s).open()
         try:
             if waiting:
                 steps = num_steps if num_steps is not None else self._steps_for_epochs(self._env, num_epochs)
-                self._gateway.request("POST", f"/v1/jobs/{self.job_id}/start", json={"env": section, "steps": steps})
+                try:
+                    self._gateway.request("POST", f"/v1/jobs/{self.job_id}/start", json={"env": section, "steps": steps})
+                except GatewayError as err:  # 409: another fit() started it first; one holding the link serves it
+                    if err.status != 409 or self.link is None:
+                        raise
             return self._follow(poll, progress)
         finally:
             if self.link is not None:
@@ -97,6 +112,8 @@ class ServiceClient:
 
             def look() -> dict[str, Any] | None:
                 """One look at the job, shown on the bar; the final status once it ended."""
+                if self.link is not None and self.link.lost:
+                    raise LinkLost(self.link.lost)
                 try:
                     status = through_blips(self.status, give_up_after_s=self.reconnect_timeout_s, on_retry=on_retry)
                 except GatewayUnreachable as err:

@@ -12,9 +12,13 @@ served environment's `RemoteGameClass`. Its calls are relayed by the gateway to 
 Calls made by many threads at about the same time (every episode's step of a turn) travel as
 one request (`_Batcher`); the gateway streams each result back as soon as the client answers it,
 so one slow game never holds up the others. A failed call fails its episode (RemoteGameError).
-When no client is linked, episode calls fail at once, but drawing tasks (the start of every step)
-waits up to `link_timeout_s` for the client to come back (`ServiceClient.fit` again) and then
-fails the job with the reason.
+When no client is linked, or the gateway itself does not answer (restarting), it is the same
+for the job: episode calls fail at once, but drawing tasks (the start of every step) waits up to
+`link_timeout_s` for the link to come back (the client reopens it on its own, or
+`ServiceClient.fit` again) and then fails the job with the reason.
+
+One client per job: the gateway refuses a second link while one is open (HTTP 409), unless it
+asks to take over (`fit(takeover=True)`); the replaced client's socket closes with TAKEN_OVER.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from opentinker.core.polling import is_blip
 from opentinker.env.base import AbstractGame, StepResult
 from opentinker.env.observation import Observation, from_wire
 from opentinker.env.remote import RemoteGameError
+
+
+TAKEN_OVER = 4410  # close code: another client of the job took the link over (fit(takeover=True))
 
 
 class LinkDown(RuntimeError):
@@ -40,7 +49,8 @@ class LinkDown(RuntimeError):
 
 
 class NoClient(RemoteGameError):
-    """The call found no client (or lost it): an episode fails; a task draw waits and tries again."""
+    """The call found no client (or lost it, or the gateway did not answer): an episode fails; a
+    task draw waits and tries again."""
 
 
 def link_path(job_id: str) -> str:
@@ -85,7 +95,8 @@ class _Batcher:
                                     timeout=httpx.Timeout(self.timeout_s + wait_s + 10.0, connect=10.0)) as response:
                 if response.status_code != 200:
                     response.read()
-                    raise RemoteGameError(f"gateway link: HTTP {response.status_code}: {response.text[:300]}")
+                    kind = NoClient if response.status_code in (502, 503, 504) else RemoteGameError  # a proxy, the gateway coming back
+                    raise kind(f"gateway link: HTTP {response.status_code}: {response.text[:300]}")
                 for line in response.iter_lines():
                     if not line:
                         continue
@@ -94,8 +105,12 @@ class _Batcher:
                     if future is not None:
                         future.set_result(result)
         except Exception as err:  # noqa: BLE001 - every call of the batch learns why
+            if is_blip(err):  # no answer from the gateway is a lost link, as a client gone is
+                err = NoClient(f"the gateway did not answer ({type(err).__name__}: {err})")
+            elif not isinstance(err, RemoteGameError):
+                err = RemoteGameError(f"gateway link: {type(err).__name__}: {err}")
             for future in pending.values():
-                future.set_exception(err if isinstance(err, RemoteGameError) else RemoteGameError(f"gateway link: {type(err).__name__}: {err}"))
+                future.set_exception(err)
             return
         for future in pending.values():
             future.set_exception(RemoteGameError("gateway link: the answer ended without this call"))
@@ -157,19 +172,20 @@ class LinkedGameClass:
         return LinkedGame(self, game_kwargs)
 
     def generate_task(self, rng: Any, **config: Any) -> dict[str, Any]:
-        """Continue `rng` in the client (its game's own generator, or a seed task); waits for a
-        client up to `link_timeout_s`, then fails the job (LinkDown)."""
+        """Continue `rng` in the client (its game's own generator, or a seed task); waits for the
+        link (no client, or no gateway) up to `link_timeout_s`, then fails the job (LinkDown)."""
         deadline = time.monotonic() + self.link_timeout_s
-        while True:
-            try:
-                answer = self.ask("generate", wait_s=max(0.0, deadline - time.monotonic()), rng_state=rng.bit_generator.state, config=config)
-                break
-            except NoClient as err:  # the client went away: wait for it until the deadline
-                if time.monotonic() >= deadline:
-                    raise LinkDown(f"job {self.job_id}: the environment lives in the client's process and {err}") from None
-                time.sleep(0.5)
-            except RemoteGameError as err:
-                raise LinkDown(f"job {self.job_id}: the client's game could not draw a task: {err}") from None
+        backoff = wait_exponential(multiplier=0.5, max=5)  # the last try lands on the deadline
+        retrying = Retrying(retry=retry_if_exception_type(NoClient), stop=stop_after_delay(self.link_timeout_s), reraise=True,
+                            wait=lambda state: min(backoff(state), max(0.0, deadline - time.monotonic())))
+        try:
+            answer = retrying(lambda: self.ask("generate", wait_s=max(0.0, deadline - time.monotonic()),
+                                               rng_state=rng.bit_generator.state, config=config))
+        except NoClient as err:
+            raise LinkDown(f"job {self.job_id}: no link to the client's environment for {self.link_timeout_s:g}s "
+                           f"(env.link_timeout_s): {err}") from None
+        except RemoteGameError as err:
+            raise LinkDown(f"job {self.job_id}: the client's game could not draw a task: {err}") from None
         rng.bit_generator.state = answer["rng_state"]
         return answer["task"]
 

@@ -149,7 +149,9 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
         if not owned:  # a missing key, another tenant's job, no such job: all look the same
             await socket.close(code=1008, reason="no such job for this API key")
             return
-        await hub.serve_client(job_id, socket)
+        client = socket.query_params.get("client") or ""  # the EnvironmentLink's id: its own reconnects replace it
+        await hub.serve_client(job_id, socket, client if client.isalnum() and len(client) <= 64 else None,
+                               takeover=socket.query_params.get("takeover") == "1")
 
     @app.post("/v1/internal/jobs/{job_id}/link")
     async def job_link(job_id: JobId, request: Request) -> StreamingResponse:

@@ -172,17 +172,18 @@ class TenantJobs:
 
         if problem := input_problem({"env": env}):  # before a name or a module in it is looked up
             raise SpecError(problem)
-        run = self._run(job_id)
-        if not (run.state and run.state.name == AWAITING_ENV):
-            raise JobConflict(f"job {job_id} is not waiting for its environment (state {job_state(run)[0]})")
-        params = dict(run.parameters["spec"])
-        params["env"] = confine.confine_env(self.settings, self.tenant, {**(params.get("env") or {}), **env})
-        if steps is not None:
-            params["optimization"] = {**params.get("optimization", {}), "steps": steps}
-        spec = parse_spec(params)
-        with prefect_client() as client:
-            client.update_flow_run(run.id, parameters={**run.parameters, "spec": spec.model_dump(mode="json")})
-            client.set_flow_run_state(run.id, Scheduled(), force=True)
+        with tenant_lock(self.settings, self.tenant):  # of racing fit()s one starts the job; the rest: 409, nothing written
+            run = self._run(job_id)
+            if not (run.state and run.state.name == AWAITING_ENV):
+                raise JobConflict(f"job {job_id} is not waiting for its environment (state {job_state(run)[0]})")
+            params = dict(run.parameters["spec"])
+            params["env"] = confine.confine_env(self.settings, self.tenant, {**(params.get("env") or {}), **env})
+            if steps is not None:
+                params["optimization"] = {**params.get("optimization", {}), "steps": steps}
+            spec = parse_spec(params)
+            with prefect_client() as client:
+                client.update_flow_run(run.id, parameters={**run.parameters, "spec": spec.model_dump(mode="json")})
+                client.set_flow_run_state(run.id, Scheduled(), force=True)
         return self.status(job_id)
 
     # --- read -----------------------------------------------------------------------------

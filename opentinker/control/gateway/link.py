@@ -2,9 +2,13 @@
 (it opens no port), the job posts its environment calls to the gateway, and the gateway passes
 them to the client and streams each answer back as it arrives (see opentinker.env.linked).
 
-One client per job: a new link replaces the old one. When a link closes, the calls it still owed
-fail (their episodes fail and are counted); calls arriving while no client is linked wait up to
-their `wait_s` for one (task draws do, episode calls do not) and otherwise fail with the reason.
+One client per job: while a link is open, another client's link is refused (409) unless it asks
+to take over, and then the old client's socket closes with TAKEN_OVER so that its fit() is told.
+The same client reopening its link (its old socket not yet seen dead) replaces it quietly. The
+check and the claim run with no await between them, so of racing clients exactly one links.
+When a link closes, the calls it still owed fail (their episodes fail and are counted); calls
+arriving while no client is linked wait up to their `wait_s` for one (task draws do, episode
+calls do not) and otherwise fail with the reason.
 Anything malformed a client sends is dropped: it can cost that job's episodes, never the gateway.
 """
 
@@ -18,7 +22,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from opentinker.env.linked import TAKEN_OVER
 
 log = logging.getLogger(__name__)
 OPS = ("generate", "reset", "step", "close")
@@ -28,6 +35,7 @@ MAX_CALLS = 1024
 @dataclass
 class _Link:
     socket: WebSocket
+    client: str | None = None  # the id the client's EnvironmentLink sends: its own reconnects replace it
     owed: set[str] = field(default_factory=set)  # ids of calls sent to this client and not answered yet
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -47,14 +55,24 @@ class LinkHub:
         return self._changed.setdefault(job_id, asyncio.Event())
 
     # --- the client's side ------------------------------------------------------------------
-    async def serve_client(self, job_id: str, socket: WebSocket) -> None:
+    async def serve_client(self, job_id: str, socket: WebSocket, client: str | None = None, takeover: bool = False) -> None:
         """Hold a client's link until it closes; answers resolve the calls they name."""
-        await socket.accept()
         old = self._links.get(job_id)
-        link = self._links[job_id] = _Link(socket)
+        if old is not None and not takeover and (client is None or client != old.client):
+            await _deny(socket, "another client is linked to this job (its fit() serves the game); fit(takeover=True) replaces it")
+            return
+        link = self._links[job_id] = _Link(socket, client)  # claimed: nothing awaited since the check
+        try:
+            async with link.send_lock:  # calls for this link wait until it is accepted
+                await socket.accept()
+        except Exception:  # noqa: BLE001 - the client left during the handshake
+            if self._links.get(job_id) is link:
+                del self._links[job_id]
+            return
         if old is not None:
             self._fail(old, "the client's environment link was replaced by a new one")
-            await _close_quietly(old.socket)
+            taken = old.client is None or old.client != client
+            await _close_quietly(old.socket, TAKEN_OVER if taken else 1000, "taken over by another client" if taken else "reopened")
         self._event(job_id).set()
         try:
             while True:
@@ -165,8 +183,16 @@ def _line(result: dict[str, Any]) -> bytes:
     return (json.dumps(result) + "\n").encode()
 
 
-async def _close_quietly(socket: WebSocket) -> None:
+async def _close_quietly(socket: WebSocket, code: int, reason: str) -> None:
     try:
-        await socket.close(code=1000, reason="replaced by a new link")
+        await socket.close(code=code, reason=reason)
     except Exception:  # noqa: BLE001 - it may be gone already
         pass
+
+
+async def _deny(socket: WebSocket, detail: str) -> None:
+    """Refuse a handshake with 409 and the reason (a server without denial responses: 403)."""
+    try:
+        await socket.send_denial_response(JSONResponse({"detail": detail}, status_code=409))
+    except RuntimeError:
+        await socket.close(code=1008)

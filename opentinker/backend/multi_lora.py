@@ -1,0 +1,285 @@
+"""Many LoRA adapters on one frozen base model, in one batch: each row of a forward (and backward)
+pass uses its own adapter.
+
+Why: tenants that train LoRA adapters of the same base need not hold a copy of the base each.
+One `MultiLora` holds the base once and any number of named adapters (ranks may differ), each with
+its own weights, optimizer (AdamW over its own parameters only), step count and dropout RNG.
+
+How: every target `nn.Linear` of the base (q/k/v/o, gate/up/down by default) is replaced by a
+`MultiLoraLinear` holding the same weight. A call names each row's adapter (`with multi.rows(["a", None, "b"]): model(...)`,
+None = the base alone); the wrapper computes the base output once for the whole batch, then for
+each adapter present gathers that adapter's rows, computes `scale * B (A x)` for them and adds it
+back at those rows (`index_add`): segmented LoRA matmuls, one pair of small matmuls per adapter
+and layer, whatever the row order. Outside `rows(...)` the model is the plain base (a reference
+policy for free).
+
+Isolation: the base's parameters are frozen and never part of an optimizer. An adapter's delta is
+computed from, and added to, its own rows only, and rows never mix in a causal LM, so a loss
+summed over rows gives each adapter exactly the gradient of its own rows' loss; an adapter with
+no row in the batch is not in the autograd graph at all (its grads stay as they were).
+
+Memory per adapter: r * (in + out) float32 values per target linear (the weights), the same again
+for their grads, and twice that for AdamW's moments; activations are the batch's.
+
+Adapters import from and export to peft's folder layout (adapter_config.json +
+adapter_model.safetensors), so checkpoints, `PeftModel.from_pretrained` and vLLM read them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass
+class Adapter:
+    """One tenant's LoRA: per wrapped linear (by module path) the pair (A [r, in], B [out, r]);
+    the output gains `scale * B A x`. Its optimizer, if any, holds only these parameters."""
+
+    name: str
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    weights: dict[str, tuple[nn.Parameter, nn.Parameter]]
+    dropout: float = 0.0
+    use_rslora: bool = False
+    optimizer: torch.optim.Optimizer | None = None
+    steps: int = 0
+    rng: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for pair in self.weights.values() for p in pair]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def step(self) -> None:
+        """Apply this adapter's optimizer to its accumulated grads, then clear them."""
+        if self.optimizer is None:
+            raise RuntimeError(f"adapter {self.name!r} has no optimizer")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the adapter's input with the adapter's own generator, so what a tenant
+        draws does not depend on who else is in the batch."""
+        keep = torch.empty_like(x).bernoulli_(1 - self.dropout, generator=self.rng)
+        return x * keep / (1 - self.dropout)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    owner: object  # which MultiLora the assignment is for (several bases may live in a process)
+    size: int
+    segments: tuple[tuple[Adapter, torch.Tensor], ...]  # (adapter, its row indices)
+
+
+_ROWS: ContextVar[_Rows | None] = ContextVar("opentinker_multi_lora_rows", default=None)
+
+
+class MultiLoraLinear(nn.Linear):
+    """A frozen linear plus, per row, the delta of that row's adapter (read from `rows(...)`).
+    It takes over the base linear's own weight and bias, so the model's parameter names and
+    state_dict stay those of the base (its checkpoints, weight tying) and it is still an nn.Linear."""
+
+    def __init__(self, base: nn.Linear, path: str, owner: object):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.path = path
+        self._owner = owner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        rows = _ROWS.get()
+        if rows is None or rows.owner is not self._owner:
+            return out
+        if x.shape[0] != rows.size:
+            raise ValueError(f"{self.path}: batch of {x.shape[0]} rows, but rows(...) named {rows.size}")
+        for adapter, index in rows.segments:
+            pair = adapter.weights.get(self.path)
+            if pair is None:
+                continue
+            a, b = pair
+            xs = x.index_select(0, index).to(a.dtype)
+            if adapter.dropout and self.training:
+                xs = adapter.drop(xs)
+            delta = F.linear(F.linear(xs, a), b) * adapter.scale
+            out = out.index_add(0, index, delta.to(out.dtype))
+        return out
+
+
+class MultiLora:
+    """A frozen base causal LM shared by named LoRA adapters. `model` stays the model to call:
+    `with multi.rows(names): model(...)` (or `multi(names, **inputs)`)."""
+
+    def __init__(self, model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS):
+        self.model = model
+        self.adapters: dict[str, Adapter] = {}
+        self._owner = object()
+        if any(isinstance(m, MultiLoraLinear) for m in model.modules()):
+            raise ValueError("the model is shared by a MultiLora already")
+        model.requires_grad_(False)
+        self.linears: dict[str, MultiLoraLinear] = {}
+        for path, module in list(model.named_modules()):
+            if type(module) is nn.Linear and path.rsplit(".", 1)[-1] in targets:
+                parent_path, _, child = path.rpartition(".")
+                wrapper = MultiLoraLinear(module, path, self._owner)
+                setattr(model.get_submodule(parent_path) if parent_path else model, child, wrapper)
+                self.linears[path] = wrapper
+        if not self.linears:
+            raise ValueError(f"no nn.Linear named one of {list(targets)} in the model")
+
+    # -- adapters ---------------------------------------------------------------------------
+    def add(self, name: str, r: int = 16, alpha: float = 32.0, target_modules: Sequence[str] | None = None,
+            dropout: float = 0.0, use_rslora: bool = False, seed: int = 0, optimizer: dict[str, Any] | None = None) -> Adapter:
+        """A new adapter initialised as peft does by default (A kaiming-uniform, B zeros), drawn
+        from `seed` alone. `optimizer`: AdamW keyword arguments (e.g. {"lr": 1e-4}), or None."""
+        targets = tuple(target_modules or DEFAULT_TARGETS)
+        gen = torch.Generator().manual_seed(seed)
+        weights = {}
+        for path in self._paths(targets):
+            base = self.linears[path]
+            a = torch.empty(r, base.in_features)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            weights[path] = (a, torch.zeros(base.out_features, r))
+        return self._register(name, r, alpha, targets, weights, dropout, use_rslora, seed, optimizer)
+
+    def remove(self, name: str) -> Adapter:
+        return self.adapters.pop(name)
+
+    def __getitem__(self, name: str) -> Adapter:
+        return self.adapters[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    def _paths(self, targets: Sequence[str]) -> list[str]:
+        paths = [p for p in self.linears if p.rsplit(".", 1)[-1] in targets]
+        missing = set(targets) - {p.rsplit(".", 1)[-1] for p in paths}
+        if missing:
+            raise ValueError(f"target modules {sorted(missing)} are not wrapped here (wrapped: {sorted({p.rsplit('.', 1)[-1] for p in self.linears})})")
+        return paths
+
+    def _register(self, name, r, alpha, targets, weights, dropout, use_rslora, seed, optimizer) -> Adapter:
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} exists already")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"dropout {dropout} (0 <= dropout < 1)")
+        device = next(self.model.parameters()).device
+        params = {p: (nn.Parameter(a.to(device, torch.float32)), nn.Parameter(b.to(device, torch.float32))) for p, (a, b) in weights.items()}
+        adapter = Adapter(name, r, float(alpha), targets, params, dropout, use_rslora,
+                          rng=torch.Generator(device=device).manual_seed(seed + 1))
+        if optimizer is not None:
+            adapter.optimizer = torch.optim.AdamW(adapter.parameters(), **optimizer)
+        self.adapters[name] = adapter
+        return adapter
+
+    # -- batches ----------------------------------------------------------------------------
+    @contextmanager
+    def rows(self, names: Sequence[str | None]) -> Iterator[None]:
+        """Within the block, row i of every batch through the model uses adapter `names[i]`
+        (None: the base alone). The assignment is fixed on entry (an adapter removed meanwhile
+        still serves this block) and is per thread/task (a ContextVar)."""
+        unknown = sorted({n for n in names if n is not None and n not in self.adapters})
+        if unknown:
+            raise KeyError(f"unknown adapters: {unknown}")
+        device = next(self.model.parameters()).device
+        groups: dict[str, list[int]] = {}
+        for i, n in enumerate(names):
+            if n is not None:
+                groups.setdefault(n, []).append(i)
+        segments = tuple((self.adapters[n], torch.tensor(ix, device=device)) for n, ix in groups.items())
+        token = _ROWS.set(_Rows(self._owner, len(names), segments))
+        try:
+            yield
+        finally:
+            _ROWS.reset(token)
+
+    def __call__(self, names: Sequence[str | None], **inputs):
+        with self.rows(names):
+            return self.model(**inputs)
+
+    # -- peft layout ------------------------------------------------------------------------
+    def peft_state(self, name: str, adapter_name: str | None = None) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under peft's names (CPU copies): as in adapter_model.safetensors,
+        or with `adapter_name` (e.g. "default") as in a peft model's named_parameters (what the
+        trainer's weights.safetensors holds)."""
+        mid = f".{adapter_name}" if adapter_name else ""
+        out = {}
+        for path, (a, b) in self.adapters[name].weights.items():
+            out[f"{_PEFT_PREFIX}{path}.lora_A{mid}.weight"] = a.detach().to("cpu", copy=True).contiguous()
+            out[f"{_PEFT_PREFIX}{path}.lora_B{mid}.weight"] = b.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    def save(self, name: str, folder: str | Path, base_model: str | None = None) -> Path:
+        """Write the adapter as a peft folder (adapter_config.json + adapter_model.safetensors)."""
+        from peft import LoraConfig
+        from safetensors.torch import save_file
+
+        adapter = self.adapters[name]
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, use_rslora=adapter.use_rslora,
+                   target_modules=list(adapter.target_modules), task_type="CAUSAL_LM",
+                   base_model_name_or_path=base_model).save_pretrained(str(folder))
+        save_file(self.peft_state(name), str(folder / WEIGHTS_FILE))
+        return folder
+
+    def adapter_files(self, name: str, base_model: str | None = None) -> dict[str, bytes]:
+        """The peft folder as checkpoint files (`adapter/…`), as opentinker.model.adapter_files gives."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save(name, tmp, base_model)
+            return {f"adapter/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+    def load(self, name: str, folder: str | Path, seed: int = 0, optimizer: dict[str, Any] | None = None) -> Adapter:
+        """Register an adapter from a peft LoRA folder (JSON + safetensors; nothing is unpickled).
+        Only plain LoRA on wrapped linears is taken; anything else is refused by name."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        refused = {k: config.get(k) for k in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform")
+                   if config.get(k)}
+        if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none" or refused:
+            raise ValueError(f"{folder}: only plain LoRA adapters are supported (peft_type={config.get('peft_type')}, "
+                             f"bias={config.get('bias')}, {refused})")
+        tensors = load_file(str(folder / WEIGHTS_FILE))
+        weights: dict[str, list[torch.Tensor | None]] = {}
+        for key, tensor in tensors.items():
+            if not key.startswith(_PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+                raise ValueError(f"{folder}: unexpected tensor {key}")
+            path, which = key[len(_PEFT_PREFIX):-len(".lora_A.weight")], key[-len("A.weight")]
+            if path not in self.linears:
+                raise ValueError(f"{folder}: {path} is not a wrapped linear of this model")
+            weights.setdefault(path, [None, None])["AB".index(which)] = tensor
+        r = int(config["r"])
+        for path, (a, b) in weights.items():
+            base = self.linears[path]
+            if a is None or b is None or a.shape != (r, base.in_features) or b.shape != (base.out_features, r):
+                raise ValueError(f"{folder}: {path}: LoRA tensors missing or of the wrong shape for r={r}")
+        targets = tuple(sorted({p.rsplit(".", 1)[-1] for p in weights}))
+        return self._register(name, r, config.get("lora_alpha", 8), targets, {p: tuple(ab) for p, ab in weights.items()},
+                              float(config.get("lora_dropout") or 0.0), bool(config.get("use_rslora")), seed, optimizer)

@@ -1,0 +1,164 @@
+"""Many LoRA adapters on one base, one batch (opentinker.backend.multi_lora): each row of a mixed
+batch gets what a peft model with that row's adapter alone gives it, logits and gradients."""
+
+import copy
+
+import pytest
+import torch
+
+from opentinker.backend.multi_lora import MultiLora
+
+RANKS = {"x": 2, "y": 4, "z": 8}
+ALPHA = {"x": 4.0, "y": 16.0, "z": 8.0}
+TARGETS = {"x": None, "y": ["q_proj", "v_proj", "down_proj"], "z": None}  # None: all seven projections
+ROWS = ["y", None, "x", "z", "x", "y"]  # a row without adapter, rows of one adapter apart
+
+
+@pytest.fixture(scope="module")
+def base():
+    from opentinker.core.model_names import TINY
+    from opentinker.model import load_model
+
+    return load_model(TINY)[0]
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(3, 1000, (len(ROWS), 7), generator=torch.Generator().manual_seed(0))
+
+
+def _multi(base, optimizer=None):
+    """A fresh MultiLora on a copy of the base, adapters x, y, z with random B (peft's default B
+    is zero: every adapter would equal the base)."""
+    multi = MultiLora(copy.deepcopy(base))
+    for i, name in enumerate(RANKS):
+        adapter = multi.add(name, r=RANKS[name], alpha=ALPHA[name], target_modules=TARGETS[name], seed=i, optimizer=optimizer)
+        gen = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for _, b in adapter.weights.values():
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    return multi
+
+
+def _peft(base, multi):
+    """The reference: one peft model holding x, y, z (LoraConfig as each was made), weights copied in."""
+    from peft import LoraConfig, get_peft_model
+
+    model = None
+    for name, adapter in multi.adapters.items():
+        config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, target_modules=list(adapter.target_modules), task_type="CAUSAL_LM")
+        if model is None:
+            model = get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+        else:
+            model.add_adapter(name, config)
+    with torch.no_grad():
+        for name, adapter in multi.adapters.items():
+            for path, (a, b) in adapter.weights.items():
+                layer = model.base_model.model.get_submodule(path)
+                layer.lora_A[name].weight.copy_(a)
+                layer.lora_B[name].weight.copy_(b)
+    return model
+
+
+def _peft_logits(model, name, ids):
+    if name is None:
+        with model.disable_adapter():
+            return model(input_ids=ids).logits
+    model.set_adapter(name)
+    return model(input_ids=ids).logits
+
+
+def _loss(logits, ids):
+    """Next-token cross-entropy summed over rows and positions: row losses add, so do gradients."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+
+def test_each_row_of_a_mixed_batch_gets_its_own_adapter(base, tokens):
+    multi = _multi(base)
+    ref = _peft(base, multi)
+    with torch.no_grad():
+        mixed = multi(ROWS, input_ids=tokens).logits
+        plain = multi.model(input_ids=tokens).logits  # outside rows(...): the base
+        torch.testing.assert_close(plain, base(input_ids=tokens).logits, rtol=0, atol=1e-6)
+        for i, name in enumerate(ROWS):
+            alone = _peft_logits(ref, name, tokens[i:i + 1])
+            torch.testing.assert_close(mixed[i:i + 1], alone, rtol=0, atol=1e-5, msg=f"row {i} ({name})")
+            if name is not None:  # the adapter really changes the row (the test could fail)
+                assert (mixed[i] - plain[i]).abs().max() > 1e-2
+
+
+def test_gradients_of_a_mixed_batch_are_each_adapters_own(base, tokens):
+    multi = _multi(base)
+    multi.add("idle", r=4, seed=9)  # registered, no row in the batch
+    ref = _peft(base, multi)
+    _loss(multi(ROWS, input_ids=tokens).logits, tokens).backward()
+    for name in RANKS:
+        ref.set_adapter(name)  # peft: only the active adapter is trainable
+        rows = [i for i, n in enumerate(ROWS) if n == name]
+        _loss(ref(input_ids=tokens[rows]).logits, tokens[rows]).backward()
+        for path, pair in multi[name].weights.items():
+            layer = ref.base_model.model.get_submodule(path)
+            for ours, theirs in zip(pair, (layer.lora_A[name].weight.grad, layer.lora_B[name].weight.grad)):
+                assert ours.grad is not None and ours.grad.abs().max() > 0
+                assert (ours.grad - theirs).norm() <= 1e-5 * theirs.norm(), f"{name} {path}"
+    assert all(p.grad is None for p in multi["idle"].parameters())
+    assert all(p.grad is None and not p.requires_grad for p in multi.model.parameters())
+
+
+def test_an_optimizer_step_changes_only_its_adapter(base, tokens):
+    multi = _multi(base, optimizer={"lr": 1e-2, "weight_decay": 0.1})
+    before = {n: [p.detach().clone() for p in multi[n].parameters()] for n in RANKS}
+    base_before = base.state_dict()  # the unwrapped base: same names, same values
+    _loss(multi(ROWS, input_ids=tokens).logits, tokens).backward()
+    multi["x"].step()
+    assert multi["x"].steps == 1 and all(p.grad is None for p in multi["x"].parameters())
+    assert all(not torch.equal(p, q) for p, q in zip(multi["x"].parameters(), before["x"]))
+    for name in ("y", "z"):  # they hold grads from the batch, but their weights did not move
+        assert all(torch.equal(p, q) for p, q in zip(multi[name].parameters(), before[name]))
+        assert all(p.grad is not None for p in multi[name].parameters())
+        assert {id(p) for g in multi[name].optimizer.param_groups for p in g["params"]} == {id(p) for p in multi[name].parameters()}
+    after = multi.model.state_dict()  # after the step
+    assert set(after) == set(base_before) and all(torch.equal(after[k], v) for k, v in base_before.items())
+
+
+def test_row_order_does_not_matter(base, tokens):
+    multi = _multi(base)
+    order = torch.tensor([3, 0, 5, 1, 4, 2])
+    with torch.no_grad():
+        straight = multi(ROWS, input_ids=tokens).logits
+        shuffled = multi([ROWS[i] for i in order], input_ids=tokens[order]).logits
+    torch.testing.assert_close(shuffled, straight[order], rtol=0, atol=1e-5)
+
+
+def test_greedy_decoding_of_a_mixed_batch_matches_each_adapter_alone(base, tokens):
+    multi = _multi(base)
+    ids = tokens[:, :4]
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 2, "eos_token_id": None}
+    with torch.no_grad(), multi.rows(ROWS):  # the KV cache keeps the batch's rows in place
+        mixed = multi.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    for name in set(ROWS):  # each adapter on its own rows only
+        rows = [i for i, n in enumerate(ROWS) if n == name]
+        with torch.no_grad(), multi.rows([name] * len(rows)):
+            alone = multi.model.generate(ids[rows], attention_mask=torch.ones_like(ids[rows]), **kwargs)
+        assert mixed[rows].tolist() == alone.tolist(), name
+    assert len({tuple(t) for t in mixed[:, 4:].tolist()}) > 2  # adapters steer the rows apart
+
+
+def test_an_adapter_round_trips_through_a_peft_folder(base, tokens, tmp_path):
+    from peft import PeftModel
+
+    multi = _multi(base)
+    folder = multi.save("y", tmp_path / "y")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in folder.iterdir()}
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(copy.deepcopy(base), str(folder))(input_ids=tokens).logits
+        ours = multi(["y"] * len(ROWS), input_ids=tokens).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+        multi.load("y2", folder)
+        assert (multi["y2"].r, multi["y2"].scale, multi["y2"].target_modules) == (4, 4.0, ("down_proj", "q_proj", "v_proj"))
+        torch.testing.assert_close(multi(["y2"] * len(ROWS), input_ids=tokens).logits, ours, rtol=0, atol=0)
+    assert set(multi.adapter_files("y")) >= {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+    with pytest.raises(ValueError, match="exists already"):
+        multi.load("y", folder)
+    with pytest.raises(KeyError, match="unknown adapters"):
+        multi(["nope"], input_ids=tokens[:1])

@@ -13,6 +13,8 @@ OpenTinker vs. done in this process with plain torch + peft / transformers, in t
     (the sampling client from `save_weights_and_get_sampling_client()`). Way B: transformers'
     `model.generate(prompt repeated 8 times, do_sample=True, max_new_tokens=32, min_new_tokens=32,
     top_k=0)` on a peft-wrapped copy of the same base. Generated tokens per second; goal A / B >= 2.
+    Way C, the floor: the merged model's own forward in a bare loop (prompt prefilled once, the
+    same sampling), so the table shows how much of A / B is left to gain by serving alone.
 
 Each way is warmed up (`--warmup`, 2), then run `--steps` times (`--rounds` for sampling), the two ways
 alternating (A, B, A, B, ...) so machine noise hits both alike; medians are reported. Torch uses
@@ -141,6 +143,39 @@ class InProcessSampler:
         return seconds, int((out.shape[1] - self.input_ids.shape[1]) * out.shape[0])
 
 
+class BareLoop:
+    """The floor for sampling on this machine: the model's own forward in a plain loop (the LoRA
+    merged, the prompt prefilled once for all samples, then one token per step for the batch with
+    the same sampling: log-softmax, a multinomial draw, the drawn token's logprob), no engine, no
+    batching thread, no HTTP. How far way A is from it is all that serving adds."""
+
+    def __init__(self, model_name: str, prompt: list[int]):
+        import torch
+
+        self.model = load_peft(model_name, seed=1).merge_and_unload()
+        self.model.eval()
+        self.prompt = torch.tensor([prompt], dtype=torch.long)
+
+    def round(self) -> tuple[float, int]:
+        import torch
+
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            cache = self.model(input_ids=self.prompt[:, :-1], use_cache=True).past_key_values
+            cache.reorder_cache(torch.zeros(SAMPLES, dtype=torch.long))
+            token = self.prompt[:, -1:].repeat(SAMPLES, 1)
+            drawn = 0
+            for i in range(NEW_TOKENS):
+                out = self.model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                 position_ids=torch.full((SAMPLES, 1), PROMPT_LEN - 1 + i))
+                cache = out.past_key_values
+                logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+                token = torch.multinomial(logp.exp(), 1)
+                logp.gather(-1, token).tolist()
+                drawn += SAMPLES
+        return time.perf_counter() - t0, drawn
+
+
 # -- way A: the tinker SDK against a local gateway ------------------------------------------------
 class SdkTrainer:
     def __init__(self, tc, types, data, pipeline: bool, clock: ServerClock):
@@ -247,20 +282,22 @@ def run(args) -> dict:
             del local
             t0 = time.perf_counter()
             gen_local = InProcessSampler(args.model, prompt)
+            bare = BareLoop(args.model, prompt)
             setup["inprocess_generate_load_s"] = time.perf_counter() - t0
             sdk_sampler = SdkSampler(sampling_client, types, prompt, clock)
 
-            sample = {"sdk_s": [], "sdk_server_s": [], "sdk_tokens": [], "generate_s": [], "generate_tokens": []}
+            sample = {"sdk_s": [], "sdk_server_s": [], "sdk_tokens": [], "generate_s": [], "generate_tokens": [], "bare_s": [], "bare_tokens": []}
             for i in range(args.warmup + args.rounds):
                 a_s, a_server, a_tok = sdk_sampler.round()
                 b_s, b_tok = gen_local.round()
+                c_s, c_tok = bare.round()
                 counted = i >= args.warmup
                 if counted:
                     for key, value in (("sdk_s", a_s), ("sdk_server_s", a_server), ("sdk_tokens", a_tok),
-                                       ("generate_s", b_s), ("generate_tokens", b_tok)):
+                                       ("generate_s", b_s), ("generate_tokens", b_tok), ("bare_s", c_s), ("bare_tokens", c_tok)):
                         sample[key].append(value)
                 print(f"sample {'round' if counted else 'warm-up'} {i + 1}: SDK {a_tok / a_s:.0f} tok/s ({a_s:.3f}s, server compute "
-                      f"{a_server:.3f}s) | generate {b_tok / b_s:.0f} tok/s ({b_s:.3f}s)", flush=True)
+                      f"{a_server:.3f}s) | generate {b_tok / b_s:.0f} tok/s ({b_s:.3f}s) | bare loop {c_tok / c_s:.0f} tok/s", flush=True)
             service.close("success")
         finally:
             server.stop()
@@ -287,6 +324,9 @@ def summarize(raw: dict) -> list[dict]:
                   "sdk_overhead_ms": (_median(s["sdk_s"]) - _median(s["sdk_server_s"])) * 1000,
                   "sdk_all": a_rates, "sdk_seconds_all": s["sdk_s"], "sdk_server_all": s["sdk_server_s"],
                   "inprocess_all": b_rates, "inprocess_seconds_all": s["generate_s"]}
+    c_rates = [n / x for n, x in zip(s["bare_tokens"], s["bare_s"])]
+    sample_row |= {"bare_loop": _median(c_rates), "sdk_over_bare_loop": a / _median(c_rates),
+                   "generate_over_bare_loop": b / _median(c_rates), "bare_loop_all": c_rates}
     return [train_row, sample_row]
 
 
@@ -354,11 +394,16 @@ def main() -> int:
                f"(overhead on top {train['sdk_overhead_ms']:.0f} ms/step), sampling {sample['sdk_server_compute']:.3f} s/round "
                f"(overhead on top {sample['sdk_overhead_ms']:.0f} ms/round). Losses of the two ways agree to "
                f"{train['max_relative_loss_gap']:.1e} (relative, all steps).")
+    floor = (f"The floor, a bare decode loop on the merged model in this process (C, alternating with A and B): "
+             f"{sample['bare_loop']:.0f} tok/s; A / C = **{sample['sdk_over_bare_loop']:.3f}**, B / C = {sample['generate_over_bare_loop']:.3f}. "
+             f"While the service runs the model's own forward in float32 (its sampled logprobs must equal the trainer's to 1e-4), "
+             f"A / B cannot exceed C / B = {1 / sample['generate_over_bare_loop']:.2f}.")
     steps = ("All training steps (s): SDK " + ", ".join(f"{x:.3f}" for x in train["sdk_all"])
              + "; in-process " + ", ".join(f"{x:.3f}" for x in train["inprocess_all"]) + "  \n"
              + "All sampling rounds (tok/s): SDK " + ", ".join(f"{x:.0f}" for x in sample["sdk_all"])
-             + "; generate " + ", ".join(f"{x:.0f}" for x in sample["inprocess_all"]))
-    body = [*table(rows), "", compute, "", steps, "", f"Made with `{command}`"]
+             + "; generate " + ", ".join(f"{x:.0f}" for x in sample["inprocess_all"])
+             + "; bare loop " + ", ".join(f"{x:.0f}" for x in sample["bare_loop_all"]))
+    body = [*table(rows), "", compute, "", floor, "", steps, "", f"Made with `{command}`"]
     title = f"# Tinker API overhead: official SDK vs. in-process, same work, same run ({args.model})"
     Path(args.out + ".md").write_text("\n".join([title, "", about, "", *body, ""]))
     print()

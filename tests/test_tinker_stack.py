@@ -12,6 +12,8 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+from tests.stack_fixtures import restart_gateway  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def tenant(stack_env):
@@ -53,20 +55,6 @@ def _slots() -> int:
         return client.read_global_concurrency_limit_by_name("slots-cpu").active_slots
 
 
-def _restart_gateway(settings) -> None:
-    import os
-    import signal
-
-    from opentinker.control.stack import Stack
-
-    stack = Stack(settings)
-    os.kill(stack.pid("gateway"), signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while stack.pid("gateway") is not None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    stack.start("gateway")
-
-
 def _next_steps(trainer, data) -> list[float]:
     """The loss of the next update and the loss after it (weights, Adam moments and step count all matter)."""
     first = trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -99,7 +87,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
         losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[0]
-    _restart_gateway(settings)  # the gateway keeps nothing: the client goes on where it was
+    restart_gateway(settings)  # the gateway keeps nothing: the client goes on where it was
     losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[-2]

@@ -108,10 +108,10 @@ class _AdapterBase(Section):
 
 
 class LoraSpec(_AdapterBase):
-    kind: Literal["lora"] = "lora"
-    r: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    kind: Literal["lora"] = Field("lora", description="lora: train low-rank adapters on the frozen base")
+    r: int = Field(16, gt=0, description="LoRA rank: the inner width of each B·A update")
+    alpha: float = Field(32.0, gt=0, description="LoRA scale numerator: updates are scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input during training (0: none)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         min_length=1, description="projections of the language model that get LoRA (a VLM's vision encoder never does)",
@@ -122,7 +122,7 @@ class LoraSpec(_AdapterBase):
 
 
 class FullSpec(_AdapterBase):
-    kind: Literal["full"] = "full"
+    kind: Literal["full"] = Field("full", description="full: train every weight of the model")
     vision_tower: Literal["frozen", "connector", "trainable"] = Field(
         "trainable", description="vision-language models: train the vision encoder and connector too, only the connector, "
                                  "or keep both frozen")
@@ -132,27 +132,28 @@ AdapterSpec = Annotated[Union[LoraSpec, FullSpec], Field(discriminator="kind")]
 
 
 class KLSpec(Section):
-    coef: float = Field(0.0, ge=0)
-    estimator: Literal["k1", "k3"] = "k3"
+    coef: float = Field(0.0, ge=0, description="weight of the per-token KL(policy || base) term added to the loss (0: none)")
+    estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator with r = p_base / p_policy: k1 = -log r, k3 = r - 1 - log r (unbiased, non-negative)")
 
 
 class AlgorithmSpec(Section):
-    advantage: Literal["grpo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "rloo"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus the mean of the group's other samples")
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
-    clip_range: float = Field(0.2, gt=0, lt=1)
-    kl: KLSpec = Field(default_factory=KLSpec)
-    loss_aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")
+    kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the base model (LoRA: the base is the adapter switched off)")
+    loss_aggregation: Literal["token-mean", "seq-mean"] = Field(
+        "token-mean", description="token-mean: every sampled token weighs the same; seq-mean: every sequence weighs the same")
     max_staleness: int = Field(0, ge=0, description="policy versions a rollout may lag behind the trainer")
 
 
 class RolloutSpec(Section):
-    prompts_per_step: int = Field(8, gt=0, le=4096)
-    group_size: int = Field(4, gt=0, le=1024)
-    max_new_tokens: int = Field(24, gt=0, le=32768)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_turns: int = Field(1, gt=0, le=10000)
-    max_total_tokens: int = Field(1024, gt=0, le=1_048_576)
+    prompts_per_step: int = Field(8, gt=0, le=4096, description="tasks drawn per optimizer step")
+    group_size: int = Field(4, gt=0, le=1024, description="episodes played per task; advantages compare within the group")
+    max_new_tokens: int = Field(24, gt=0, le=32768, description="tokens the policy may generate per turn")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; the trainer scores the same softmax(logits / T)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1: off); the recorded logprobs are those of the truncated distribution")
+    max_turns: int = Field(1, gt=0, le=10000, description="policy turns per episode (1: single-turn)")
+    max_total_tokens: int = Field(1024, gt=0, le=1_048_576, description="tokens of a whole episode (prompt, turns, observations); past it the episode ends")
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
     prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
@@ -173,11 +174,11 @@ class RolloutSpec(Section):
 
 
 class OptimizationSpec(Section):
-    lr: LearningRate = 1e-4
+    lr: LearningRate = Field(1e-4, description="AdamW learning rate")
     steps: int = Field(10, gt=0, le=1_000_000, description="optimizer steps (a million at most: a budget beyond is a typo)")
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     shared_prefix: bool = Field(True, description="a group's common prompt (its records' longest common token prefix) runs "
                                 "once per update and the samples' completions against it, with the same loss and gradients; "
                                 "off: every record runs whole (vision-language models always do)")
@@ -193,7 +194,7 @@ class HealthSpec(Section):
 
 class EvaluationSpec(Section):
     every: int = Field(5, ge=0, description="evaluate every k steps (0: only before and after training)")
-    greedy: bool = True
+    greedy: bool = Field(True, description="evaluate with greedy decoding (false: sample as in training)")
     n_samples: int = Field(64, gt=0, le=100_000, description="validation problems per evaluation")
 
 
@@ -208,7 +209,7 @@ class CheckpointLocation(Section):
 
 class CheckpointSpec(CheckpointLocation):
     every: int = Field(1, ge=0, description="checkpoint every k steps (0: only at the end); flows log a step's metrics once it is checkpointed")
-    keep_last: int = Field(2, gt=0)
+    keep_last: int = Field(2, gt=0, description="complete checkpoints kept; older ones are deleted")
 
 
 class StorageSpec(Section):
@@ -230,9 +231,9 @@ class MultiAgentSpec(Section):
     opponent: Literal["agents", "self", "snapshot"] = Field(
         "agents", description="agents: every player its own policy, all trained; self: one policy plays and learns every seat; "
         "snapshot: the first player learns against a frozen copy of itself, refreshed every snapshot_every steps")
-    snapshot_every: int = Field(5, gt=0)
+    snapshot_every: int = Field(5, gt=0, description="opponent 'snapshot': a frozen copy of the learner is taken every k steps")
     credit: Literal["episode", "turn"] = Field("episode", description="turn: each turn is its own sample with its return from that turn on")
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="discount of later rewards when credit is per turn")
     phase_timeout_s: float = Field(3600.0, gt=0, description="a phase (rollout or update) that runs longer fails with the agent named")
 
 
@@ -315,13 +316,13 @@ class BaseJobSpec(Section):
     model and adapter it trains, where its files go, what it asks the cluster for, and how its
     final checkpoint is registered."""
 
-    job_id: str | None = Field(None, pattern=rf"^{JOB_ID_PATTERN}$")
-    model: ModelSpec
-    adapter: AdapterSpec = Field(default_factory=LoraSpec)
-    checkpoint: CheckpointLocation = Field(default_factory=CheckpointLocation)
-    storage: StorageSpec = Field(default_factory=StorageSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    registry: RegistrySpec = Field(default_factory=RegistrySpec)
+    job_id: str | None = Field(None, pattern=rf"^{JOB_ID_PATTERN}$", description="the job's name; resubmitting it resumes from its last checkpoint (default: generated)")
+    model: ModelSpec = Field(description="the base model")
+    adapter: AdapterSpec = Field(default_factory=LoraSpec, description="what trains: a LoRA adapter or every weight")
+    checkpoint: CheckpointLocation = Field(default_factory=CheckpointLocation, description="where checkpoints go")
+    storage: StorageSpec = Field(default_factory=StorageSpec, description="where the job's files go")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="what the job asks the cluster for")
+    registry: RegistrySpec = Field(default_factory=RegistrySpec, description="how the final checkpoint is registered in MLflow")
 
     @model_validator(mode="after")
     def _checkpoints_follow_storage(self) -> "BaseJobSpec":
@@ -335,15 +336,15 @@ class JobSpec(BaseJobSpec):
     """An RL job: the shared sections plus the algorithm, rollouts, optimisation, evaluation and
     environment (and `multiagent` for self-play)."""
 
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
-    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
-    health: HealthSpec = Field(default_factory=HealthSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    env: EnvSpec
-    multiagent: MultiAgentSpec | None = None
-    seed: int = 0
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="advantages, clipping, KL and loss aggregation")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="how episodes are sampled")
+    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec, description="the optimizer and the step budget")
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec, description="held-out evaluation during training")
+    health: HealthSpec = Field(default_factory=HealthSpec, description="when failing episodes fail the job")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="where and how often checkpoints are written")
+    env: EnvSpec = Field(description="where episodes are played: a game class, a served environment or the client's link")
+    multiagent: MultiAgentSpec | None = Field(None, description="self-play: players, opponents and credit (none: single agent)")
+    seed: int = Field(0, description="seeds task order, adapter init and sampling")
 
     def evaluates_at(self, done: int) -> bool:
         """Evaluate after `done` steps: every k steps and always after the last one."""

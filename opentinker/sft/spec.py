@@ -25,26 +25,26 @@ class SFTDataSpec(Section):
 
 
 class SFTTrainingSpec(Section):
-    epochs: int = Field(1, gt=0)
-    lr: LearningRate = 1e-4
+    epochs: int = Field(1, gt=0, description="passes over the training examples")
+    lr: LearningRate = Field(1e-4, description="AdamW peak learning rate")
     batch_size: int = Field(8, gt=0, description="examples per forward/backward")
     grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
     max_length: int = Field(1024, gt=0, description="tokens per example; a longer example is refused (never truncated)")
-    lr_scheduler: str = Field("linear", pattern=r"^(linear|constant|cosine)$")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    lr_scheduler: str = Field("linear", pattern=r"^(linear|constant|cosine)$", description="learning-rate schedule over the run: linear or cosine decay, or constant")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     assistant_only_loss: bool = Field(True, description="loss on assistant replies only (false: on whole conversations)")
     gradient_checkpointing: bool = Field(False, description="trade compute for memory (slower; for long examples on a GPU)")
     logging_steps: int = Field(1, gt=0, description="optimizer steps between metric points")
-    seed: int = 0
+    seed: int = Field(0, description="seeds the example order, the held-out split and the adapter init")
 
 
 class SFTSpec(BaseJobSpec):
     """One SFT job. Its checkpoint goes to <checkpoint.base_url>/<job_id>/step-<optimizer steps>/;
     the flow registers it as a version of registry.model_name (default '<tenant or project>-sft')."""
 
-    data: SFTDataSpec
-    training: SFTTrainingSpec = Field(default_factory=SFTTrainingSpec)
+    data: SFTDataSpec = Field(description="the chat examples to train on")
+    training: SFTTrainingSpec = Field(default_factory=SFTTrainingSpec, description="the optimizer and the passes over the data")
 
 
 class SFTDataError(SpecError):

@@ -141,8 +141,7 @@ class AlgorithmSpec(Section):
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")
     kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the base model (LoRA: the base is the adapter switched off)")
-    loss_aggregation: Literal["token-mean", "seq-mean"] = Field(
-        "token-mean", description="token-mean: every sampled token weighs the same; seq-mean: every sequence weighs the same")
+    loss_aggregation: Literal["token-mean", "seq-mean"] = Field("token-mean", description="token-mean: each sampled token weighs the same; seq-mean: each sequence")
     max_staleness: int = Field(0, ge=0, description="policy versions a rollout may lag behind the trainer")
 
 

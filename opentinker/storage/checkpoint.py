@@ -35,7 +35,7 @@ from opentinker.core.ids import check_folder_name
 from opentinker.storage.committed import (COMMIT, CheckpointWriteError, committed_manifest, is_complete, join_url, read_manifest,  # noqa: F401 - re-exported
                                           remove_committed, url_to_fs, why_incomplete, write_committed)
 from opentinker.storage import signing
-from opentinker.storage.signing import CheckpointRef, Owner, folder_problem, problem, signed, stack_secret  # noqa: F401 - re-exported
+from opentinker.storage.signing import CheckpointRef, Owner, checked, folder_problem, problem, signed, stack_secret  # noqa: F401 - re-exported
 
 log = logging.getLogger("opentinker.checkpoint")
 
@@ -123,13 +123,11 @@ def _verified(fs, path: str, url: str, manifest: dict[str, Any], name: str) -> b
     return data
 
 
-def trusted_manifest(fs, path: str, url: str, owner: Owner | None = None) -> dict[str, Any]:
+def trusted_manifest(url: str, owner: Owner | None = None) -> dict[str, Any]:
     """COMMIT.json of the folder, else CheckpointError with the one-line reason: incomplete, or
     (signing.problem) not signed by this stack, or with `owner` not that job's checkpoint."""
-    manifest = read_manifest(fs, path)
-    if manifest is None:
-        raise CheckpointError(f"{url} is not a complete checkpoint (no valid {COMMIT}: {why_incomplete(fs, path)})")
-    if reason := problem(url, manifest, owner):
+    manifest, reason = checked(url, owner)
+    if reason:
         raise CheckpointError(reason)
     return manifest
 
@@ -138,7 +136,7 @@ def read_file(url: str, name: str, missing_ok: bool = False, owner: Owner | None
     """One file of a complete checkpoint, verified against COMMIT.json; None when the checkpoint
     has no such file and `missing_ok` (e.g. policy.json in checkpoints older than it)."""
     fs, path = url_to_fs(url)
-    manifest = trusted_manifest(fs, path, url, owner)
+    manifest = trusted_manifest(url, owner)
     if name not in manifest["files"]:
         if missing_ok:
             return None
@@ -220,7 +218,7 @@ def load_checkpoint(url: str, owner: Owner | None = None) -> LoadedCheckpoint:
     """Read a complete checkpoint (with `owner`: only that job's, see trusted_manifest);
     CheckpointError names the URL and the file when it is not usable."""
     fs, path = url_to_fs(url)
-    manifest = trusted_manifest(fs, path, url, owner)
+    manifest = trusted_manifest(url, owner)
 
     def parsed(name: str, parse):
         data = _verified(fs, path, url, manifest, name)

@@ -77,14 +77,19 @@ def problem(url: str, manifest: dict[str, Any], owner: Owner | None = None, secr
     return None
 
 
-def folder_problem(url: str, owner: Owner | None = None, secret: str | None = None) -> str | None:
-    """`problem` for the folder at `url`, or why it is not committed at all; from its COMMIT.json
-    alone (the files' bytes are checked against their sha256 when they are read)."""
+def checked(url: str, owner: Owner | None = None, secret: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """(COMMIT.json of the folder at `url` or None, `problem` with it or why it is not committed at
+    all): one read of the manifest, which the files' sha256 checks use when they are read."""
     fs, path = url_to_fs(url)
     manifest = read_manifest(fs, path)
     if manifest is None:
-        return f"{url} is not a complete checkpoint (no valid {COMMIT}: {why_incomplete(fs, path)})"
-    return problem(url, manifest, owner, secret)
+        return None, f"{url} is not a complete checkpoint (no valid {COMMIT}: {why_incomplete(fs, path)})"
+    return manifest, problem(url, manifest, owner, secret)
+
+
+def folder_problem(url: str, owner: Owner | None = None, secret: str | None = None) -> str | None:
+    """Why the folder at `url` must not be trusted (see `checked`), or None."""
+    return checked(url, owner, secret)[1]
 
 
 def step_folders(job_url: str) -> list[CheckpointRef]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from opentinker.core.ids import InvalidJobId, check_folder_name
-from opentinker.storage.committed import join_url, read_manifest, remove_committed, url_to_fs
-from opentinker.storage.signing import CheckpointRef, Owner, folder_problem, step_folders
+from opentinker.storage.committed import join_url, remove_committed
+from opentinker.storage.signing import CheckpointRef, Owner, checked, step_folders
 
 
 def job_folders(job_id: str, spec: dict[str, Any]) -> list[tuple[str | None, str]]:
@@ -36,9 +36,7 @@ def listed(storage_url: str, tenant: str, job_id: str, spec: dict[str, Any], sec
     with `secret`, and every file has its recorded size (the bytes are checked against their sha256 on load)."""
     out = []
     for agent, folder, ref in _folders(storage_url, job_id, spec):
-        problem = folder_problem(ref.url, Owner(folder, tenant), secret)
-        fs, path = url_to_fs(ref.url)
-        manifest = read_manifest(fs, path)  # None: not committed (its sizes checked, so they are numbers)
+        manifest, problem = checked(ref.url, Owner(folder, tenant), secret)  # manifest None: not committed
         out.append({"step": ref.step, "agent": agent, "url": ref.url, "valid": problem is None, "problem": problem,
                     "time": manifest.get("time") if manifest else None,
                     "bytes": sum(manifest["files"].values()) if manifest else None})

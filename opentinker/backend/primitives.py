@@ -81,6 +81,125 @@ def _as_float(name: str, i: int, array: np.ndarray, n: int) -> torch.Tensor:
     return tensor
 
 
+def checked_rows(data: list[Any], loss_fn: str, vocab_size: int, context_length: int | None, base_name: str
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Each datum as tensors (tokens, target_tokens and the loss's inputs), or BadRequest naming the datum and field."""
+    if not data:
+        raise BadRequest("data: empty (one datum at least)")
+    needed = ("target_tokens", *LOSSES[loss_fn][0])
+    rows = []
+    for i, datum in enumerate(data):
+        n = len(datum.tokens)
+        if n == 0:
+            raise BadRequest(f"data[{i}].model_input: no tokens")
+        if context_length and n > context_length:
+            raise BadRequest(f"data[{i}].model_input: {n} tokens, the model's context is {context_length}")
+        missing = [k for k in needed if k not in datum.inputs and not (k == "weights" and loss_fn == "cross_entropy")]
+        if missing:
+            raise BadRequest(f"data[{i}].loss_fn_inputs: {loss_fn} needs {', '.join(missing)}")
+        tokens = torch.as_tensor(datum.tokens, dtype=torch.long)
+        targets = datum.inputs["target_tokens"]
+        if targets.ndim != 1 or targets.shape[0] != n:
+            raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: shape {list(targets.shape)}, the model input has {n} tokens")
+        targets = torch.as_tensor(np.array(targets, dtype=np.int64))
+        for name, ids in (("model_input", tokens), ("target_tokens", targets)):
+            if bool(((ids < 0) | (ids >= vocab_size)).any()):
+                raise BadRequest(f"data[{i}].{name}: token ids must be in [0, {vocab_size}) for {base_name}")
+        row = {"tokens": tokens, "target_tokens": targets}
+        for name in LOSSES[loss_fn][0]:
+            row[name] = _as_float(name, i, datum.inputs[name], n) if name in datum.inputs else torch.zeros(n)
+        rows.append(row)
+    return rows
+
+
+def micro_batches(lengths: list[int]) -> list[list[int]]:
+    """Indices grouped (shortest first) so that no group pads to more than MICRO_BATCH_TOKENS positions."""
+    batches, current, width = [], [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        n = lengths[i]
+        if current and max(width, n) * (len(current) + 1) > MICRO_BATCH_TOKENS:
+            batches.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, n)
+    return batches + [current] if current else batches
+
+
+def padded(rows: list[dict[str, torch.Tensor]], device: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rows right-padded to one width ([B, T] per key, zeros where a row lacks a key) and the mask of real positions."""
+    width = max(len(r["tokens"]) for r in rows)
+    dtypes = {k: v.dtype for r in rows for k, v in r.items()}
+    out = {k: torch.zeros((len(rows), width), dtype=dtype) for k, dtype in dtypes.items()}
+    mask = torch.zeros((len(rows), width))
+    for b, row in enumerate(rows):
+        n = len(row["tokens"])
+        for k, v in row.items():
+            out[k][b, :n] = v
+        mask[b, :n] = 1.0
+    return {k: v.to(device) for k, v in out.items()}, mask.to(device)
+
+
+def graded_positions(padded_rows: dict[str, torch.Tensor], mask: torch.Tensor, loss_fn: str, config: dict[str, float],
+                     forward_only: bool) -> torch.Tensor:
+    """Where the loss has a gradient: weights (cross-entropy) or advantages nonzero, every real
+    position for dro with beta > 0 (or when nothing trains)."""
+    if forward_only or loss_fn == "dro" and config.get("beta", 0) > 0:
+        return mask.bool()
+    coefficient = padded_rows.get("weights") if loss_fn == "cross_entropy" else padded_rows.get("advantages")
+    return mask.bool() & (coefficient != 0)
+
+
+def add_metrics(sums: dict[str, float], metrics: dict[str, float], n_tokens: float) -> None:
+    """Sums add up; means are weighted by tokens (divided by the total at the end)."""
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + (value * n_tokens if key.endswith(":mean") else value)
+
+
+def averaged(sums: dict[str, float], tokens_total: float) -> dict[str, float]:
+    return {k: (v / max(tokens_total, 1.0) if k.endswith(":mean") else v) for k, v in sums.items()}
+
+
+def adam_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], adam: AdamParams) -> float:
+    """One AdamW step over `params` with `adam` exactly as sent, gradients cleared; the gradient's
+    norm before clipping. A gradient that is not finite skips the step (cleared) with BadRequest."""
+    adam.check()
+    for group in optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise BadRequest("the accumulated gradient is not finite (NaN or infinity): the step was skipped and the gradient cleared")
+    if adam.grad_clip_norm > 0 and grads:
+        torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, active: torch.Tensor,
+                    forward_only: bool, placement: Placement, head_rows: Any = None) -> torch.Tensor:
+    """log p(target) [B, T] from the last hidden states: the unembedding with gradient at `active`
+    positions only, without at the other real ones. `head_rows(positions)`: a context under which
+    the head runs for those [K] flattened positions (a shared base's per-row adapters)."""
+    from contextlib import nullcontext
+
+    lp = torch.zeros(mask.shape, device=mask.device)
+
+    def score(where: torch.Tensor, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad and not forward_only), placement.autocast(), (head_rows(where) if head_rows else nullcontext()):
+            logits = head(hidden[where] if grad else hidden[where].detach())
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[where][:, None]).squeeze(-1)
+
+    rest = ~active & mask.bool()
+    if bool(rest.any()):
+        with torch.no_grad():
+            lp = lp.index_put((rest,), score(rest, grad=False))
+    if bool(active.any()):
+        lp = lp.index_put((active,), score(active, grad=True))
+    return lp
+
+
 class PrimitiveModel:
     """One training client's model and optimizer. `steps`: optimizer steps taken."""
 
@@ -110,71 +229,19 @@ class PrimitiveModel:
 
     # -- forward / backward -------------------------------------------------------------------
     def _check(self, data: list[Any], loss_fn: str) -> list[dict[str, torch.Tensor]]:
-        if not data:
-            raise BadRequest("data: empty (one datum at least)")
-        needed = ("target_tokens", *LOSSES[loss_fn][0])
-        rows = []
-        for i, datum in enumerate(data):
-            n = len(datum.tokens)
-            if n == 0:
-                raise BadRequest(f"data[{i}].model_input: no tokens")
-            if self.context_length and n > self.context_length:
-                raise BadRequest(f"data[{i}].model_input: {n} tokens, the model's context is {self.context_length}")
-            missing = [k for k in needed if k not in datum.inputs and not (k == "weights" and loss_fn == "cross_entropy")]
-            if missing:
-                raise BadRequest(f"data[{i}].loss_fn_inputs: {loss_fn} needs {', '.join(missing)}")
-            tokens = torch.as_tensor(datum.tokens, dtype=torch.long)
-            targets = datum.inputs["target_tokens"]
-            if targets.ndim != 1 or targets.shape[0] != n:
-                raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: shape {list(targets.shape)}, the model input has {n} tokens")
-            targets = torch.as_tensor(np.array(targets, dtype=np.int64))
-            for name, ids in (("model_input", tokens), ("target_tokens", targets)):
-                if bool(((ids < 0) | (ids >= self.vocab_size)).any()):
-                    raise BadRequest(f"data[{i}].{name}: token ids must be in [0, {self.vocab_size}) for {self.base_name}")
-            row = {"tokens": tokens, "target_tokens": targets}
-            for name in LOSSES[loss_fn][0]:
-                row[name] = _as_float(name, i, datum.inputs[name], n) if name in datum.inputs else torch.zeros(n)
-            rows.append(row)
-        return rows
+        return checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
 
-    def _micro_batches(self, rows: list[dict[str, torch.Tensor]]) -> list[list[int]]:
-        batches, current, width = [], [], 0
-        for i in sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"])):
-            n = len(rows[i]["tokens"])
-            if current and max(width, n) * (len(current) + 1) > MICRO_BATCH_TOKENS:
-                batches.append(current)
-                current, width = [], 0
-            current.append(i)
-            width = max(width, n)
-        return batches + [current] if current else batches
-
-    def _target_logprobs(self, padded: dict[str, torch.Tensor], mask: torch.Tensor, loss_fn: str, config: dict[str, float],
+    def _target_logprobs(self, padded_rows: dict[str, torch.Tensor], mask: torch.Tensor, active: torch.Tensor,
                          forward_only: bool) -> torch.Tensor:
         """log p(target) at every position, [B, T]. The unembedding and its log-softmax run with
-        gradient only where the loss has a gradient (weights or advantages nonzero; every token for
-        dro with β > 0): in RL data most positions are the prompt's, and their share of the
-        backward is skipped. The values, and so the loss and the outputs, are the same everywhere."""
+        gradient only at `active` positions (graded_positions): in RL data most positions are the
+        prompt's, and their share of the backward is skipped. The values, and so the loss and the
+        outputs, are the same everywhere."""
         lm = self.model.get_base_model()
-        head = lm.get_output_embeddings()
-        targets = padded["target_tokens"]
         with torch.set_grad_enabled(not forward_only), self.placement.autocast():
-            hidden = hidden_states(lm, padded["tokens"], None if bool(mask.all()) else mask.long())
-        coefficient = padded.get("weights") if loss_fn == "cross_entropy" else padded.get("advantages")
-        active = mask.bool() if forward_only or loss_fn == "dro" and config.get("beta", 0) > 0 else mask.bool() & (coefficient != 0)
-        lp = torch.zeros(mask.shape, device=mask.device)
-
-        def score(rows: torch.Tensor, grad: bool) -> torch.Tensor:
-            with torch.set_grad_enabled(grad and not forward_only), self.placement.autocast():
-                logits = head(hidden[rows] if grad else hidden[rows].detach())
-            return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[rows][:, None]).squeeze(-1)
-
-        rest = ~active & mask.bool()
-        if bool(rest.any()):
-            with torch.no_grad():
-                lp = lp.index_put((rest,), score(rest, grad=False))
-        if bool(active.any()):
-            lp = lp.index_put((active,), score(active, grad=True))
-        return lp
+            hidden = hidden_states(lm, padded_rows["tokens"], None if bool(mask.all()) else mask.long())
+        return target_logprobs(lm.get_output_embeddings(), hidden, padded_rows["target_tokens"], mask, active, forward_only,
+                               self.placement)
 
     def forward_backward(self, data: list[Any], loss_fn: str, config: dict[str, float], forward_only: bool = False
                          ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
@@ -182,56 +249,36 @@ class PrimitiveModel:
         the loss's gradient is added to what earlier calls accumulated."""
         config = loss_config(loss_fn, config)
         rows = self._check(data, loss_fn)
-        device = self.placement.device
         outputs: list[dict[str, np.ndarray]] = [{} for _ in rows]
         sums: dict[str, float] = {}
         tokens_total = 0.0
         self.model.train(not forward_only)
-        for batch in self._micro_batches(rows):
-            width = max(len(rows[i]["tokens"]) for i in batch)
-            padded = {k: torch.zeros((len(batch), width), dtype=v.dtype) for k, v in rows[batch[0]].items()}
-            mask = torch.zeros((len(batch), width))
-            for r, i in enumerate(batch):
-                n = len(rows[i]["tokens"])
-                for k, v in rows[i].items():
-                    padded[k][r, :n] = v
-                mask[r, :n] = 1.0
-            padded = {k: v.to(device) for k, v in padded.items()}
-            mask = mask.to(device)
-            lp = self._target_logprobs(padded, mask, loss_fn, config, forward_only)
+        for batch in micro_batches([len(r["tokens"]) for r in rows]):
+            inputs, mask = padded([rows[i] for i in batch], self.placement.device)
+            lp = self._target_logprobs(inputs, mask, graded_positions(inputs, mask, loss_fn, config, forward_only), forward_only)
             with torch.set_grad_enabled(not forward_only):
-                out = primitive_loss(loss_fn, lp, padded, mask, config)
+                out = primitive_loss(loss_fn, lp, inputs, mask, config)
             if not forward_only and out.loss.requires_grad:  # nothing has a gradient when every weight is 0
                 out.loss.backward()
             n_tokens = float(mask.sum())
             tokens_total += n_tokens
-            for key, value in out.metrics.items():  # sums add up; means are weighted by tokens
-                sums[key] = sums.get(key, 0.0) + (value * n_tokens if key.endswith(":mean") else value)
+            add_metrics(sums, out.metrics, n_tokens)
             lp = lp.detach().cpu().numpy()
             for r, i in enumerate(batch):
                 outputs[i] = {"logprobs": lp[r, : len(rows[i]["tokens"])].astype(np.float32)}
         self.model.eval()
         if not forward_only:
             self.pending_tokens += int(tokens_total)
-        metrics = {k: (v / max(tokens_total, 1.0) if k.endswith(":mean") else v) for k, v in sums.items()}
-        return outputs, metrics
+        return outputs, averaged(sums, tokens_total)
 
     # -- optimizer -------------------------------------------------------------------------
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         """One AdamW step with `adam` exactly as sent, then the gradients are cleared."""
-        adam.check()
-        for group in self.optimizer.param_groups:
-            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
+        try:
+            norm = adam_step(self.optimizer, self.params, adam)
+        except BadRequest:
             self.pending_tokens = 0
-            raise BadRequest("the accumulated gradient is not finite (NaN or infinity): the step was skipped and the gradient cleared")
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(self.params, adam.grad_clip_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            raise
         self.steps += 1
         tokens, self.pending_tokens = self.pending_tokens, 0
         return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}

@@ -1,0 +1,309 @@
+"""Many tenants' LoRA training on one frozen base model, their calls batched together.
+
+Why: a LoRA tenant needs its adapter and its optimizer state, not a copy of the base. A
+`SharedBase` holds the base once (opentinker.backend.multi_lora) and attaches any number of
+`SharedAdapter`s, each a drop-in for a training client's `PrimitiveModel` (same calls, same
+checkpoint files), with its own weights, AdamW state, step count and seed.
+
+Batching: `forward_backward` calls of different adapters that arrive together (a short window
+after the first) run as one pass: their rows form one batch in which each row goes through its
+own adapter (segmented LoRA matmuls, the unembedding's LoRA included), each call's loss is its
+own loss function on its own rows, and one backward of their sum gives every adapter exactly the
+gradient of its own loss (an adapter only touches its own rows). Calls of one adapter never share
+a pass (they run in the order they came). One runner thread owns the model, so passes never
+overlap.
+
+Isolation: a call's input is checked in the caller's thread (a bad datum fails that call alone,
+before it joins a batch); if a shared pass raises, every adapter's gradient is put back as it
+was and each call of the pass runs alone, so only the call that fails alone fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from opentinker.algo.primitive_losses import loss_config, primitive_loss
+from opentinker.backend.device import Placement, cpu
+from opentinker.backend.multi_lora import MultiLora
+from opentinker.backend.primitives import (
+    ATTENTION,
+    LORA_ALPHA,
+    MLP,
+    UNEMBED,
+    AdamParams,
+    BadRequest,
+    LoraShape,
+    adam_step,
+    add_metrics,
+    averaged,
+    checked_rows,
+    graded_positions,
+    micro_batches,
+    padded,
+    target_logprobs,
+)
+from opentinker.model.vision import hidden_states
+
+log = logging.getLogger(__name__)
+GATHER_S = 0.005  # after the first call of a pass, how long others may join it
+
+
+@dataclass
+class _Call:
+    adapter: str
+    rows: list[dict[str, torch.Tensor]]
+    loss_fn: str
+    config: dict[str, float]
+    forward_only: bool
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class PassStats:
+    """What the runner did: passes run, calls in them, and how many passes held two adapters or more."""
+
+    passes: int = 0
+    calls: int = 0
+    shared: int = 0
+
+    def share(self) -> float:
+        return self.shared / self.passes if self.passes else 0.0
+
+
+class SharedBase:
+    """A frozen base (`base`, a causal LM) that LoRA adapters of many tenants train on."""
+
+    def __init__(self, base: Any, tokenizer: Any, base_name: str, placement: Placement | None = None, gather_s: float = GATHER_S):
+        self.placement = placement or cpu()
+        self.base_name, self.tokenizer, self.gather_s = base_name, tokenizer, gather_s
+        self.lm = base.to(dtype=self.placement.weights_dtype(trained=False)).to(self.placement.device)
+        self.lm.eval()
+        self.multi = MultiLora(self.lm, targets=ATTENTION + MLP + UNEMBED)
+        config = self.lm.config.get_text_config()
+        self.vocab_size = int(self.lm.get_output_embeddings().weight.shape[0])
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.stats = PassStats()
+        self._calls: queue.Queue[_Call | None] = queue.Queue()
+        self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
+        self._runner.start()
+
+    # -- tenants ----------------------------------------------------------------------------
+    def attach(self, name: str, shape: LoraShape) -> SharedAdapter:
+        """A new adapter `name` (a training client's model) on this base."""
+        return SharedAdapter(self, name, shape)
+
+    def detach(self, name: str) -> None:
+        if name in self.multi:
+            self.multi.remove(name)
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+    # -- passes -----------------------------------------------------------------------------
+    def submit(self, call: _Call) -> Any:
+        """Queue a call for the next pass and wait for its (outputs, metrics)."""
+        self._calls.put(call)
+        return call.future.result()
+
+    def _serve(self) -> None:
+        waiting: list[_Call] = []
+        while True:
+            first = waiting.pop(0) if waiting else self._calls.get()
+            if first is None:
+                return
+            pending = [first, *waiting]
+            waiting = []
+            if self.gather_s:
+                time.sleep(self.gather_s)
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is None:
+                    self._calls.put(None)
+                    break
+                pending.append(call)
+            batch, seen = [], set()
+            for call in pending:  # one call per adapter and one kind (training or forward only) per pass
+                key = call.adapter
+                if key in seen or call.forward_only != pending[0].forward_only:
+                    waiting.append(call)
+                else:
+                    seen.add(key)
+                    batch.append(call)
+            try:
+                self._run(batch)
+            except Exception as err:  # noqa: BLE001 - the runner outlives anything a pass does
+                for call in batch:
+                    if not call.future.done():
+                        call.future.set_exception(err)
+
+    def _run(self, calls: list[_Call]) -> None:
+        for call in [c for c in calls if c.adapter not in self.multi]:  # its model was closed while the call waited
+            call.future.set_exception(BadRequest(f"model {call.adapter!r} was closed while its call waited"))
+        calls = [c for c in calls if c.adapter in self.multi]
+        if not calls:
+            return
+        self.stats.passes += 1
+        self.stats.calls += len(calls)
+        self.stats.shared += len(calls) > 1
+        saved = {c.adapter: [None if p.grad is None else p.grad.clone() for p in self.multi[c.adapter].parameters()]
+                 for c in calls if not c.forward_only}
+        try:
+            results = self._pass(calls)
+        except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
+            if len(calls) == 1:
+                calls[0].future.set_exception(err)
+                return
+            log.warning("a shared pass of %d calls failed (%s); running each alone", len(calls), err)
+            self._restore(saved)
+            for call in calls:
+                self._run([call])
+            return
+        for call, result in zip(calls, results):
+            call.future.set_result(result)
+
+    def _restore(self, saved: dict[str, list[torch.Tensor | None]]) -> None:
+        for name, grads in saved.items():
+            for p, g in zip(self.multi[name].parameters(), grads):
+                p.grad = g
+
+    @contextmanager
+    def _per_position(self, names: list[str], where: torch.Tensor) -> Iterator[None]:
+        rows = where.nonzero()[:, 0].tolist()
+        with self.multi.rows([names[r] for r in rows]):
+            yield
+
+    def _pass(self, calls: list[_Call]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
+        """One pass over every call's rows, each row through its call's adapter."""
+        forward_only = calls[0].forward_only
+        items = [(c, i) for c, call in enumerate(calls) for i in range(len(call.rows))]
+        outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in call.rows] for call in calls]
+        sums: list[dict[str, float]] = [{} for _ in calls]
+        tokens = [0.0] * len(calls)
+        self.lm.train(not forward_only)
+        try:
+            for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items]):
+                members = [items[k] for k in batch]
+                names = [calls[c].adapter for c, _ in members]
+                inputs, mask = padded([calls[c].rows[i] for c, i in members], self.placement.device)
+                owner = torch.tensor([c for c, _ in members], device=mask.device)
+                active = torch.zeros_like(mask, dtype=torch.bool)
+                for c, call in enumerate(calls):
+                    mine = owner == c
+                    if bool(mine.any()):
+                        active[mine] = graded_positions({k: v[mine] for k, v in inputs.items()}, mask[mine], call.loss_fn,
+                                                        call.config, forward_only)
+                with self.multi.rows(names), torch.set_grad_enabled(not forward_only), self.placement.autocast():
+                    hidden = hidden_states(self.lm, inputs["tokens"], None if bool(mask.all()) else mask.long())
+                lp = target_logprobs(self.lm.get_output_embeddings(), hidden, inputs["target_tokens"], mask, active, forward_only,
+                                     self.placement, head_rows=lambda where: self._per_position(names, where))
+                losses = []
+                for c, call in enumerate(calls):
+                    mine = (owner == c).nonzero()[:, 0]
+                    if len(mine) == 0:
+                        continue
+                    part = {k: v[mine] for k, v in inputs.items()}
+                    with torch.set_grad_enabled(not forward_only):
+                        out = primitive_loss(call.loss_fn, lp[mine], part, mask[mine], call.config)
+                    if not forward_only and out.loss.requires_grad:
+                        losses.append(out.loss)
+                    n_tokens = float(mask[mine].sum())
+                    tokens[c] += n_tokens
+                    add_metrics(sums[c], out.metrics, n_tokens)
+                if losses:
+                    torch.stack(losses).sum().backward()
+                values = lp.detach().cpu().numpy()
+                for r, (c, i) in enumerate(members):
+                    outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
+        finally:
+            self.lm.eval()
+        return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
+
+
+class SharedAdapter:
+    """One training client's LoRA on a SharedBase: the calls and checkpoint files of a PrimitiveModel."""
+
+    def __init__(self, shared: SharedBase, name: str, shape: LoraShape):
+        self.shared, self.name, self.shape = shared, name, shape
+        self.base_name, self.tokenizer = shared.base_name, shared.tokenizer
+        self.vocab_size, self.context_length = shared.vocab_size, shared.context_length
+        self.lora = shape.spec()
+        seed = shape.seed if shape.seed is not None else secrets.randbelow(2**31)
+        self.adapter = shared.multi.add(name, r=shape.rank, alpha=LORA_ALPHA, target_modules=self.lora.target_modules, seed=seed)
+        self.params = self.adapter.parameters()
+        self.optimizer = self._fresh_optimizer()
+        self.steps = 0
+        self.pending_tokens = 0
+
+    def _fresh_optimizer(self) -> torch.optim.AdamW:
+        p = AdamParams()
+        return torch.optim.AdamW(self.params, lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+
+    def close(self) -> None:
+        self.shared.detach(self.name)
+
+    def forward_backward(self, data: list[Any], loss_fn: str, config: dict[str, float], forward_only: bool = False
+                         ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        config = loss_config(loss_fn, config)
+        rows = checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
+        outputs, metrics = self.shared.submit(_Call(self.name, rows, loss_fn, config, forward_only))
+        if not forward_only:
+            self.pending_tokens += sum(len(r["tokens"]) for r in rows)
+        return outputs, metrics
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        try:
+            norm = adam_step(self.optimizer, self.params, adam)
+        except BadRequest:
+            self.pending_tokens = 0
+            raise
+        self.steps += 1
+        tokens, self.pending_tokens = self.pending_tokens, 0
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}
+
+    # -- state: the files a PrimitiveModel writes and reads -----------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return self.shared.multi.peft_state(self.name, adapter_name="default")
+
+    def state_files(self, with_optimizer: bool) -> dict[str, Any]:
+        import io
+
+        from safetensors.torch import save as save_safetensors
+
+        files = {"weights.safetensors": save_safetensors(self.trainable_state()), **self.shared.multi.adapter_files(self.name)}
+        if with_optimizer:
+            buf = io.BytesIO()
+            torch.save(self.optimizer.state_dict(), buf)
+            files["optimizer.pt"] = buf.getvalue()
+        return files
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, steps: int) -> None:
+        names = list(self.trainable_state())
+        if set(weights) != set(names):
+            raise BadRequest(f"the checkpoint's weights do not fit this model ({len(set(weights) ^ set(names))} tensors differ)")
+        with torch.no_grad():
+            for name, param in zip(names, self.params):
+                param.copy_(weights[name])
+        self.optimizer = self._fresh_optimizer()
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_tokens = 0
+        self.steps = steps
+
+    def policy_info(self) -> dict[str, Any]:
+        return {"base_model": self.base_name, "dtype": "float32", "adapter": self.lora.model_dump(mode="json"), "init_from": None,
+                "tinker": asdict(self.shape)}

@@ -1,0 +1,228 @@
+"""Tenants' LoRA training on one shared base (opentinker.backend.shared_base): a SharedAdapter
+computes what a training client's own PrimitiveModel (peft) computes, its checkpoint files are
+the same, and a tenant's logprobs, losses and gradients are the same whether other tenants' calls
+share its pass or not. A failing call costs that call only."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from opentinker.backend.primitives import AdamParams, BadRequest, LoraShape, PrimitiveModel
+from opentinker.backend.shared_base import SharedBase
+from opentinker.model import load_model
+from opentinker.tinker.wire import TokenDatum
+
+ADAM = AdamParams(learning_rate=1e-2, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
+
+
+def datum(tokens, **inputs):
+    targets = np.array(tokens[1:] + [2], np.int64)
+    return TokenDatum(tokens=tokens, inputs={"target_tokens": targets, **{k: np.array(v, np.float32) for k, v in inputs.items()}})
+
+
+CE = [datum([1, 50, 300, 7, 9], weights=[1, 1, 0.5, 1, 0]), datum([4, 800, 12], weights=[1, -1, 2])]
+IS = [datum([5, 6, 7, 8, 9, 10], logprobs=[-1, -2, -3, -1, -2, -3], advantages=[0, 0, 1, 1, -1, 0]),
+      datum([11, 12], logprobs=[-2, -2], advantages=[0.5, 0.5])]
+PPO = [datum([40, 41, 42, 43], logprobs=[-3, -3, -3, -3], advantages=[0, 2, 2, 0])]
+# tenant: (its LoRA, its loss, its data); ranks and trained modules differ
+TENANTS = {"ann": (LoraShape(rank=4, seed=1), "cross_entropy", CE),
+           "bob": (LoraShape(rank=8, seed=2, train_unembed=False), "importance_sampling", IS),
+           "cyd": (LoraShape(rank=2, seed=3, train_attn=False), "ppo", PPO)}
+
+
+def shared(gather_s: float = 0.0) -> SharedBase:
+    base, tok = load_model("tiny-random")
+    return SharedBase(base, tok, "tiny-random", gather_s=gather_s)
+
+
+def with_random_b(adapter, seed: int) -> None:
+    """peft starts B at zero (the adapter equals the base): give it weights that matter."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for _, b in adapter.adapter.weights.values():
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+
+
+def grads_of(adapter) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in adapter.params]
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal up to float32 summation order: within 1e-5 of the tensor's largest magnitude."""
+    if a is None or b is None:
+        return a is None and b is None
+    return float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()) + 1e-7
+
+
+def test_a_shared_adapter_computes_what_the_peft_trainer_does():
+    sb = shared()
+    mine = sb.attach("ann", LoraShape(rank=4, seed=0))
+    with_random_b(mine, 0)
+    base, tok = load_model("tiny-random")
+    peft_model = PrimitiveModel(base, tok, "tiny-random", LoraShape(rank=4, seed=5))
+    peft_model.load_state(mine.trainable_state(), None, 0)  # the same weights, under peft's own names
+    for loss_fn, data in (("cross_entropy", CE), ("importance_sampling", IS)):
+        ours, ours_metrics = mine.forward_backward(data, loss_fn, {})
+        theirs, their_metrics = peft_model.forward_backward(data, loss_fn, {})
+        assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(ours, theirs))
+        assert ours_metrics.keys() == their_metrics.keys()
+        assert all(ours_metrics[k] == pytest.approx(their_metrics[k], rel=1e-5, abs=1e-5) for k in ours_metrics)
+    named = dict(zip(mine.trainable_state(), grads_of(mine)))
+    for name, param in peft_model.model.named_parameters():
+        if param.requires_grad:
+            assert same(named[name], param.grad), name
+    assert mine.optim_step(ADAM)["tokens:sum"] == peft_model.optim_step(ADAM)["tokens:sum"] == 16.0
+    assert mine.steps == 1
+
+
+def test_checkpoint_files_are_the_peft_trainers(tmp_path):
+    """weights.safetensors and optimizer.pt load into a PrimitiveModel and back; the adapter/ folder loads in peft."""
+    import io
+
+    from peft import PeftModel
+    from safetensors.torch import load
+
+    sb = shared()
+    mine = sb.attach("ann", LoraShape(rank=4, seed=0))
+    with_random_b(mine, 0)
+    mine.forward_backward(CE, "cross_entropy", {})
+    mine.optim_step(ADAM)
+    files = mine.state_files(with_optimizer=True)
+    weights, optimizer = load(files["weights.safetensors"]), torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
+    base, tok = load_model("tiny-random")
+    peft_model = PrimitiveModel(base, tok, "tiny-random", LoraShape(rank=4, seed=5))
+    peft_model.load_state(weights, optimizer, 1)  # would raise if names or the optimizer's parameter order differed
+    back = sb.attach("ann-again", LoraShape(rank=4, seed=9))
+    back.load_state(load(peft_model.state_files(with_optimizer=False)["weights.safetensors"]), optimizer, 1)
+    assert all(torch.equal(a, b) for a, b in zip(back.params, mine.params))
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    for name, data in files.items():
+        if name.startswith("adapter/"):
+            (folder / name.split("/", 1)[1]).write_bytes(data)
+    reference = PeftModel.from_pretrained(load_model("tiny-random")[0], str(folder)).eval()
+    ids = torch.tensor([[1, 50, 300, 7, 9]])
+    with torch.no_grad(), sb.multi.rows(["ann"]):
+        ours = sb.lm(input_ids=ids).logits
+    assert torch.allclose(ours, reference(input_ids=ids).logits, atol=1e-5)
+
+
+def _tenants(sb: SharedBase) -> dict:
+    adapters = {}
+    for i, (name, (shape, _, _)) in enumerate(TENANTS.items()):
+        adapters[name] = sb.attach(name, shape)
+        with_random_b(adapters[name], i)
+    return adapters
+
+
+def test_each_tenant_gets_the_same_results_alone_or_sharing_a_pass():
+    alone = {}
+    for name, (shape, loss_fn, data) in TENANTS.items():
+        sb = shared()
+        adapters = _tenants(sb)  # the others exist but send nothing
+        outputs, metrics = adapters[name].forward_backward(data, loss_fn, {})
+        alone[name] = (outputs, metrics, grads_of(adapters[name]))
+        assert sb.stats.shared == 0
+    sb = shared(gather_s=0.5)  # calls that arrive within half a second share one pass
+    adapters = _tenants(sb)
+    results, start = {}, threading.Barrier(len(TENANTS))
+
+    def call(name: str) -> None:
+        _, loss_fn, data = TENANTS[name]
+        start.wait()
+        results[name] = adapters[name].forward_backward(data, loss_fn, {})
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in TENANTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sb.stats.passes == 1 and sb.stats.calls == 3 and sb.stats.shared == 1  # one pass, every tenant's rows in it
+    for name in TENANTS:
+        outputs, metrics = results[name]
+        want_outputs, want_metrics, want_grads = alone[name]
+        assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(outputs, want_outputs))
+        assert all(metrics[k] == pytest.approx(want_metrics[k], rel=1e-5, abs=1e-6) for k in want_metrics)
+        assert all(same(got, want) for got, want in zip(grads_of(adapters[name]), want_grads)), name
+
+
+def test_a_step_changes_only_its_own_adapter():
+    sb = shared(gather_s=0.2)
+    adapters = _tenants(sb)
+    for name, (_, loss_fn, data) in TENANTS.items():
+        adapters[name].forward_backward(data, loss_fn, {})
+    before = {n: [p.detach().clone() for p in a.params] for n, a in adapters.items()}
+    grads = {n: grads_of(a) for n, a in adapters.items()}
+    adapters["bob"].optim_step(ADAM)
+    for name, adapter in adapters.items():
+        changed = [not torch.equal(p, q) for p, q in zip(adapter.params, before[name])]
+        assert any(changed) == (name == "bob"), name
+        if name != "bob":  # and its accumulated gradient is still there, untouched
+            assert all(torch.equal(g, p.grad) for g, p in zip(grads[name], adapter.params) if g is not None)
+
+
+def test_a_bad_call_or_a_tenant_gone_mid_pass_fails_only_that_call():
+    sb = shared(gather_s=0.5)
+    adapters = _tenants(sb)
+    with pytest.raises(BadRequest, match=r"data\[0\]\.model_input: token ids must be in \[0, "):
+        adapters["ann"].forward_backward([datum([1, 10**6, 3], weights=[1, 1, 1])], "cross_entropy", {})
+    assert sb.stats.passes == 0  # refused before it reached the model
+    errors, results, start = {}, {}, threading.Barrier(3)
+
+    def call(name: str) -> None:
+        _, loss_fn, data = TENANTS[name]
+        start.wait()
+        try:
+            results[name] = adapters[name].forward_backward(data, loss_fn, {})
+        except Exception as err:  # noqa: BLE001
+            errors[name] = err
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in TENANTS]
+    for t in threads:
+        t.start()
+    threading.Event().wait(0.1)
+    adapters["cyd"].close()  # cyd's session ends while its call waits for the pass
+    for t in threads:
+        t.join()
+    assert set(results) == {"ann", "bob"} and set(errors) == {"cyd"}
+    assert str(errors["cyd"]) == "model 'cyd' was closed while its call waited"
+    alone = shared()
+    again = _tenants(alone)
+    want, _ = again["ann"].forward_backward(CE, "cross_entropy", {})
+    assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(results["ann"][0], want))
+    assert all(same(a, b) for a, b in zip(grads_of(adapters["ann"]), grads_of(again["ann"])))
+
+
+def test_a_pass_that_raises_is_run_call_by_call_so_only_the_failing_call_fails():
+    """A call that breaks the shared pass itself (here: a target id past the vocabulary, which only
+    the adapter's own check would have refused) fails alone; the others' results and gradients are
+    those of a pass without it (the failed pass's gradients were put back)."""
+    from concurrent.futures import Future
+
+    from opentinker.backend.shared_base import _Call
+
+    sb = shared(gather_s=0.5)
+    adapters = _tenants(sb)
+    rows = [{"tokens": torch.tensor([1, 2, 3]), "target_tokens": torch.tensor([2, 3, 10**6]), "weights": torch.ones(3)}]
+    broken = _Call("bob", rows, "cross_entropy", {}, False, Future())
+    results = {}
+
+    def good() -> None:
+        results["ann"] = adapters["ann"].forward_backward(CE, "cross_entropy", {})
+
+    thread = threading.Thread(target=good)
+    sb._calls.put(broken)
+    thread.start()
+    thread.join()
+    with pytest.raises(RuntimeError, match="index"):
+        broken.future.result()
+    assert sb.stats.passes == 3 and sb.stats.shared == 1  # the shared pass, then each call alone
+    assert all(g is None for g in grads_of(adapters["bob"]))  # nothing of the broken pass stayed
+    again = _tenants(shared())
+    want, _ = again["ann"].forward_backward(CE, "cross_entropy", {})
+    assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(results["ann"][0], want))
+    assert all(same(a, b) for a, b in zip(grads_of(adapters["ann"]), grads_of(again["ann"])))

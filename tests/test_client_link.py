@@ -103,13 +103,24 @@ def _args(tmp_path, epoch_size: int = 8) -> dict:
     return data
 
 
-def _client(tmp_path, settings, key, *argv, die_at_step_call: int = 0, step_s: float = 0.05) -> subprocess.Popen:
+def _client(tmp_path, settings, key, *argv, die_at_step_call: int = 0, step_s: float = 0.05, stderr=subprocess.PIPE) -> subprocess.Popen:
     script = tmp_path / "my_training_script.py"
     script.write_text(CLIENT)
     env = os.environ | {"GATEWAY": settings.gateway_url, "OPENTINKER_API_KEY": key, "GAME_STEP_SECONDS": str(step_s),
                         "DIE_AT_STEP_CALL": str(die_at_step_call)}
     return subprocess.Popen([sys.executable, str(script), *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=stderr, text=True)
+
+
+def _until_logged(proc: subprocess.Popen, log_path, text: str, timeout: float = 180) -> None:
+    """Wait for `text` in a client's stderr (a file, so nothing blocks); say all it printed if it never comes."""
+    deadline = time.monotonic() + timeout
+    while text not in log_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    logged = log_path.read_text()
+    if text not in logged:
+        out = proc.stdout.read() if proc.poll() is not None else "(still running)"
+        raise AssertionError(f"{text!r} not logged; exit {proc.poll()}; stdout: {out[-2000:]}; stderr: {logged[-4000:]}")
 
 
 def _listening(pid: int) -> list:
@@ -171,13 +182,13 @@ def _report(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, dict]:
     """(exit code, the last line the client script printed)."""
     out, err = proc.communicate(timeout=timeout)
     last = (out.strip().splitlines() or [""])[-1]
-    assert last.startswith("{"), (out[-2000:], err[-3000:])
+    assert last.startswith("{"), (out[-2000:], (err or "")[-3000:])
     return proc.returncode, json.loads(last)
 
 
 def _until_step(scheduler, job_id: str, proc: subprocess.Popen, step: int) -> None:
     while (scheduler.job_status(job_id).get("step") or 0) < step:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else "(its stderr went to a file)"
         time.sleep(0.5)
 
 
@@ -215,12 +226,14 @@ def test_a_fit_rides_out_a_gateway_restart_and_keeps_its_link_until_taken_over(s
 
     settings, _, key = service
     args = _args(tmp_path, epoch_size=12)  # 6 steps; the first client's game is slow, the last one's fast
-    first = _client(tmp_path, settings, key, "train", json.dumps(args), step_s=1.0)
+    first_log = tmp_path / "first.stderr"
+    with first_log.open("w") as sink:
+        first = _client(tmp_path, settings, key, "train", json.dumps(args), step_s=1.0, stderr=sink)
     job_id = json.loads(first.stdout.readline())["job_id"]
     scheduler = SchedulerClient(url=settings.gateway_url, api_key=key)
     _until_step(scheduler, job_id, first, 1)
     restart_gateway(settings, down_s=1)  # with its start-up, the job and fit() find no gateway for ~10 s
-    assert any("reopened" in line for line in first.stderr)  # its fit() says so (and "dropped; reopening it" before)
+    _until_logged(first, first_log, "reopened")  # its fit() says so (and "dropped; reopening it" before)
     code, report = _report(_client(tmp_path, settings, key, "resume", json.dumps(args), job_id), timeout=120)
     assert code == 3 and report["error"] == (f"LinkRefused: the gateway refused the environment link of job {job_id}: another client "
                                              "is linked to this job (its fit() serves the game); fit(takeover=True) replaces it")

@@ -222,6 +222,7 @@ class PrimitiveModel:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.steps = 0
         self.pending_tokens = 0  # trained tokens since the last optimizer step
+        self.arch = type(self.model.get_base_model()).__name__
 
     def _fresh_optimizer(self) -> torch.optim.AdamW:
         p = AdamParams()
@@ -270,6 +271,9 @@ class PrimitiveModel:
         if not forward_only:
             self.pending_tokens += int(tokens_total)
         return outputs, averaged(sums, tokens_total)
+
+    def close(self) -> None:
+        """Nothing to give back (a shared base's adapter leaves its base here)."""
 
     # -- optimizer -------------------------------------------------------------------------
     def optim_step(self, adam: AdamParams) -> dict[str, float]:

@@ -240,6 +240,7 @@ class SharedAdapter:
         self.shared, self.name, self.shape = shared, name, shape
         self.base_name, self.tokenizer = shared.base_name, shared.tokenizer
         self.vocab_size, self.context_length = shared.vocab_size, shared.context_length
+        self.arch = type(shared.lm).__name__
         self.lora = shape.spec()
         seed = shape.seed if shape.seed is not None else secrets.randbelow(2**31)
         self.adapter = shared.multi.add(name, r=shape.rank, alpha=LORA_ALPHA, target_modules=self.lora.target_modules, seed=seed)

@@ -14,13 +14,17 @@ from opentinker.storage.committed import join_url
 from opentinker.tinker.paths import SessionGone
 from opentinker.tinker.server import create_app
 from opentinker.tinker.session import TinkerSession
+from opentinker.tinker.shared_bases import SharedBases
 
 
 class LocalSessions:
-    def __init__(self, storage_root: Path | str, models_folder: Path, max_sessions: int = 4, placement: Any = None):
-        """`storage_root`: a folder, or a URL (s3://bucket/prefix) under which tenants' checkpoints live."""
+    def __init__(self, storage_root: Path | str, models_folder: Path, max_sessions: int = 4, placement: Any = None,
+                 shared_bases: bool = False):
+        """`storage_root`: a folder, or a URL (s3://bucket/prefix) under which tenants' checkpoints live.
+        `shared_bases`: every session's training clients of a base share one copy of it (tinker.shared_bases)."""
         self.storage_root, self.models_folder, self.max_sessions = storage_root, models_folder, max_sessions
         self.placement = placement
+        self.bases = SharedBases(models_folder, placement) if shared_bases else None
         self.live: dict[str, tuple[TinkerSession, Any, str]] = {}
         self.ended: dict[str, str] = {}
 
@@ -33,7 +37,7 @@ class LocalSessions:
         if len(mine) >= self.max_sessions:
             raise ValueError(f"tenant {tenant} has {len(mine)} live Tinker sessions, the limit is {self.max_sessions}")
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
-        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement)
+        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement, trainers=self.bases)
         token = secrets.token_hex(16)
         server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
         self.live[session_id] = (session, server, token)
@@ -69,4 +73,6 @@ class LocalSessions:
     def close(self) -> None:
         for session_id in list(self.live):
             self.end(session_id, "test over")
+        if self.bases is not None:
+            self.bases.close()
 

@@ -48,3 +48,16 @@ def resolve_base(models_folder: Path, name: str) -> str:
 def capabilities(models_folder: Path) -> dict:
     return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True}
                                  for name in served_models(models_folder)]}
+
+
+def tokenizer_id(base_name: str, models_folder: Path) -> str:
+    """What the SDK's get_tokenizer loads: a Hub id stays itself (the client's cache or registration),
+    the operator's names point at the tokenizer folder on this machine."""
+    if base_name in ALIASES:
+        return base_name
+    try:
+        from opentinker.model.loading import resolve_model
+
+        return str(resolve_model(resolve_base(models_folder, base_name)))
+    except (UnknownModel, FileNotFoundError):
+        return base_name

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from opentinker.core.errors import one_line
 from opentinker.tinker import paths, wire
-from opentinker.tinker.models import UnknownModel, resolve_base
+from opentinker.tinker.models import resolve_base, tokenizer_id
 from opentinker.tinker.sampling import SamplerRecord, Samplers, parse_sample_request
 
 log = logging.getLogger("opentinker.tinker")
@@ -112,8 +112,10 @@ class TinkerSession:
     `on_step(model_id, step, metrics)` is told of every optimizer step (MLflow)."""
 
     def __init__(self, session_id: str, tenant: str, storage_url: str, models_folder: Path, placement: Any = None,
-                 on_step: Callable[[str, int, dict[str, float]], None] | None = None):
+                 on_step: Callable[[str, int, dict[str, float]], None] | None = None, trainers: Callable[[str, str, Any], Any] | None = None):
+        """`trainers(model_id, base_name, shape)`: a training client's model (default: its own base's; shared_base's adapters)."""
         self.session_id, self.tenant, self.models_folder = session_id, tenant, models_folder
+        self.trainers = trainers or self._own_base
         self.placement = placement
         self.store = paths.TenantCheckpoints(storage_url)
         self.on_step = on_step or (lambda *_: None)
@@ -214,14 +216,14 @@ class TinkerSession:
         return {"request_id": rid, "model_id": model_id}
 
     # -- training clients --------------------------------------------------------------------
-    def _build(self, model_id: str, base_name: str, shape: Any, metadata: dict[str, Any]) -> TrainingSlot:
+    def _own_base(self, model_id: str, base_name: str, shape: Any) -> Any:
         from opentinker.backend.primitives import PrimitiveModel
         from opentinker.model import load_model
 
-        base, tokenizer = load_model(resolve_base(self.models_folder, base_name))
-        slot = TrainingSlot(PrimitiveModel(base, tokenizer, base_name, shape, self.placement), base_name,
-                            Sequencer(model_id.rsplit(":", 1)[-1]), metadata)
-        return slot
+        return PrimitiveModel(*load_model(resolve_base(self.models_folder, base_name)), base_name, shape, self.placement)
+
+    def _build(self, model_id: str, base_name: str, shape: Any, metadata: dict[str, Any]) -> TrainingSlot:
+        return TrainingSlot(self.trainers(model_id, base_name, shape), base_name, Sequencer(model_id.rsplit(":", 1)[-1]), metadata)
 
     def _model_id(self, body: dict[str, Any]) -> str:
         if body.get("session_id") != self.session_id:
@@ -261,7 +263,7 @@ class TinkerSession:
         slot = self._slot(str(body.get("model_id", "")))
         return {"model_id": body["model_id"], "is_lora": True, "lora_rank": slot.model.shape.rank,
                 "model_data": {"model_name": slot.base_name, "tokenizer_id": tokenizer_id(slot.base_name, self.models_folder),
-                               "arch": type(slot.model.model.get_base_model()).__name__},
+                               "arch": slot.model.arch},
                 "optimizer_config": {"type": "adamw"}}
 
     def forward_backward(self, call: wire.ForwardBackwardCall) -> bytes:
@@ -302,9 +304,8 @@ class TinkerSession:
                   "state.json": json.dumps({"step": slot.model.steps, "kind": path.kind}).encode(),
                   "rng.json": json.dumps(rng_state()).encode()}
         ttl = body.get("ttl_seconds")
-        header = {"step": slot.model.steps, "user_metadata": body.get("user_metadata") or None,
-                  "expires_at": paths.iso_in(float(ttl)) if ttl else None}
-        write_committed(self.store.url(path), files, header)
+        write_committed(self.store.url(path), files, {"step": slot.model.steps, "user_metadata": body.get("user_metadata") or None,
+                                                      "expires_at": paths.iso_in(float(ttl)) if ttl else None})
 
     def save_weights(self, body: dict[str, Any]) -> dict[str, Any]:
         slot = self._slot(body["model_id"])
@@ -400,20 +401,8 @@ class TinkerSession:
         return {"sampler_id": sampler_id, "base_model": record.base_model, "model_path": record.model_path}
 
     def close(self) -> None:
+        for slot in self.models.values():  # a shared base's adapters leave it
+            slot.model.close()
         self.samplers.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-
-def tokenizer_id(base_name: str, models_folder: Path) -> str:
-    """What the SDK's get_tokenizer loads: a Hub id stays itself (the client's cache or registration),
-    the operator's names point at the tokenizer folder on this machine."""
-    from opentinker.tinker.models import ALIASES
-
-    if base_name in ALIASES:
-        return base_name
-    try:
-        from opentinker.model.loading import resolve_model
-
-        return str(resolve_model(resolve_base(models_folder, base_name)))
-    except (UnknownModel, FileNotFoundError):
-        return base_name

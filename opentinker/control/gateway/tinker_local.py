@@ -9,10 +9,11 @@ from opentinker.inference.server import serve_in_thread
 from opentinker.tinker.local import LocalSessions
 
 
-def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: Any = None, storage_url: str | None = None):
+def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: Any = None, storage_url: str | None = None,
+                  shared_bases: bool = False):
     """(gateway URL, {tenant: API key}, LocalSessions, server): a gateway on 127.0.0.1 whose Tinker
     sessions run in this process, state and storage under `root` (storage under `storage_url`
-    instead when given: s3://...). Stop with `server.stop()` and `sessions.close()`."""
+    instead when given: s3://...); `shared_bases`: all sessions' training clients share each base. Stop with `server.stop()` and `sessions.close()`."""
     from opentinker.control.gateway.app import create_app as gateway_app
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.core.settings import Settings
@@ -22,6 +23,6 @@ def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: 
     settings = Settings(state_dir=root / "state", host="127.0.0.1", gateway_port=port)  # its own URL is right in signed links
     store = TenantStore(settings.state_dir / "tenants.json")
     keys = {name: store.create(name) for name in tenants}
-    sessions = LocalSessions(storage_url or root / "storage", settings.models_folder, placement=placement)
+    sessions = LocalSessions(storage_url or root / "storage", settings.models_folder, placement=placement, shared_bases=shared_bases)
     server = serve_in_thread(gateway_app(settings, tinker_sessions=sessions), "127.0.0.1", port)
     return server.url, keys, sessions, server

@@ -1,0 +1,49 @@
+"""The training clients of many sessions on one copy of each base model: a session's `trainers`
+(opentinker.tinker.session) when its host shares bases (a base-model worker, or LocalSessions).
+
+Each base a client names is loaded once, on first use, as a SharedBase (opentinker.backend.shared_base);
+every training client of that base, whatever its session or tenant, is an adapter of it, named by
+its model id (which holds the session id, so names never collide). `stats()` says what each base
+holds and how often calls of several adapters shared a pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from opentinker.backend.shared_base import SharedAdapter, SharedBase
+from opentinker.tinker.models import resolve_base
+
+
+class SharedBases:
+    def __init__(self, models_folder: Path, placement: Any = None):
+        self.models_folder, self.placement = models_folder, placement
+        self.bases: dict[str, SharedBase] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:
+        loader_name = resolve_base(self.models_folder, base_name)  # UnknownModel for a name not served here
+        with self.lock:
+            if loader_name not in self.bases:
+                from opentinker.model import load_model
+
+                base, tokenizer = load_model(loader_name)
+                self.bases[loader_name] = SharedBase(base, tokenizer, base_name, self.placement)
+            shared = self.bases[loader_name]
+        adapter = shared.attach(model_id, shape)
+        adapter.base_name = base_name  # as this client named it (an alias and the operator's name share one base)
+        return adapter
+
+    def adapters(self) -> dict[str, list[str]]:
+        """Per base, the adapters (training clients' model ids) it hosts now."""
+        return {name: sorted(shared.multi.adapters) for name, shared in self.bases.items()}
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: {"adapters": len(shared.multi.adapters), "passes": shared.stats.passes, "calls": shared.stats.calls,
+                       "batch_share": shared.stats.share()} for name, shared in self.bases.items()}
+
+    def close(self) -> None:
+        for shared in self.bases.values():
+            shared.close()

@@ -1,0 +1,90 @@
+"""Two tenants' Tinker sessions on one base (issue 27), through the unmodified SDK: the gateway's
+sessions share each base model (LocalSessions(shared_bases=True), what a base-model worker runs),
+every training client is an adapter of it, and a tenant's results are the same whether the other
+tenant's calls share its pass or not. Checkpoints, samplers and a session's end work as before.
+(The gateway confines ids to their tenant before any of this: tests/security/test_tinker_attacks.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+BASE = "tiny-random"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    from opentinker.control.gateway.tinker_local import local_gateway
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    url, keys, sessions, server = local_gateway(tmp_path_factory.mktemp("shared"), tenants=("alice", "bob"), shared_bases=True)
+    clients = {name: tinker.ServiceClient(base_url=url, api_key=key) for name, key in keys.items()}
+    yield clients, sessions
+    for client in clients.values():
+        client.close("success")
+    server.stop()
+    sessions.close()
+    mp.undo()
+
+
+def datum(tokens: list[int], **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def seq(start: int, n: int = 12) -> list[int]:
+    return [(start * 37 + 11 * i) % 5000 + 100 for i in range(n)]
+
+
+ALICE = [datum(seq(1), weights=[0.0] * 3 + [1.0] * 8), datum(seq(2, 7), weights=[0.5] * 6)]
+BOB = [datum(seq(5), logprobs=[-2.0] * 11, advantages=[0.0] * 4 + [1.0] * 7)]
+
+
+def lps(out) -> list[np.ndarray]:
+    return [np.asarray(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
+
+
+def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
+    clients, sessions = shared
+    alone = clients["alice"].create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    want = alone.forward_backward(ALICE, "cross_entropy").result()  # nothing else in flight
+    (base,) = sessions.bases.bases.values()
+    passes = base.stats.passes
+    alice = clients["alice"].create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    bob = clients["bob"].create_lora_training_client(base_model=BASE, rank=8, seed=2, train_unembed=False).result()
+    assert len(sessions.bases.bases) == 1 and len(sessions.bases.adapters()["tiny-random"]) == 3  # one base, three clients
+    base.gather_s = 1.0  # the two calls below travel separately: give them a second to meet in one pass
+    try:
+        futures = alice.forward_backward(ALICE, "cross_entropy"), bob.forward_backward(BOB, "importance_sampling")
+        got, bobs = (f.result() for f in futures)
+    finally:
+        base.gather_s = 0.005
+    assert base.stats.passes == passes + 1 and base.stats.shared >= 1  # both tenants' rows went through one pass
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(got), lps(want)))
+    assert bobs.metrics["loss:sum"] != 0.0
+    # the rest of a client's life as on a base of its own: a step, a sampler, a checkpoint, a resume
+    alice.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = alice.save_weights_and_get_sampling_client()
+    sample = sampler.sample(types.ModelInput.from_ints(seq(3, 6)), 1, types.SamplingParams(max_tokens=4, seed=0)).result()
+    assert len(sample.sequences[0].tokens) == 4
+    path = alice.save_state("after-one").result().path
+    resumed = clients["alice"].create_training_client_from_state_with_optimizer(path).result()
+    after, again = (c.forward(ALICE, "cross_entropy").result() for c in (alice, resumed))
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(after), lps(again)))
+    assert not np.allclose(lps(after)[0], lps(want)[0], atol=1e-4)  # the step changed alice's adapter
+
+
+def test_a_session_that_ends_takes_only_its_own_adapters_off_the_base(shared):
+    clients, sessions = shared
+    alice = clients["alice"].create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    bob_session = [s for s in sessions.live if s.startswith("bob-")]
+    before = sessions.bases.adapters()["tiny-random"]
+    for session_id in bob_session:
+        sessions.end(session_id, "test")
+    left = sessions.bases.adapters()["tiny-random"]
+    assert left and all(not m.startswith("bob-") for m in left) and set(left) <= set(before)
+    assert alice.forward(ALICE, "cross_entropy").result().metrics["loss:sum"] != 0.0

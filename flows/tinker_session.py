@@ -1,8 +1,9 @@
 """A Tinker API session as a Prefect flow: one client's training and sampling, held as one job.
 
-    hold the pool's slot → open the MLflow run → start the session actor on Ray → publish its
-    server (artifact `endpoint-<session>`) → live until the client finishes, goes quiet past
-    `tinker_heartbeat_timeout_s`, or the run is cancelled → stop the actor, free the slot
+    hold a seat of the pool's base-model worker (or, unshared, a slot) → open the MLflow run →
+    host the session on the worker (or start an actor of its own) on Ray → publish its server
+    (artifact `endpoint-<session>`) → live until the client finishes, goes quiet past
+    `tinker_heartbeat_timeout_s`, or the run is cancelled → take it off the worker, free the seat
 
 The client's calls never pass through Prefect: the gateway relays them to the actor's server,
 so a call costs little more than its computation. Prefect sees the session (its state, its
@@ -19,8 +20,9 @@ from prefect import flow, get_run_logger, runtime
 from opentinker.core.settings import get_settings
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key
-from opentinker.orchestration.job import held_slots, ray_connection
-from opentinker.orchestration.tinker_actor import TinkerSessionActor
+from opentinker.orchestration.base_worker import OnBaseWorker
+from opentinker.orchestration.job import cluster_address, held_slots, ray_connection
+from opentinker.orchestration.tinker_actor import OwnActor
 from opentinker.tinker.spec import TinkerSessionSpec
 from opentinker.tracking.runs import JobTracker, check_mlflow
 
@@ -49,23 +51,24 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
     timeout_s = heartbeat_timeout_s or settings.tinker_heartbeat_timeout_s
     spec = TinkerSessionSpec(session_id=session_id, num_gpus=num_gpus, user_metadata=user_metadata or {}, sdk_version=sdk_version)
     check_mlflow(settings.mlflow_url)
-    with held_slots(num_gpus, tenant):
+    shared = settings.tinker_shared_bases and cluster_address(settings) is not None  # a worker outlives a run on a cluster only
+    with held_slots(num_gpus, tenant, seat=shared):
         tracker = JobTracker(settings.mlflow_url, tenant, session_id, spec, tags={"prefect.flow_run_id": str(runtime.flow_run.id),
                                                                                    "opentinker.kind": "tinker-session"})
         address, init_kwargs = ray_connection()
         ray.init(**(init_kwargs if address is None else {**init_kwargs, "address": address}))
-        actor = ray.remote(TinkerSessionActor).options(name=f"{session_id}-session", num_cpus=1, num_gpus=num_gpus, max_restarts=0).remote(
-            session_id, tenant, tenant_storage(settings, tenant), job_token(settings.stack_secret(), session_id), num_gpus,
-            (tracker.tracking_uri, tracker.experiment_id, tracker.run_id))
+        args = (session_id, tenant, tenant_storage(settings, tenant), job_token(settings.stack_secret(), session_id),
+                (tracker.tracking_uri, tracker.experiment_id, tracker.run_id))
+        host = OnBaseWorker(num_gpus, settings.tinker_worker_idle_s, *args) if shared else OwnActor(num_gpus, *args)
         ended, status_end = "cancelled", "FAILED"
         try:
-            info = ray.get(actor.info.remote(), timeout=600)
+            info = host.start()
             if runtime.flow_run.id is not None:
                 _publish(session_id, info["url"])
             logger.info(f"session {session_id} serving at {info['url']} (MLflow run {tracker.run_url})")
             last_report = time.monotonic()
             while True:
-                status = ray.get(actor.status.remote(), timeout=60)
+                status = host.status()
                 if status["finished"]:
                     ended = f"finished by its client ({status['finished']})"
                     break
@@ -73,14 +76,14 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
                     ended = f"expired: no call or heartbeat for {status['idle_s']:.0f} s"
                     break
                 if time.monotonic() - last_report > 60:
-                    logger.info(f"{status['models']} model(s), {status['steps']} optimizer steps so far")
+                    logger.info(f"{status['models']} model(s), {status['steps']} optimizer steps so far{status.get('worker', '')}")
                     last_report = time.monotonic()
                 time.sleep(1.0)
-            final = ray.get(actor.status.remote(), timeout=60)
-            ray.get(actor.stop.remote(), timeout=60)
+            final = host.status()
+            host.stop()
             status_end = "FINISHED"
         finally:
-            ray.kill(actor)
+            host.kill()
             ray.shutdown()
             tracker.finish(status_end)
         logger.info(f"session {session_id} {ended}")

@@ -1,7 +1,8 @@
 """A Tinker session on the real stack: the unmodified SDK against the stack's gateway, the session a
-`tinker-session` flow run (Prefect, tagged with its tenant, holding a slot) with its model in a Ray
-actor and its optimizer steps in MLflow; it ends on `close()` or when its client goes quiet, and
-a state saved in one session trains on in the next."""
+`tinker-session` flow run (Prefect, tagged with its tenant, holding a seat of the pool's base-model
+worker) hosted on that worker's Ray actor, its training clients adapters of the worker's one copy
+of the base, and its optimizer steps in MLflow; it ends on `close()` or when its client goes quiet,
+and a state saved in one session trains on in the next. Two tenants' sessions share one worker."""
 
 from __future__ import annotations
 
@@ -49,10 +50,77 @@ def _wait_final(session_id: str, timeout: float = 120.0):
 
 
 def _slots() -> int:
+    """Slots and base-model worker seats held in the CPU pool."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        return client.read_global_concurrency_limit_by_name("slots-cpu").active_slots
+        return sum(client.read_global_concurrency_limit_by_name(name).active_slots for name in ("slots-cpu", "slots-cpu-seats"))
+
+
+def _seats() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name("slots-cpu-seats").active_slots
+
+
+def _worker_info(settings) -> dict | None:
+    """What the CPU pool's base-model worker hosts, asked as a Ray driver with the stack's token (None: no worker)."""
+    import ray
+
+    from opentinker.core.settings import ray_env
+    from opentinker.orchestration.base_worker import NAMESPACE, worker_name
+    from opentinker.orchestration.task_runner import authenticate
+
+    authenticate(ray_env(settings))
+    ray.init(address=settings.ray_head_address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return ray.get(ray.get_actor(worker_name("cpu"), namespace=NAMESPACE).info.remote(), timeout=60)
+    except (ValueError, ray.exceptions.RayActorError):  # no actor of that name, or it is exiting
+        return None
+    finally:
+        ray.shutdown()
+
+
+def test_two_tenants_sessions_share_one_base_model_worker(tenant):
+    """Two tenants' sessions are two flow runs, each holding a seat, hosted on one worker actor:
+    one base, both clients adapters of it, each session's door under the worker's server. Same
+    seed and data give the same loss to both. Ended, the sessions leave the worker; with no session
+    for `tinker_worker_idle_s` (15 s on the test stack) it exits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.gateway.tinker_sessions import PrefectSessions
+
+    settings, key = tenant
+    keys = {"tinkerer": key, "sharer": TenantStore(settings.state_dir / "tenants.json").create("sharer", rotate=True)}
+    services = {name: tinker.ServiceClient(base_url=settings.gateway_url, api_key=k) for name, k in keys.items()}
+    with ThreadPoolExecutor(2) as pool:  # both sessions start at once
+        trainers = dict(zip(services, pool.map(
+            lambda s: s.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result(), services.values())))
+    sessions = {name: t.model_id.split(":")[0] for name, t in trainers.items()}
+    tokens = list(range(300, 312))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+    futures = [t.forward_backward(data, "cross_entropy") for t in trainers.values()]
+    losses = [f.result().metrics["loss:sum"] for f in futures]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    info = _worker_info(settings)
+    assert sorted(info["sessions"]) == sorted(sessions.values())
+    (adapters,) = info["adapters"].values()  # one base loaded, both clients on it
+    assert sorted(adapters) == sorted(t.model_id for t in trainers.values())
+    assert _seats() == 2
+    for name, session_id in sessions.items():
+        assert PrefectSessions(settings).endpoint(name, session_id)[0] == f"{info['url']}/s/{session_id}"
+    for service in services.values():
+        service.close("success")
+    for session_id in sessions.values():
+        assert _wait_final(session_id, timeout=60).state.is_completed()
+    after = _worker_info(settings)
+    assert after["pid"] == info["pid"] and after["sessions"] == [] and list(after["adapters"].values()) == [[]]
+    deadline = time.monotonic() + 90
+    while _worker_info(settings) is not None:
+        assert time.monotonic() < deadline, "the idle base-model worker did not exit"
+        time.sleep(2.0)
 
 
 def _next_steps(trainer, data) -> list[float]:
@@ -148,7 +216,7 @@ def test_a_quiet_session_expires_and_frees_its_slot(tenant):
 def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
     """Cancel, as the Prefect UI does (the run set to Cancelling): the run ends and reads CANCELLED
     (Prefect records the stopped process as Crashed; the run is tagged as a cancel), its slot is
-    freed, its actor is gone, and the client's next call fails in one line saying the session
+    freed, its door on the worker is closed, and the client's next call fails in one line saying the session
     ended, not with a connection error."""
     import httpx
     from prefect.client.orchestration import get_client
@@ -164,7 +232,7 @@ def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
     data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
     trainer.forward_backward(data, "cross_entropy").result()
-    server_url, _ = PrefectSessions(settings).endpoint("tinkerer", session_id)  # the actor's own server
+    server_url, _ = PrefectSessions(settings).endpoint("tinkerer", session_id)  # its door on the base-model worker
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(_run(session_id).id, Cancelling(message="cancelled from the UI"))
     from opentinker.control.scheduler import job_state
@@ -175,8 +243,7 @@ def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
     while _slots() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _slots() == 0
-    with pytest.raises(httpx.ConnectError):  # the actor, and its server with it, are gone
-        httpx.get(server_url, timeout=5)
+    assert httpx.get(f"{server_url}/health", timeout=5).status_code == 404  # its door on the worker is closed
     started = time.monotonic()
     with pytest.raises(tinker.TinkerError, match=rf"session {session_id} has ended \(cancelled"):
         trainer.forward_backward(data, "cross_entropy").result()

@@ -77,6 +77,11 @@ def slot_limit(pool: str) -> str:
     return f"slots-{pool}"
 
 
+def seat_pool(pool: str) -> str:
+    """The seats of `pool`'s base-model worker, taken as a pool's slots are (opentinker.orchestration.base_worker)."""
+    return f"{pool}-seats"
+
+
 def tenant_limit(tenant: str) -> str:
     """The global concurrency limit that bounds a tenant's running jobs."""
     return f"tenant-{tenant}"
@@ -174,6 +179,9 @@ def ensure_pools(settings: Settings) -> None:
         if pool == "gpu" and settings.gpu_slots is None:
             slots = max(slots, live_capacity(settings, pool))
         resize_pool(pool, slots)
+        with prefect_client() as client:  # the pool's base-model worker hosts this many Tinker sessions
+            client.upsert_global_concurrency_limit_by_name(slot_limit(seat_pool(pool)), settings.tinker_worker_seats)
+            client.upsert_global_concurrency_limit_by_name(admit_limit(seat_pool(pool)), 1)
 
 
 def resize_pool(pool: str, slots: int) -> None:

@@ -132,6 +132,17 @@ class Settings(BaseSettings):
     tinker_session_gpus: float = Field(0.0, ge=0)
     """GPUs each Tinker API session holds (0: the CPU pool); its model sits on them in a Ray actor."""
 
+    tinker_shared_bases: bool = True
+    """Tinker sessions live on one base-model worker per pool, their LoRA training clients sharing one
+    copy of each base (calls that arrive together batched across adapters); false: each session
+    an actor and a base of its own."""
+
+    tinker_worker_seats: int = Field(8, ge=1)
+    """Sessions one base-model worker hosts at once: each holds a seat (Prefect limit `slots-<pool>-seats`)."""
+
+    tinker_worker_idle_s: float = Field(300.0, gt=0)
+    """A base-model worker with no session for this long exits (the next session starts a new one)."""
+
     tinker_heartbeat_timeout_s: float = Field(120.0, gt=0)
     """A Tinker session whose client sent nothing (heartbeats included: the SDK sends one every 10 s)
     for this long ends, and frees its slot."""

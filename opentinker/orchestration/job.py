@@ -20,7 +20,7 @@ from uuid import uuid4
 from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
-from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, pool_for, prefect_client, slots_for
+from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, pool_for, prefect_client, seat_pool, slots_for
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
 from opentinker.core.ids import check_job_id
@@ -114,8 +114,9 @@ def job_runtime_env(settings: Settings) -> dict[str, Any]:
 
 
 @contextmanager
-def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
-    """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit,
+def held_slots(num_gpus: float, tenant: str | None = None, seat: bool = False) -> Iterator[None]:
+    """Hold the slots of `num_gpus` (one CPU slot for 0) in their pool's global concurrency limit
+    (`seat`: one seat of the pool's base-model worker instead, for a session it hosts),
     and for a tenant's job first one slot of the tenant's running-jobs limit, taking turns with
     other tenants' jobs (the fair-share rule: opentinker/orchestration/admission.py). A job
     cancelled while it waits ends Cancelled here, without running anything.
@@ -128,7 +129,8 @@ def held_slots(num_gpus: float, tenant: str | None = None) -> Iterator[None]:
     if runtime.deployment.id is None:
         yield
         return
-    with admitted(pool_for(num_gpus), slots_for(num_gpus), tenant, lease_s=SLOT_LEASE_S, blip_s=CONTROL_BLIP_S,
+    pool = seat_pool(pool_for(num_gpus)) if seat else pool_for(num_gpus)
+    with admitted(pool, 1 if seat else slots_for(num_gpus), tenant, lease_s=SLOT_LEASE_S, blip_s=CONTROL_BLIP_S,
                   log=get_run_logger()):
         try:
             yield

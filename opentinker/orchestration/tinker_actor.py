@@ -73,3 +73,33 @@ class TinkerSessionActor:
     def stop(self) -> None:
         self.server.stop()
         self.session.close()
+
+
+class OwnActor:
+    """A flow's session in a Ray actor (and a base) of its own."""
+
+    def __init__(self, num_gpus: float, session_id: str, *actor_args: Any):
+        import ray
+
+        self.actor = ray.remote(TinkerSessionActor).options(name=f"{session_id}-session", num_cpus=1, num_gpus=num_gpus,
+                                                            max_restarts=0).remote(session_id, *actor_args[:3], num_gpus, actor_args[3])
+
+    def start(self, timeout_s: float = 600) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.actor.info.remote(), timeout=timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.actor.status.remote(), timeout=60)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.get(self.actor.stop.remote(), timeout=60)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)

@@ -31,6 +31,7 @@ from opentinker.tinker.paths import SessionGone, SessionStarting
 log = logging.getLogger("opentinker.gateway.tinker")
 
 PROTOBUF = "application/x-protobuf"
+NO_SESSION_HEADER = "x-opentinker-no-session"  # a base-model worker's answer for a session it does not host (opentinker.orchestration.base_worker)
 POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the SDK's poll times out at 45 s)
 START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
 FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external",
@@ -72,11 +73,15 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
     async def relay(tenant_name: str, session_id: str, method: str, path: str, **kwargs: Any) -> httpx.Response:
         url, token = await endpoint(tenant_name, session_id)
         try:
-            return await client.request(method, f"{url}{path}", headers={"Authorization": f"Bearer {token}"}, **kwargs)
+            reply = await client.request(method, f"{url}{path}", headers={"Authorization": f"Bearer {token}"}, **kwargs)
         except httpx.TransportError as err:
+            reply, why = None, type(err).__name__
+        else:
+            why = "it left its base-model worker" if reply.headers.get(NO_SESSION_HEADER) else None
+        if why is not None:  # gone, or going: the next try reads how it ended
             sessions.forget(session_id)
-            raise HTTPException(503, f"session {session_id} did not answer ({type(err).__name__}); retrying",
-                                headers={"Retry-After": "1"}) from None
+            raise HTTPException(503, f"session {session_id} did not answer ({why}); retrying", headers={"Retry-After": "1"})
+        return reply
 
     def passed_on(reply: httpx.Response) -> Response:
         if reply.status_code >= 400:

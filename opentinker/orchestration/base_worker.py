@@ -1,0 +1,223 @@
+"""A base-model worker: one Ray actor per pool that hosts many Tinker sessions, of any tenants,
+whose training clients share one copy of each base model (opentinker.tinker.shared_bases): their
+calls that arrive together run as one batch, each row through its own adapter.
+
+Why: a LoRA tenant needs its adapter and optimizer state, not a base of its own; eight small
+sessions on one worker hold one base, not eight.
+
+Each hosted session keeps what made it a session (opentinker.tinker.session: its models,
+samplers, futures, checkpoints in its tenant's storage), its own server door under the worker's
+(`<worker>/s/<session_id>/…`, guarded by that session's job token, so the gateway relays as to any
+session) and its MLflow run; its Prefect flow run holds one of the worker's seats and lives as long
+as the session. The worker is a detached, named actor: the first session's flow starts it, the
+next ones find it; `drop` takes a session (and its adapters) off; with no session left for
+`idle_s` it closes and exits, and a flow that finds it closing starts a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("opentinker.tinker")
+NAMESPACE = "opentinker-base-workers"
+
+
+def worker_name(pool: str) -> str:
+    return f"base-worker-{pool}"
+
+
+class WorkerClosing(RuntimeError):
+    """This worker is going away (idle): start a new one."""
+
+
+@dataclass
+class Hosted:
+    session: Any  # TinkerSession
+    app: Any
+    mlflow: tuple[str, str, str] | None
+    steps: int = 0
+
+
+class _Router:
+    """ASGI: `/s/<session_id>/<rest>` goes to that session's own app (as `/<rest>`); anything else is 404."""
+
+    def __init__(self) -> None:
+        self.apps: dict[str, Any] = {}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        parts = scope.get("path", "").split("/", 3)  # "", "s", session, rest
+        app = self.apps.get(parts[2]) if len(parts) >= 3 and parts[1] == "s" else None
+        if app is None:
+            if scope["type"] == "http":
+                await send({"type": "http.response.start", "status": 404,
+                            "headers": [(b"content-type", b"application/json"), (b"x-opentinker-no-session", b"1")]})
+                await send({"type": "http.response.body", "body": b'{"detail": "no such session on this worker"}'})
+            return
+        rest = "/" + (parts[3] if len(parts) == 4 else "")
+        await app({**scope, "path": rest, "raw_path": rest.encode()}, receive, send)
+
+
+class BaseModelWorker:
+    def __init__(self, num_gpus: float, idle_s: float):
+        from opentinker.backend.device import placement
+        from opentinker.core.settings import get_settings
+        from opentinker.inference.server import serve_in_thread
+        from opentinker.tinker.shared_bases import SharedBases
+
+        self.settings = get_settings()
+        self.placement = placement(num_gpus)
+        self.bases = SharedBases(self.settings.models_folder, self.placement)
+        self.hosted: dict[str, Hosted] = {}
+        self.router = _Router()
+        self.lock = threading.Lock()
+        self.idle_s, self.empty_since, self.closing = idle_s, time.monotonic(), False
+        self.server = serve_in_thread(self.router, self.settings.listen_host, 0, model="base-worker", engine="tinker")
+        self.url = self.settings.advertised_url(self.server.url)
+        self.metrics: queue.Queue = queue.Queue()
+        threading.Thread(target=self._log_steps, name="tinker-mlflow", daemon=True).start()
+        threading.Thread(target=self._tick, name="base-worker-tick", daemon=True).start()
+
+    # -- sessions ---------------------------------------------------------------------------
+    def host(self, session_id: str, tenant: str, storage_url: str, token: str, mlflow: tuple[str, str, str] | None) -> dict[str, Any]:
+        """Host a new session; its URL (the gateway relays there with `token`)."""
+        from opentinker.tinker.server import create_app
+        from opentinker.tinker.session import TinkerSession
+
+        with self.lock:
+            if self.closing:
+                raise WorkerClosing("this base-model worker is closing (idle): start another")
+            session = TinkerSession(session_id, tenant, storage_url, self.settings.models_folder, self.placement,
+                                    on_step=lambda model_id, step, m: self.metrics.put((session_id, model_id, step, m)),
+                                    trainers=self.bases)
+            self.hosted[session_id] = Hosted(session, create_app(session, token), mlflow)
+            self.router.apps[session_id] = self.hosted[session_id].app
+        return {"url": f"{self.url}/s/{session_id}"}
+
+    def status(self, session_id: str) -> dict[str, Any]:
+        """The session's (as a session actor's status), and a line on what the worker holds."""
+        hosted = self.hosted[session_id]
+        bases = "; ".join(f"{name}: {s['adapters']} adapter(s), {s['batch_share']:.0%} of passes shared"
+                          for name, s in self.bases.stats().items())
+        return {"idle_s": hosted.session.idle_seconds(), "finished": hosted.session.finished, "steps": hosted.steps,
+                "models": len(hosted.session.models), "worker": f" · base-model worker: {len(self.hosted)} session(s); {bases or 'no base loaded'}"}
+
+    def drop(self, session_id: str) -> None:
+        """The session leaves: its door closes, its adapters leave their bases."""
+        with self.lock:
+            hosted = self.hosted.pop(session_id, None)
+            self.router.apps.pop(session_id, None)
+            if not self.hosted:
+                self.empty_since = time.monotonic()
+        if hosted is not None:
+            hosted.session.close()
+
+    def info(self) -> dict[str, Any]:
+        """What the worker hosts: sessions, each base's adapters and how often calls shared a pass."""
+        import os
+
+        return {"url": self.url, "pid": os.getpid(), "sessions": sorted(self.hosted), "adapters": self.bases.adapters(),
+                "bases": self.bases.stats()}
+
+    # -- background -------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Sessions' housekeeping; a session whose flow died without taking it off (its client quiet
+        twice the heartbeat timeout: the flow would have ended it) is dropped; an idle worker exits."""
+        while True:
+            time.sleep(1.0)
+            for session_id, hosted in list(self.hosted.items()):
+                hosted.session.tick()
+                if hosted.session.idle_seconds() > 2 * self.settings.tinker_heartbeat_timeout_s:
+                    log.warning("session %s: no call for %.0f s and no flow took it off: dropped", session_id, hosted.session.idle_seconds())
+                    self.drop(session_id)
+            with self.lock:
+                idle = not self.hosted and time.monotonic() - self.empty_since > self.idle_s
+                if idle:
+                    self.closing = True
+            if idle:
+                log.info("base-model worker idle for %.0f s: exiting", self.idle_s)
+                self.server.stop()
+                self.bases.close()
+                import ray
+
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+    def _log_steps(self) -> None:
+        from opentinker.tracking.runs import Run, mlflow_client
+
+        runs: dict[str, Any] = {}
+        while True:
+            session_id, model_id, step, metrics = self.metrics.get()
+            hosted = self.hosted.get(session_id)
+            if hosted is None:
+                continue
+            hosted.steps += 1
+            if hosted.mlflow is None:
+                continue
+            try:
+                if session_id not in runs:
+                    uri, experiment_id, run_id = hosted.mlflow
+                    runs[session_id] = Run(mlflow_client(uri), uri, experiment_id, run_id)
+                n = model_id.rsplit(":", 1)[-1]
+                prefix = "" if n == "0" else f"model{n}/"
+                shares = [b["batch_share"] for b in self.bases.stats().values()]  # how often calls shared a pass, so far
+                runs[session_id].log_metrics(step, {**{f"{prefix}{k.split(':')[0]}": v for k, v in metrics.items()},
+                                                    "worker/batch_share": sum(shares) / max(1, len(shares))})
+            except Exception:  # noqa: BLE001 - a lost metric never fails a training call
+                log.warning("could not log step %d of %s to MLflow", step, session_id, exc_info=True)
+
+
+class OnBaseWorker:
+    """A flow's session hosted on its pool's base-model worker (found, or started detached)."""
+
+    def __init__(self, num_gpus: float, idle_s: float, session_id: str, *host_args: Any):
+        from opentinker.control.scheduler import pool_for
+
+        self.name, self.num_gpus, self.idle_s = worker_name(pool_for(num_gpus)), num_gpus, idle_s
+        self.session_id, self.host_args, self.worker = session_id, host_args, None
+
+    def start(self, timeout_s: float = 600) -> dict[str, Any]:
+        """Host the session; a worker found closing (idle) is waited out and a new one started."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.worker = ray.remote(BaseModelWorker).options(
+                name=self.name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0, max_concurrency=16,
+                num_cpus=1, num_gpus=1 if self.num_gpus > 0 else 0).remote(self.num_gpus, self.idle_s)
+            try:
+                return ray.get(self.worker.host.remote(self.session_id, *self.host_args), timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.RayError as err:
+                if "WorkerClosing" not in str(err) and not isinstance(err, ray.exceptions.RayActorError) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.worker.status.remote(self.session_id), timeout=60)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.get(self.worker.drop.remote(self.session_id), timeout=60)
+
+    def kill(self) -> None:
+        """The session off the worker, whatever happened (the worker stays for the others)."""
+        import ray
+
+        if self.worker is not None:
+            try:
+                ray.get(self.worker.drop.remote(self.session_id), timeout=60)
+            except Exception:  # noqa: BLE001 - the worker is gone already
+                pass

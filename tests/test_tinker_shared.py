@@ -71,6 +71,10 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
     sampler = alice.save_weights_and_get_sampling_client()
     sample = sampler.sample(types.ModelInput.from_ints(seq(3, 6)), 1, types.SamplingParams(max_tokens=4, seed=0)).result()
     assert len(sample.sequences[0].tokens) == 4
+    bobs_sampler = bob.save_weights_and_get_sampling_client()
+    assert len(bobs_sampler.sample(types.ModelInput.from_ints(seq(4, 6)), 2, types.SamplingParams(max_tokens=3)).result().sequences) == 2
+    (engine,) = sessions.bases.engines.engines.values()  # both tenants' samplers are adapters of one sampling engine
+    assert len(engine.adapters) == 2
     path = alice.save_state("after-one").result().path
     resumed = clients["alice"].create_training_client_from_state_with_optimizer(path).result()
     after, again = (c.forward(ALICE, "cross_entropy").result() for c in (alice, resumed))

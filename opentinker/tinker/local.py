@@ -37,7 +37,8 @@ class LocalSessions:
         if len(mine) >= self.max_sessions:
             raise ValueError(f"tenant {tenant} has {len(mine)} live Tinker sessions, the limit is {self.max_sessions}")
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
-        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement, trainers=self.bases)
+        session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement, trainers=self.bases,
+                                engines=self.bases.engines if self.bases else None)
         token = secrets.token_hex(16)
         server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
         self.live[session_id] = (session, server, token)

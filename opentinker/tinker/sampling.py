@@ -132,16 +132,59 @@ class SamplerRecord:
     model_path: str | None = None
 
 
-class Samplers:
-    """The session's samplers and one batching engine per base model."""
+class SamplingEngines:
+    """One batching engine per base model and the adapters loaded in it (the MAX_LOADED most
+    recently used; one evicted is loaded again from its folder when next asked for). A session's
+    own, or one for every session of a base-model worker (sampler ids hold their session's id)."""
 
-    def __init__(self, workdir: Path, placement: Any = None):
-        self.workdir, self.placement = workdir, placement
-        self.records: dict[str, SamplerRecord] = {}
+    def __init__(self, placement: Any = None):
+        self.placement = placement
         self.engines: dict[str, Any] = {}
         self.loaded: dict[str, OrderedDict[str, None]] = {}
-        self.snapshots: OrderedDict[str, None] = OrderedDict()
         self.lock = threading.Lock()
+
+    def engine(self, loader_name: str) -> Any:
+        from opentinker.inference.engine_hf import HFEngine
+
+        with self.lock:
+            if loader_name not in self.engines:
+                self.engines[loader_name] = HFEngine.for_adapters(loader_name, where=self.placement)
+                self.loaded[loader_name] = OrderedDict()
+            return self.engines[loader_name]
+
+    def unload(self, loader_name: str, sampler_id: str) -> None:
+        with self.lock:
+            if sampler_id in self.loaded.get(loader_name, {}):
+                self.engines[loader_name].unload_adapter(sampler_id)
+                del self.loaded[loader_name][sampler_id]
+
+    def ensure_loaded(self, loader_name: str, sampler_id: str, folder: Path) -> Any:
+        engine = self.engine(loader_name)
+        with self.lock:
+            loaded = self.loaded[loader_name]
+            if sampler_id in loaded:
+                loaded.move_to_end(sampler_id)
+                return engine
+            while len(loaded) >= MAX_LOADED:
+                oldest, _ = loaded.popitem(last=False)
+                engine.unload_adapter(oldest)
+            engine.load_adapter(sampler_id, str(folder))
+            loaded[sampler_id] = None
+        return engine
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+
+
+class Samplers:
+    """The session's samplers, on its own engines or on engines it shares (`engines`)."""
+
+    def __init__(self, workdir: Path, placement: Any = None, engines: SamplingEngines | None = None):
+        self.workdir = workdir
+        self.pool, self.owns_engines = engines or SamplingEngines(placement), engines is None
+        self.records: dict[str, SamplerRecord] = {}
+        self.snapshots: OrderedDict[str, None] = OrderedDict()
 
     def record(self, sampler_id: str) -> SamplerRecord:
         from opentinker.tinker.paths import NotFound
@@ -152,13 +195,7 @@ class Samplers:
         return found
 
     def _engine(self, loader_name: str) -> Any:
-        from opentinker.inference.engine_hf import HFEngine
-
-        with self.lock:
-            if loader_name not in self.engines:
-                self.engines[loader_name] = HFEngine.for_adapters(loader_name, where=self.placement)
-                self.loaded[loader_name] = OrderedDict()
-            return self.engines[loader_name]
+        return self.pool.engine(loader_name)
 
     def add_base(self, sampler_id: str, base_model: str, loader_name: str) -> None:
         self._engine(loader_name)
@@ -176,13 +213,10 @@ class Samplers:
             self._drop(self.snapshots.popitem(last=False)[0])
 
     def _drop(self, sampler_id: str) -> None:
-        with self.lock:
-            record = self.records.pop(sampler_id, None)
-            if record is None:
-                return
-            if sampler_id in self.loaded.get(record.loader_name, {}):
-                self.engines[record.loader_name].unload_adapter(sampler_id)
-                del self.loaded[record.loader_name][sampler_id]
+        record = self.records.pop(sampler_id, None)
+        if record is None:
+            return
+        self.pool.unload(record.loader_name, sampler_id)
         if record.folder is not None:
             shutil.rmtree(record.folder, ignore_errors=True)
 
@@ -202,28 +236,14 @@ class Samplers:
         return folder
 
     def _replace(self, sampler_id: str, record: SamplerRecord) -> None:
-        engine = self._engine(record.loader_name)
-        with self.lock:
-            if sampler_id in self.loaded[record.loader_name]:
-                engine.unload_adapter(sampler_id)
-                del self.loaded[record.loader_name][sampler_id]
-            self.records[sampler_id] = record
+        self._engine(record.loader_name)
+        self.pool.unload(record.loader_name, sampler_id)  # a new snapshot under the same id
+        self.records[sampler_id] = record
 
     def _ensure_loaded(self, sampler_id: str, record: SamplerRecord) -> Any:
-        engine = self._engine(record.loader_name)
         if record.folder is None:
-            return engine
-        with self.lock:
-            loaded = self.loaded[record.loader_name]
-            if sampler_id in loaded:
-                loaded.move_to_end(sampler_id)
-                return engine
-            while len(loaded) >= MAX_LOADED:
-                oldest, _ = loaded.popitem(last=False)
-                engine.unload_adapter(oldest)
-            engine.load_adapter(sampler_id, str(record.folder))
-            loaded[sampler_id] = None
-        return engine
+            return self._engine(record.loader_name)
+        return self.pool.ensure_loaded(record.loader_name, sampler_id, record.folder)
 
     def sample(self, request: SampleRequest) -> bytes:
         from opentinker.backend.rollout import SamplingParams
@@ -258,6 +278,9 @@ class Samplers:
         return wire.encode_sample(sequences, prompt_lp if request.prompt_logprobs else None, top or None)
 
     def close(self) -> None:
-        for engine in self.engines.values():
-            engine.close()
+        if self.owns_engines:
+            self.pool.close()
+        else:  # shared engines stay; this session's adapters leave them
+            for sampler_id, record in list(self.records.items()):
+                self.pool.unload(record.loader_name, sampler_id)
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -112,15 +112,17 @@ class TinkerSession:
     `on_step(model_id, step, metrics)` is told of every optimizer step (MLflow)."""
 
     def __init__(self, session_id: str, tenant: str, storage_url: str, models_folder: Path, placement: Any = None,
-                 on_step: Callable[[str, int, dict[str, float]], None] | None = None, trainers: Callable[[str, str, Any], Any] | None = None):
-        """`trainers(model_id, base_name, shape)`: a training client's model (default: its own base's; shared_base's adapters)."""
+                 on_step: Callable[[str, int, dict[str, float]], None] | None = None, trainers: Callable[[str, str, Any], Any] | None = None,
+                 engines: Any = None):
+        """`trainers(model_id, base_name, shape)`: a training client's model (default: its own base's; shared_base's adapters);
+        `engines`: sampling engines shared with other sessions (SamplingEngines; default: the session's own)."""
         self.session_id, self.tenant, self.models_folder = session_id, tenant, models_folder
         self.trainers = trainers or self._own_base
         self.placement = placement
         self.store = paths.TenantCheckpoints(storage_url)
         self.on_step = on_step or (lambda *_: None)
         self.models: dict[str, TrainingSlot] = {}
-        self.samplers = Samplers(Path(tempfile.mkdtemp(prefix=f"tinker-{session_id}-")), placement)
+        self.samplers = Samplers(Path(tempfile.mkdtemp(prefix=f"tinker-{session_id}-")), placement, engines)
         self.futures: dict[str, Pending] = {}
         self.dedup: dict[tuple[str, int], str] = {}
         self.counter = 0

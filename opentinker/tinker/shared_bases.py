@@ -3,7 +3,8 @@
 
 Each base a client names is loaded once, on first use, as a SharedBase (opentinker.backend.shared_base);
 every training client of that base, whatever its session or tenant, is an adapter of it, named by
-its model id (which holds the session id, so names never collide). `stats()` says what each base
+its model id (which holds the session id, so names never collide). Their samplers share one
+sampling engine per base (`engines`), each sampler an adapter loaded in it by its id. `stats()` says what each base
 holds and how often calls of several adapters shared a pass.
 """
 
@@ -15,12 +16,14 @@ from typing import Any
 
 from opentinker.backend.shared_base import SharedAdapter, SharedBase
 from opentinker.tinker.models import resolve_base
+from opentinker.tinker.sampling import SamplingEngines
 
 
 class SharedBases:
     def __init__(self, models_folder: Path, placement: Any = None):
         self.models_folder, self.placement = models_folder, placement
         self.bases: dict[str, SharedBase] = {}
+        self.engines = SamplingEngines(placement)  # and the sessions' samplers share one engine per base
         self.lock = threading.Lock()
 
     def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:
@@ -47,3 +50,4 @@ class SharedBases:
     def close(self) -> None:
         for shared in self.bases.values():
             shared.close()
+        self.engines.close()

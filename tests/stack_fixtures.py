@@ -52,7 +52,7 @@ def stack(tmp_path_factory, s3_server):
         gpu_slots=0,
         ray_address=None,
         game_allowlist="envs,tests.games",  # the operator ships the test games too: faulty ones among them
-        tinker_worker_idle_s=15,  # an idle base-model worker exits within a test
+        tinker_worker_idle_s=5,  # an idle base-model worker exits within a test
     )
     import os
     from pathlib import Path

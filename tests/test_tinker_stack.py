@@ -6,6 +6,8 @@ and a state saved in one session trains on in the next. Two tenants' sessions sh
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -85,12 +87,15 @@ def _worker_info(settings) -> dict | None:
 def test_two_tenants_sessions_share_one_base_model_worker(tenant):
     """Two tenants' sessions are two flow runs, each holding a seat, hosted on one worker actor:
     one base, both clients adapters of it, each session's door under the worker's server. Same
-    seed and data give the same loss to both. Ended, the sessions leave the worker; with no session
-    for `tinker_worker_idle_s` (15 s on the test stack) it exits."""
+    seed and data give the same loss to both. A session that ends leaves the worker to the other;
+    the worker killed, that one fails in one line, its client is told, and its saved state resumes
+    in a new session on a new worker; with no session for `tinker_worker_idle_s` (5 s on the test
+    stack) a worker exits."""
     from concurrent.futures import ThreadPoolExecutor
 
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.control.gateway.tinker_sessions import PrefectSessions
+    from opentinker.control.scheduler import job_state
 
     settings, key = tenant
     keys = {"tinkerer": key, "sharer": TenantStore(settings.state_dir / "tenants.json").create("sharer", rotate=True)}
@@ -111,12 +116,28 @@ def test_two_tenants_sessions_share_one_base_model_worker(tenant):
     assert _seats() == 2
     for name, session_id in sessions.items():
         assert PrefectSessions(settings).endpoint(name, session_id)[0] == f"{info['url']}/s/{session_id}"
-    for service in services.values():
-        service.close("success")
-    for session_id in sessions.values():
-        assert _wait_final(session_id, timeout=60).state.is_completed()
+    state = trainers["sharer"].save_state("before-the-crash").result().path
+    expected = trainers["sharer"].forward(data, "cross_entropy").result().metrics["loss:sum"]
+    services["tinkerer"].close("success")  # one session ends: it leaves, the worker stays for the other
+    assert _wait_final(sessions["tinkerer"], timeout=60).state.is_completed()
     after = _worker_info(settings)
-    assert after["pid"] == info["pid"] and after["sessions"] == [] and list(after["adapters"].values()) == [[]]
+    assert after["pid"] == info["pid"] and after["sessions"] == [sessions["sharer"]]
+    assert list(after["adapters"].values()) == [[trainers["sharer"].model_id]]
+
+    os.kill(info["pid"], signal.SIGKILL)  # the worker dies under the other session
+    crashed = sessions["sharer"]
+    state_name, reason = job_state(_wait_final(crashed, timeout=60))
+    assert state_name == "FAILED" and reason == (f"WorkerLost: session {crashed}: its base-model worker died (killed, out of memory, "
+                                                 "or its Ray node went away); its clients resume from their last saved state in a new session")
+    with pytest.raises(tinker.TinkerError, match=rf"session {crashed} has ended \(failed: WorkerLost"):
+        trainers["sharer"].forward(data, "cross_entropy").result()
+    services["sharer"].close("success")
+    again = tinker.ServiceClient(base_url=settings.gateway_url, api_key=keys["sharer"])
+    resumed = again.create_training_client_from_state_with_optimizer(state).result()  # on a new worker
+    assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    assert _worker_info(settings)["pid"] != info["pid"]
+    again.close("success")
+    _wait_final(resumed.model_id.split(":")[0], timeout=60)
     deadline = time.monotonic() + 90
     while _worker_info(settings) is not None:
         assert time.monotonic() < deadline, "the idle base-model worker did not exit"

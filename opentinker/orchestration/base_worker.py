@@ -35,6 +35,10 @@ class WorkerClosing(RuntimeError):
     """This worker is going away (idle): start a new one."""
 
 
+class WorkerLost(RuntimeError):
+    """The worker hosting a session died."""
+
+
 @dataclass
 class Hosted:
     session: Any  # TinkerSession
@@ -203,9 +207,14 @@ class OnBaseWorker:
                 time.sleep(1.0)
 
     def status(self) -> dict[str, Any]:
+        """The session's status; WorkerLost in one line when the worker died under it."""
         import ray
 
-        return ray.get(self.worker.status.remote(self.session_id), timeout=60)
+        try:
+            return ray.get(self.worker.status.remote(self.session_id), timeout=60)
+        except ray.exceptions.RayActorError:
+            raise WorkerLost(f"session {self.session_id}: its base-model worker died (killed, out of memory, or its Ray node "
+                             "went away); its clients resume from their last saved state in a new session") from None
 
     def stop(self) -> None:
         import ray

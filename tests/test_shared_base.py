@@ -226,3 +226,22 @@ def test_a_pass_that_raises_is_run_call_by_call_so_only_the_failing_call_fails()
     want, _ = again["ann"].forward_backward(CE, "cross_entropy", {})
     assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(results["ann"][0], want))
     assert all(same(a, b) for a, b in zip(grads_of(adapters["ann"]), grads_of(again["ann"])))
+
+
+def test_an_adapter_the_memory_bound_cannot_hold_is_refused_with_the_numbers():
+    """The base and its adapters' training state (weights, gradients, AdamW moments) stay within the
+    worker's memory bound: one more client that would not fit is refused before anything is allocated."""
+    probe = shared()
+    base_bytes = sum(p.numel() * p.element_size() for p in probe.lm.parameters())
+    one = probe.training_bytes(LoraShape(rank=8))
+    assert one == 16 * sum(8 * (lin.in_features + lin.out_features) for lin in probe.multi.linears.values())  # every target, r (in + out)
+    base, tok = load_model("tiny-random")
+    sb = SharedBase(base, tok, "tiny-random", memory_bytes=base_bytes + 2.5 * one)
+    sb.attach("a", LoraShape(rank=8))
+    sb.attach("b", LoraShape(rank=8))
+    with pytest.raises(BadRequest, match=r"^lora_config\.rank 8: this client's adapter needs \d+ MiB \(weights, gradients, AdamW "
+                                         r"moments\); the worker of tiny-random has \d+ MiB left of \d+ MiB \(the base \d+ MiB, "
+                                         r"2 adapter\(s\) \d+ MiB\): a smaller rank, or when another session has ended$"):
+        sb.attach("c", LoraShape(rank=8))
+    assert "c" not in sb.multi
+    sb.attach("c", LoraShape(rank=2))  # a quarter of the size fits in what is left

@@ -84,8 +84,11 @@ class PassStats:
 class SharedBase:
     """A frozen base (`base`, a causal LM) that LoRA adapters of many tenants train on."""
 
-    def __init__(self, base: Any, tokenizer: Any, base_name: str, placement: Placement | None = None, gather_s: float = GATHER_S):
-        self.placement = placement or cpu()
+    def __init__(self, base: Any, tokenizer: Any, base_name: str, placement: Placement | None = None, gather_s: float = GATHER_S,
+                 memory_bytes: float | None = None):
+        """`memory_bytes`: what the base and its adapters' training state may fill (None: no bound);
+        an adapter that would not fit is refused, with the numbers, before anything is allocated."""
+        self.placement, self.memory_bytes = placement or cpu(), memory_bytes
         self.base_name, self.tokenizer, self.gather_s = base_name, tokenizer, gather_s
         self.lm = base.to(dtype=self.placement.weights_dtype(trained=False)).to(self.placement.device)
         self.lm.eval()
@@ -100,8 +103,23 @@ class SharedBase:
 
     # -- tenants ----------------------------------------------------------------------------
     def attach(self, name: str, shape: LoraShape) -> SharedAdapter:
-        """A new adapter `name` (a training client's model) on this base."""
+        """A new adapter `name` (a training client's model) on this base; BadRequest when the
+        memory bound cannot hold its training state beside what is there."""
+        if self.memory_bytes is not None:
+            need, base = self.training_bytes(shape), sum(p.numel() * p.element_size() for p in self.lm.parameters())
+            held = sum(4 * a.num_parameters() * 4 for a in self.multi.adapters.values())
+            if base + held + need > self.memory_bytes:
+                mib = 2**20
+                raise BadRequest(f"lora_config.rank {shape.rank}: this client's adapter needs {need / mib:.0f} MiB (weights, gradients, "
+                                 f"AdamW moments); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
+                                 f"left of {self.memory_bytes / mib:.0f} MiB (the base {base / mib:.0f} MiB, {len(self.multi.adapters)} "
+                                 f"adapter(s) {held / mib:.0f} MiB): a smaller rank, or when another session has ended")
         return SharedAdapter(self, name, shape)
+
+    def training_bytes(self, shape: LoraShape) -> int:
+        """An adapter's weights, gradients and two AdamW moments, float32: r (in + out) per target linear, four times."""
+        paths = self.multi._paths(tuple(shape.spec().target_modules))
+        return 16 * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features) for p in paths)
 
     def detach(self, name: str) -> None:
         if name in self.multi:

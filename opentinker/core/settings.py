@@ -140,6 +140,11 @@ class Settings(BaseSettings):
     tinker_worker_seats: int = Field(8, ge=1)
     """Sessions one base-model worker hosts at once: each holds a seat (Prefect limit `slots-<pool>-seats`)."""
 
+    tinker_worker_memory_gb: float | None = Field(None, gt=0)
+    """What a base-model worker's bases and adapters (weights, gradients, AdamW moments) may fill;
+    a training client that would not fit is refused with the numbers. None: the GPU's memory, or
+    half of this machine's RAM on the CPU pool."""
+
     tinker_worker_idle_s: float = Field(300.0, gt=0)
     """A base-model worker with no session for this long exits (the next session starts a new one)."""
 

@@ -31,6 +31,19 @@ def worker_name(pool: str) -> str:
     return f"base-worker-{pool}"
 
 
+def worker_memory_bytes(settings: Any, num_gpus: float) -> float:
+    """tinker_worker_memory_gb, else the GPU's memory, else half of this machine's RAM."""
+    if settings.tinker_worker_memory_gb is not None:
+        return settings.tinker_worker_memory_gb * 2**30
+    if num_gpus > 0:
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    import psutil
+
+    return psutil.virtual_memory().total / 2
+
+
 class WorkerClosing(RuntimeError):
     """This worker is going away (idle): start a new one."""
 
@@ -80,7 +93,7 @@ class BaseModelWorker:
 
         self.settings = get_settings()
         self.placement = placement(num_gpus)
-        self.bases = SharedBases(self.settings.models_folder, self.placement)
+        self.bases = SharedBases(self.settings.models_folder, self.placement, memory_bytes=worker_memory_bytes(self.settings, num_gpus))
         self.hosted: dict[str, Hosted] = {}
         self.router = _Router()
         self.lock = threading.Lock()

@@ -20,8 +20,9 @@ from opentinker.tinker.sampling import SamplingEngines
 
 
 class SharedBases:
-    def __init__(self, models_folder: Path, placement: Any = None):
-        self.models_folder, self.placement = models_folder, placement
+    def __init__(self, models_folder: Path, placement: Any = None, memory_bytes: float | None = None):
+        """`memory_bytes`: what each base and its adapters may fill (None: no bound)."""
+        self.models_folder, self.placement, self.memory_bytes = models_folder, placement, memory_bytes
         self.bases: dict[str, SharedBase] = {}
         self.engines = SamplingEngines(placement)  # and the sessions' samplers share one engine per base
         self.lock = threading.Lock()
@@ -33,7 +34,7 @@ class SharedBases:
                 from opentinker.model import load_model
 
                 base, tokenizer = load_model(loader_name)
-                self.bases[loader_name] = SharedBase(base, tokenizer, base_name, self.placement)
+                self.bases[loader_name] = SharedBase(base, tokenizer, base_name, self.placement, memory_bytes=self.memory_bytes)
             shared = self.bases[loader_name]
         adapter = shared.attach(model_id, shape)
         adapter.base_name = base_name  # as this client named it (an alias and the operator's name share one base)

@@ -6,8 +6,9 @@ of `--new-tokens` tokens from a `--prompt-len`-token prompt (its own sampler, fr
 sequences, advantages +1/-1) and `optim_step`. A LoRA of rank 16 per tenant on SmolLM2-135M.
 
     shared:   one server process hosting every tenant's session (LocalSessions(shared_bases=True),
-              what a base-model worker runs): one copy of the base for training, one sampling
-              engine; calls that arrive together run as one batch across adapters.
+              what a base-model worker runs): one copy of the base for training and sampling;
+              calls that arrive together (forward_backward; samples, unseeded) run as one batch
+              across adapters.
     separate: one server process per tenant (LocalSessions as a session actor has it): a base
               for its trainer and one for its sampler each.
 
@@ -105,7 +106,7 @@ def tenant_loop(url: str, key: str, args, seed: int, out: dict) -> None:
         t0 = time.perf_counter()
         sampler = trainer.save_weights_and_get_sampling_client().result()
         result = sampler.sample(types.ModelInput.from_ints(prompt), args.samples,
-                                types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=seed * 1000 + step, stop=[])).result()
+                                types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop=[])).result()
         data = []
         for i, seq in enumerate(result.sequences):
             full = prompt + list(seq.tokens)

@@ -6,6 +6,7 @@ share its pass or not. A failing call costs that call only."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -245,3 +246,41 @@ def test_an_adapter_the_memory_bound_cannot_hold_is_refused_with_the_numbers():
         sb.attach("c", LoraShape(rank=8))
     assert "c" not in sb.multi
     sb.attach("c", LoraShape(rank=2))  # a quarter of the size fits in what is left
+
+
+def test_samplers_of_several_adapters_share_a_batch_and_each_gets_what_it_gets_alone(tmp_path):
+    """Sampling on the shared base (MultiLoraEngine): snapshots of three adapters and the base
+    alone, asked together, run as one batch, each row through its own adapter; greedy tokens and
+    logprobs are what each request gets run alone."""
+    from opentinker.backend.rollout import SamplingParams
+    from opentinker.inference.engine_multi_lora import MultiLoraEngine
+
+    sb = shared()
+    adapters = _tenants(sb)
+    engine = MultiLoraEngine(sb)
+    for name, adapter in adapters.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, data in adapter.state_files(with_optimizer=False).items():
+            if file.startswith("adapter/"):
+                (folder / file.split("/", 1)[1]).write_bytes(data)
+        engine.load_adapter(f"{name}:sample:0", str(folder))
+    asks = {"ann:sample:0": [5, 6, 7, 8], "bob:sample:0": [9, 10], "cyd:sample:0": [11, 12, 13], None: [5, 6, 7, 8]}
+    params = SamplingParams(max_new_tokens=5, greedy=True)
+    alone = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name).result() for name, prompt in asks.items()}
+    assert engine.mixed == 0
+    with sb.model_lock:  # the engine takes the first request and waits for the model; the others queue behind it
+        first = engine.generate([[1, 2]], [2], params)
+        time.sleep(0.3)
+        together = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name) for name, prompt in asks.items()}
+    first.result()
+    results = {name: future.result() for name, future in together.items()}
+    assert engine.mixed == 1 and engine.batches == len(asks) + 2  # the four requests ran as one batch
+    for name, completions in results.items():
+        for got, want in zip(completions, alone[name]):
+            assert got.token_ids == want.token_ids and np.allclose(got.logprobs, want.logprobs, atol=1e-5), name
+    assert alone["ann:sample:0"][0].token_ids != alone[None][0].token_ids or not np.allclose(
+        alone["ann:sample:0"][0].logprobs, alone[None][0].logprobs, atol=1e-3)  # the adapter changes what the base says
+    engine.unload_adapter("bob:sample:0")
+    assert "bob:sample:0" not in sb.multi and "bob" in sb.multi  # the snapshot leaves, the training adapter stays
+    engine.close()

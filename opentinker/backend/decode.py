@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,13 +106,16 @@ class Chooser:
 def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, budgets: list[int], max_new_tokens: int,
            stop_ids: list[int], pad_id: int, temperature: float | None, top_k: int | None = None, top_p: float = 1.0,
            placement: Placement, extra: dict[str, Any] | None = None, compact: bool = True, keep_states: bool = False,
-           stop_rule: Callable[[list[int]], bool] | None = None) -> Decoded:
+           stop_rule: Callable[[list[int]], bool] | None = None,
+           row_context: Callable[[list[int]], AbstractContextManager] | None = None) -> Decoded:
     """Sample up to `min(budgets[i], max_new_tokens)` tokens for each left-padded row of
     `input_ids` (the first `cache.get_seq_length()` columns already in `cache`, when given).
     `temperature=None`: greedy (logprobs at temperature 1). `extra`: inputs of the first forward
     only (pixels). `keep_states`: return each row's key/values of its prompt's real columns and
     the sampled tokens the model ran (all but the last). `stop_rule`: instead of `stop_ids`, whether
-    a row's sampled tokens so far end it (a stop string completed, say); the row keeps that token."""
+    a row's sampled tokens so far end it (a stop string completed, say); the row keeps that token.
+    `row_context(rows)`: entered around each forward with the original rows of the running batch
+    (a shared base's per-row adapters follow the rows as they leave)."""
     rows, width = input_ids.shape
     device = input_ids.device
     stop_set = set(stop_ids)
@@ -139,7 +143,7 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
             states[row] = row_states(cache, at, columns)
 
     for step in range(max_new):
-        with placement.autocast():
+        with placement.autocast(), (row_context(batch) if row_context else nullcontext()):
             result = model(**inputs, attention_mask=mask, past_key_values=cache, use_cache=True, **keep)
         out.forwards += 1
         out.positions += len(batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,6 +94,7 @@ class HFRolloutEngine:
         # leaves the batch right after its last kept token, so the two position counts are equal;
         # without it every row runs until the batch's longest one ends, as in `model.generate`.
         self.early_stop = early_stop
+        self.row_scope: Callable[[list[str | None]], Any] | None = None  # a shared base's `rows(names)`: per-row adapters
         self.decode_forwards = 0
         self.decode_positions = 0
         self.useful_positions = 0
@@ -103,39 +105,48 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
-                 images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None) -> list[Completion]:
-        """`stop_rule`: when a completion ends, in place of the end-of-turn tokens (see decode)."""
+                 images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None,
+                 adapters: list[str | None] | None = None) -> list[Completion]:
+        """`stop_rule`: when a completion ends, in place of the end-of-turn tokens (see decode).
+        `adapters`: each prompt's adapter on a shared base (through `row_scope`; no prefix cache)."""
         budgets = budgets or [params.max_new_tokens] * len(prompts)
+        if adapters is not None and (self.row_scope is None or self.prefix_cache.max_tokens):
+            raise ValueError("per-row adapters need a shared base's row_scope and no prefix cache")
         # Similar lengths together waste less padding; results go back in the caller's order.
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         results: dict[int, Completion] = {}
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start : start + self.max_batch_size]
             pictures = [images[i] for i in chunk] if images is not None and any(images[i] for i in chunk) else None
-            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures, stop_rule)):
+            names = [adapters[i] for i in chunk] if adapters is not None else None
+            for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures, stop_rule,
+                                                        names)):
                 results[i] = c
         return [results[i] for i in range(len(prompts))]
 
     @torch.no_grad()
-    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor):
-        """Samples of one group share their prompt: run each distinct prompt once (all but its last
-        token) and give every row a copy of its prompt's KV cache. Saves (group_size-1)/group_size
-        of the prompt compute; returns None when no prompt repeats."""
-        first_row: dict[tuple[int, ...], int] = {}
-        index = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
+    def _shared_prefill(self, prompts: list[list[int]], input_ids: torch.Tensor, attention: torch.Tensor,
+                        names: list[str | None] | None = None):
+        """Samples of one group share their prompt: run each distinct prompt (of one adapter) once
+        (all but its last token) and give every row a copy of its prompt's KV cache. Saves
+        (group_size-1)/group_size of the prompt compute; returns None when no prompt repeats."""
+        first_row: dict[tuple[Any, ...], int] = {}
+        index = [first_row.setdefault((tuple(p), names[i] if names else None), len(first_row)) for i, p in enumerate(prompts)]
         if len(first_row) == len(prompts) or input_ids.shape[1] < 2:
             return None
-        rows = torch.tensor([index.index(u) for u in range(len(first_row))], device=input_ids.device)
+        firsts = [index.index(u) for u in range(len(first_row))]
+        rows = torch.tensor(firsts, device=input_ids.device)
         ids, attn = input_ids[rows, :-1], attention[rows, :-1]
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        with self.placement.autocast():
+        with self.placement.autocast(), (self.row_scope([names[i] for i in firsts]) if names else nullcontext()):
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=True)
         cache = out.past_key_values
         cache.reorder_cache(torch.tensor(index, device=input_ids.device))
         return cache
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
-                        images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None) -> list[Completion]:
+                        images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None,
+                        names: list[str | None] | None = None) -> list[Completion]:
         t0 = time.perf_counter()
         device = self.placement.device
         # Records with images prefill whole (their pixels enter at their image tokens), unshared and uncached.
@@ -147,14 +158,15 @@ class HFRolloutEngine:
         else:
             input_ids, attention = self._left_padded(prompts)
             input_ids, attention = input_ids.to(device), attention.to(device)
-            cache = self._shared_prefill(prompts, input_ids, attention) if images is None else None
+            cache = self._shared_prefill(prompts, input_ids, attention, names) if images is None else None
         was_training = self.model.training
         self.model.eval()
         try:
             out = decode(self.model, input_ids, attention, cache, budgets=budgets, max_new_tokens=params.max_new_tokens,
                          stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None if params.greedy else params.temperature,
                          top_k=params.top_k, top_p=params.top_p, placement=self.placement, extra=pixels, compact=self.early_stop,
-                         keep_states=images is None and bool(self.prefix_cache.max_tokens) and stop_rule is None, stop_rule=stop_rule)
+                         keep_states=images is None and bool(self.prefix_cache.max_tokens) and stop_rule is None, stop_rule=stop_rule,
+                         row_context=(lambda rows: self.row_scope([names[r] for r in rows])) if names else None)
         finally:
             self.model.train(was_training)
         completions = [Completion(ids, lps, reason) for ids, lps, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)]

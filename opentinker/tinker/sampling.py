@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from opentinker.tinker import wire
 
@@ -137,8 +137,9 @@ class SamplingEngines:
     recently used; one evicted is loaded again from its folder when next asked for). A session's
     own, or one for every session of a base-model worker (sampler ids hold their session's id)."""
 
-    def __init__(self, placement: Any = None):
-        self.placement = placement
+    def __init__(self, placement: Any = None, factory: Callable[[str], Any] | None = None):
+        """`factory(loader_name)`: the engine of a base (default: HFEngine.for_adapters, a base of its own)."""
+        self.placement, self.factory = placement, factory
         self.engines: dict[str, Any] = {}
         self.loaded: dict[str, OrderedDict[str, None]] = {}
         self.lock = threading.Lock()
@@ -148,7 +149,8 @@ class SamplingEngines:
 
         with self.lock:
             if loader_name not in self.engines:
-                self.engines[loader_name] = HFEngine.for_adapters(loader_name, where=self.placement)
+                self.engines[loader_name] = (self.factory(loader_name) if self.factory
+                                             else HFEngine.for_adapters(loader_name, where=self.placement))
                 self.loaded[loader_name] = OrderedDict()
             return self.engines[loader_name]
 

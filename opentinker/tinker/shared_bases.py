@@ -3,8 +3,9 @@
 
 Each base a client names is loaded once, on first use, as a SharedBase (opentinker.backend.shared_base);
 every training client of that base, whatever its session or tenant, is an adapter of it, named by
-its model id (which holds the session id, so names never collide). Their samplers share one
-sampling engine per base (`engines`), each sampler an adapter loaded in it by its id. `stats()` says what each base
+its model id (which holds the session id, so names never collide). Their samplers are adapters
+of the same base too (`engines`: a MultiLoraEngine per base, requests of several samplers in one
+batch), registered by sampler id. `stats()` says what each base
 holds and how often calls of several adapters shared a pass.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.backend.shared_base import SharedAdapter, SharedBase
+from opentinker.inference.engine_multi_lora import MultiLoraEngine
 from opentinker.tinker.models import resolve_base
 from opentinker.tinker.sampling import SamplingEngines
 
@@ -24,18 +26,22 @@ class SharedBases:
         """`memory_bytes`: what each base and its adapters may fill (None: no bound)."""
         self.models_folder, self.placement, self.memory_bytes = models_folder, placement, memory_bytes
         self.bases: dict[str, SharedBase] = {}
-        self.engines = SamplingEngines(placement)  # and the sessions' samplers share one engine per base
+        self.engines = SamplingEngines(placement, factory=lambda loader_name: MultiLoraEngine(self.base(loader_name)))
         self.lock = threading.Lock()
 
-    def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:
-        loader_name = resolve_base(self.models_folder, base_name)  # UnknownModel for a name not served here
+    def base(self, loader_name: str, base_name: str | None = None) -> SharedBase:
+        """The shared base of `loader_name`, loaded on first use."""
         with self.lock:
             if loader_name not in self.bases:
                 from opentinker.model import load_model
 
                 base, tokenizer = load_model(loader_name)
-                self.bases[loader_name] = SharedBase(base, tokenizer, base_name, self.placement, memory_bytes=self.memory_bytes)
-            shared = self.bases[loader_name]
+                self.bases[loader_name] = SharedBase(base, tokenizer, base_name or loader_name, self.placement,
+                                                     memory_bytes=self.memory_bytes)
+            return self.bases[loader_name]
+
+    def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:
+        shared = self.base(resolve_base(self.models_folder, base_name), base_name)  # UnknownModel for a name not served here
         adapter = shared.attach(model_id, shape)
         adapter.base_name = base_name  # as this client named it (an alias and the operator's name share one base)
         return adapter

@@ -1,0 +1,101 @@
+"""Sampling for many adapters of one shared base in one batch: the samplers of a base-model worker.
+
+An HFEngine (same queue, same batching thread, same calls) whose model is a SharedBase's
+(opentinker.backend.shared_base): no second copy of the base for sampling. A sampler is a LoRA
+adapter of that base, registered under the sampler's id from its peft folder (a snapshot: the
+training client's later steps do not change it). Requests of different adapters that share
+their sampling parameters run as one batch in which each row goes through its own adapter (the
+rows follow their adapters as finished rows leave the batch); a request with a seed runs alone,
+as on any engine, so its samples do not depend on what else was asked. Training passes and
+sampling batches take turns on the model (the base's `model_lock`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from opentinker.backend.shared_base import SharedBase
+from opentinker.inference.engine_hf import HFEngine, _Batchable
+
+
+class MultiLoraEngine(HFEngine):
+    kind = "hf-multi-lora"
+
+    def __init__(self, shared: SharedBase, max_batch_size: int = 32):
+        super().__init__(shared.lm, shared.tokenizer, {"base_model": shared.base_name}, max_batch_size=max_batch_size,
+                         placement=shared.placement, prefix_cache_tokens=0)
+        self.shared = shared
+        self.adapters = {}
+        self.rollout.row_scope = shared.multi.rows
+        self.batches = 0  # batches run, and how many held two adapters or more
+        self.mixed = 0
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Register the peft adapter folder `path` (safetensors only) as `name`; ValueError when
+        the name is taken or the folder is not a plain LoRA of this base."""
+        folder = Path(path)
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is loaded already")
+        if not (folder.is_absolute() and (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
+            raise ValueError(f"{path}: not a LoRA adapter folder (an absolute path holding adapter_config.json and adapter_model.safetensors)")
+        with self.shared.model_lock:  # not while a batch runs
+            self.shared.multi.load(name, folder)
+        self.adapters[name] = str(folder)
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise KeyError(name)
+        with self.shared.model_lock:  # a batch that holds it finishes first
+            self.shared.multi.remove(name)
+        del self.adapters[name]
+
+    def _adapter(self, name: str | None) -> Any:
+        if name is not None and name not in self.adapters:
+            raise KeyError(name)
+        return self.shared.multi.rows([name])
+
+    def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        with self.shared.model_lock:
+            return super().score_prompt(prompt, adapter, top_k)
+
+    def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
+        """The oldest request and every later one with its sampling parameters and stop rule, whatever its adapter."""
+        first = pending[0]
+        batch, rest, size = [first], [], len(first.prompts)
+        for item in pending[1:]:
+            same = item.params == first.params and item.stop_rule == first.stop_rule and not item.images
+            if first.seed is None and item.seed is None and same and size + len(item.prompts) <= self.max_batch_size:
+                batch.append(item)
+                size += len(item.prompts)
+            else:
+                rest.append(item)
+        return batch, rest
+
+    def _run(self, batch: list[_Batchable]) -> None:
+        from dataclasses import replace
+
+        import torch
+
+        prompts = [p for item in batch for p in item.prompts]
+        budgets = [b for item in batch for b in item.budgets]
+        names = [item.adapter for item in batch for _ in item.prompts]
+        params = replace(batch[0].params, max_new_tokens=max(budgets))
+        try:
+            unknown = sorted({n for n in names if n is not None and n not in self.adapters})
+            if unknown:
+                raise KeyError(f"unknown adapters: {unknown}")
+            with self.shared.model_lock:
+                if batch[0].seed is not None:
+                    torch.manual_seed(batch[0].seed)
+                completions = self.rollout.generate(prompts, params, budgets, stop_rule=batch[0].stop_rule, adapters=names)
+        except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
+            for item in batch:
+                item.future.set_exception(err)
+            return
+        self.batches += 1
+        self.mixed += len({item.adapter for item in batch}) > 1
+        start = 0
+        for item in batch:
+            item.future.set_result(completions[start : start + len(item.prompts)])
+            start += len(item.prompts)

@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 STEPS ?= 25
 
-.PHONY: install cookbook demo demo-long demo-local down test test-slow gpu-pack bench clean
+.PHONY: install cookbook demo demo-long demo-local down test test-slow docs gpu-pack bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ test: install  ## the default suite (CI): unit, integration and a short learning
 
 test-slow: install cookbook  ## long learning tests on the real model (and tinker-cookbook's RL loop)
 	$(PY) -m pytest -q -m slow
+
+docs: install  ## the documentation site (docs/, mkdocs.yml) at http://127.0.0.1:8000, rebuilt on every save
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
 
 GPU_WHEELS = pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
 gpu-pack: install  ## .gpu/: what bench/gpu_run.sh needs on a bare GPU Python without network (wheels for CPython 3.12, tokenizer, tiny model)

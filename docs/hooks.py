@@ -180,6 +180,20 @@ def _section_table(model: type, root: str, path: str) -> str:
     return "\n".join(rows)
 
 
+def _rules(sections: list[tuple[str, type]]) -> str:
+    """What holds for every field, read from the models' configuration."""
+    configs = [m.model_config for _, m in sections]
+    rules = []
+    if all(c.get("extra") == "forbid" for c in configs):
+        rules.append("An unknown key in any section is an error.")
+    limits = {c.get("str_max_length") for c in configs}
+    if len(limits) == 1 and (limit := limits.pop()):
+        rules.append(f"Every string is at most {limit} characters.")
+    if all(hasattr(m, "_no_control_characters") for _, m in sections):  # opentinker.core.spec.Section's check
+        rules.append("No string holds a control character.")
+    return " ".join(rules) or "Unknown keys are errors where the section says so."
+
+
 def gen_spec(target: str, level: str = "3") -> str:
     root, _, want = target.partition(".")
     models = _spec_models()
@@ -197,6 +211,8 @@ def gen_spec(target: str, level: str = "3") -> str:
         parts.append(f"{hashes} {title} {{#{_anchor(root, path)}}}")
         if doc := _doc(model):
             parts.append(doc)
+        if not path:
+            parts.append(_rules(sections))
         parts.append(_section_table(model, root, path))
     return "\n\n".join(parts)
 

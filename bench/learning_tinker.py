@@ -28,7 +28,7 @@ temperature-1 logprobs of each completion (`compute_logprobs`, as the cookbook's
 suggests), so the ratio is 1 and the update is the temperature-1 policy gradient on samples drawn
 at 0.7: off-policy by the temperature, stated, not corrected. `--temperature`/`--lr` override the spec.
 
-    python bench/learning_tinker.py --recompute-logprobs   # the README's run
+    python bench/learning_tinker.py --recompute-logprobs   # the run the docs quote
     python bench/learning_tinker.py [--model smollm2-135m-instruct] [--steps 25] [--every 5] [--loss importance_sampling|ppo] [--eval-n 64] [--temperature T] [--lr LR]
 writes bench/results/learning_tinker.json and bench/results/learning_tinker.md (beside the
 native curve of bench/results/learning_math.json when it is there)

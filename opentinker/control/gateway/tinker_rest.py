@@ -204,7 +204,7 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
     def not_offered(what: str):
         def route(name: str = Depends(tenant)) -> None:
             raise bad(f"{what} is not offered by this server (checkpoints stay in your own storage; "
-                       "see the README, 'Tinker code on OpenTinker')")
+                       "see docs/tinker.md, 'Tinker API')")
         return route
 
     for method, route_path, what in (("POST", "/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish", "publishing a checkpoint"),

@@ -269,7 +269,7 @@ def test_samplers_of_several_adapters_share_a_batch_and_each_gets_what_it_gets_a
     params = SamplingParams(max_new_tokens=5, greedy=True)
     alone = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name).result() for name, prompt in asks.items()}
     assert engine.mixed == 0
-    with sb.model_lock:  # the engine takes the first request and waits for the model; the others queue behind it
+    with engine._model_lock:  # the engine takes the first request and waits for the model; the others queue behind it
         first = engine.generate([[1, 2]], [2], params)
         time.sleep(0.3)
         together = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name) for name, prompt in asks.items()}

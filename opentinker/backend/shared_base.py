@@ -97,7 +97,6 @@ class SharedBase:
         self.vocab_size = int(self.lm.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.stats = PassStats()
-        self.model_lock = threading.Lock()  # one computation on the model at a time: training passes, sampling batches
         self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
         self._runner.start()
@@ -181,8 +180,7 @@ class SharedBase:
         saved = {c.adapter: [None if p.grad is None else p.grad.clone() for p in self.multi[c.adapter].parameters()]
                  for c in calls if not c.forward_only}
         try:
-            with self.model_lock:
-                results = self._pass(calls)
+            results = self._pass(calls)
         except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
             if len(calls) == 1:
                 calls[0].future.set_exception(err)
@@ -207,49 +205,46 @@ class SharedBase:
             yield
 
     def _pass(self, calls: list[_Call]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
-        """One pass over every call's rows, each row through its call's adapter."""
+        """One pass over every call's rows, each row through its call's adapter. The model stays in
+        eval mode (no dropout: LoRA dropout 0, as Tinker's), so sampling may run beside a pass."""
         forward_only = calls[0].forward_only
         items = [(c, i) for c, call in enumerate(calls) for i in range(len(call.rows))]
         outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in call.rows] for call in calls]
         sums: list[dict[str, float]] = [{} for _ in calls]
         tokens = [0.0] * len(calls)
-        self.lm.train(not forward_only)
-        try:
-            for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items]):
-                members = [items[k] for k in batch]
-                names = [calls[c].adapter for c, _ in members]
-                inputs, mask = padded([calls[c].rows[i] for c, i in members], self.placement.device)
-                owner = torch.tensor([c for c, _ in members], device=mask.device)
-                active = torch.zeros_like(mask, dtype=torch.bool)
-                for c, call in enumerate(calls):
-                    mine = owner == c
-                    if bool(mine.any()):
-                        active[mine] = graded_positions({k: v[mine] for k, v in inputs.items()}, mask[mine], call.loss_fn,
-                                                        call.config, forward_only)
-                with self.multi.rows(names), torch.set_grad_enabled(not forward_only), self.placement.autocast():
-                    hidden = hidden_states(self.lm, inputs["tokens"], None if bool(mask.all()) else mask.long())
-                lp = target_logprobs(self.lm.get_output_embeddings(), hidden, inputs["target_tokens"], mask, active, forward_only,
-                                     self.placement, head_rows=lambda where: self._per_position(names, where))
-                losses = []
-                for c, call in enumerate(calls):
-                    mine = (owner == c).nonzero()[:, 0]
-                    if len(mine) == 0:
-                        continue
-                    part = {k: v[mine] for k, v in inputs.items()}
-                    with torch.set_grad_enabled(not forward_only):
-                        out = primitive_loss(call.loss_fn, lp[mine], part, mask[mine], call.config)
-                    if not forward_only and out.loss.requires_grad:
-                        losses.append(out.loss)
-                    n_tokens = float(mask[mine].sum())
-                    tokens[c] += n_tokens
-                    add_metrics(sums[c], out.metrics, n_tokens)
-                if losses:
-                    torch.stack(losses).sum().backward()
-                values = lp.detach().cpu().numpy()
-                for r, (c, i) in enumerate(members):
-                    outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
-        finally:
-            self.lm.eval()
+        for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items]):
+            members = [items[k] for k in batch]
+            names = [calls[c].adapter for c, _ in members]
+            inputs, mask = padded([calls[c].rows[i] for c, i in members], self.placement.device)
+            owner = torch.tensor([c for c, _ in members], device=mask.device)
+            active = torch.zeros_like(mask, dtype=torch.bool)
+            for c, call in enumerate(calls):
+                mine = owner == c
+                if bool(mine.any()):
+                    active[mine] = graded_positions({k: v[mine] for k, v in inputs.items()}, mask[mine], call.loss_fn,
+                                                    call.config, forward_only)
+            with self.multi.rows(names), torch.set_grad_enabled(not forward_only), self.placement.autocast():
+                hidden = hidden_states(self.lm, inputs["tokens"], None if bool(mask.all()) else mask.long())
+            lp = target_logprobs(self.lm.get_output_embeddings(), hidden, inputs["target_tokens"], mask, active, forward_only,
+                                 self.placement, head_rows=lambda where: self._per_position(names, where))
+            losses = []
+            for c, call in enumerate(calls):
+                mine = (owner == c).nonzero()[:, 0]
+                if len(mine) == 0:
+                    continue
+                part = {k: v[mine] for k, v in inputs.items()}
+                with torch.set_grad_enabled(not forward_only):
+                    out = primitive_loss(call.loss_fn, lp[mine], part, mask[mine], call.config)
+                if not forward_only and out.loss.requires_grad:
+                    losses.append(out.loss)
+                n_tokens = float(mask[mine].sum())
+                tokens[c] += n_tokens
+                add_metrics(sums[c], out.metrics, n_tokens)
+            if losses:
+                torch.stack(losses).sum().backward()
+            values = lp.detach().cpu().numpy()
+            for r, (c, i) in enumerate(members):
+                outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
         return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
 
 

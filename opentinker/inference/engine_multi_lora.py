@@ -6,8 +6,8 @@ adapter of that base, registered under the sampler's id from its peft folder (a 
 training client's later steps do not change it). Requests of different adapters that share
 their sampling parameters run as one batch in which each row goes through its own adapter (the
 rows follow their adapters as finished rows leave the batch); a request with a seed runs alone,
-as on any engine, so its samples do not depend on what else was asked. Training passes and
-sampling batches take turns on the model (the base's `model_lock`).
+as on any engine, so its samples do not depend on what else was asked. Sampling batches run
+beside training passes (the model stays in eval mode; adapters are fixed per pass and batch).
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ class MultiLoraEngine(HFEngine):
             raise ValueError(f"adapter {name!r} is loaded already")
         if not (folder.is_absolute() and (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
             raise ValueError(f"{path}: not a LoRA adapter folder (an absolute path holding adapter_config.json and adapter_model.safetensors)")
-        with self.shared.model_lock:  # not while a batch runs
+        with self._model_lock:  # not while a batch runs
             self.shared.multi.load(name, folder)
         self.adapters[name] = str(folder)
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise KeyError(name)
-        with self.shared.model_lock:  # a batch that holds it finishes first
+        with self._model_lock:  # a batch that holds it finishes first
             self.shared.multi.remove(name)
         del self.adapters[name]
 
@@ -54,10 +54,6 @@ class MultiLoraEngine(HFEngine):
         if name is not None and name not in self.adapters:
             raise KeyError(name)
         return self.shared.multi.rows([name])
-
-    def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        with self.shared.model_lock:
-            return super().score_prompt(prompt, adapter, top_k)
 
     def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
         """The oldest request and every later one with its sampling parameters and stop rule, whatever its adapter."""
@@ -85,7 +81,7 @@ class MultiLoraEngine(HFEngine):
             unknown = sorted({n for n in names if n is not None and n not in self.adapters})
             if unknown:
                 raise KeyError(f"unknown adapters: {unknown}")
-            with self.shared.model_lock:
+            with self._model_lock:
                 if batch[0].seed is not None:
                     torch.manual_seed(batch[0].seed)
                 completions = self.rollout.generate(prompts, params, budgets, stop_rule=batch[0].stop_rule, adapters=names)

@@ -5,8 +5,8 @@ Why: a LoRA tenant needs its adapter and its optimizer state, not a copy of the 
 `SharedAdapter`s, each a drop-in for a training client's `PrimitiveModel` (same calls, same
 checkpoint files), with its own weights, AdamW state, step count and seed.
 
-Batching: `forward_backward` calls of different adapters that arrive together (a short window
-after the first) run as one pass: their rows form one batch in which each row goes through its
+Batching: `forward_backward` calls of different adapters that arrive together (within GATHER_S of
+the first, a window kept only while several tenants are attached) run as one pass: their rows form one batch in which each row goes through its
 own adapter (segmented LoRA matmuls, the unembedding's LoRA included), each call's loss is its
 own loss function on its own rows, and one backward of their sum gives every adapter exactly the
 gradient of its own loss (an adapter only touches its own rows). Calls of one adapter never share
@@ -56,7 +56,7 @@ from opentinker.backend.primitives import (
 from opentinker.model.vision import hidden_states
 
 log = logging.getLogger(__name__)
-GATHER_S = 0.005  # after the first call of a pass, how long others may join it
+GATHER_S = 0.05  # after the first call of a pass, how long other tenants' calls may join it (only while there are others)
 
 
 @dataclass
@@ -97,6 +97,7 @@ class SharedBase:
         self.vocab_size = int(self.lm.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.stats = PassStats()
+        self.tenants: set[str] = set()  # the training adapters attached
         self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
         self._runner.start()
@@ -114,7 +115,9 @@ class SharedBase:
                                  f"AdamW moments); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
                                  f"left of {self.memory_bytes / mib:.0f} MiB (the base {base / mib:.0f} MiB, {len(self.multi.adapters)} "
                                  f"adapter(s) {held / mib:.0f} MiB): a smaller rank, or when another session has ended")
-        return SharedAdapter(self, name, shape)
+        adapter = SharedAdapter(self, name, shape)
+        self.tenants.add(name)
+        return adapter
 
     def training_bytes(self, shape: LoraShape) -> int:
         """An adapter's weights, gradients and two AdamW moments, float32: r (in + out) per target linear, four times."""
@@ -122,6 +125,7 @@ class SharedBase:
         return 16 * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features) for p in paths)
 
     def detach(self, name: str) -> None:
+        self.tenants.discard(name)
         if name in self.multi:
             self.multi.remove(name)
 
@@ -142,7 +146,7 @@ class SharedBase:
                 return
             pending = [first, *waiting]
             waiting = []
-            if self.gather_s:
+            if self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
                 time.sleep(self.gather_s)
             while True:
                 try:

@@ -242,6 +242,7 @@ class HFEngine:
                 if item is None:
                     return
                 pending.append(item)
+                self._gather()
             while True:
                 try:
                     item = self._queue.get_nowait()
@@ -255,6 +256,9 @@ class HFEngine:
             self._run(batch)
             if stopping and not pending:
                 return
+
+    def _gather(self) -> None:
+        """After a request found the engine idle: a moment for others to join its batch (none here)."""
 
     def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
         """The oldest request and every later one that shares its sampling parameters (up to the batch size)."""

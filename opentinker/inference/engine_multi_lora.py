@@ -4,7 +4,8 @@ An HFEngine (same queue, same batching thread, same calls) whose model is a Shar
 (opentinker.backend.shared_base): no second copy of the base for sampling. A sampler is a LoRA
 adapter of that base, registered under the sampler's id from its peft folder (a snapshot: the
 training client's later steps do not change it). Requests of different adapters that share
-their sampling parameters run as one batch in which each row goes through its own adapter (the
+their sampling parameters (arriving within `gather_s` of the first, while several samplers are
+loaded) run as one batch in which each row goes through its own adapter (the
 rows follow their adapters as finished rows leave the batch); a request with a seed runs alone,
 as on any engine, so its samples do not depend on what else was asked. Sampling batches run
 beside training passes (the model stays in eval mode; adapters are fixed per pass and batch).
@@ -12,6 +13,7 @@ beside training passes (the model stays in eval mode; adapters are fixed per pas
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,10 @@ from opentinker.inference.engine_hf import HFEngine, _Batchable
 class MultiLoraEngine(HFEngine):
     kind = "hf-multi-lora"
 
-    def __init__(self, shared: SharedBase, max_batch_size: int = 32):
+    def __init__(self, shared: SharedBase, max_batch_size: int = 32, gather_s: float = 0.05):
         super().__init__(shared.lm, shared.tokenizer, {"base_model": shared.base_name}, max_batch_size=max_batch_size,
                          placement=shared.placement, prefix_cache_tokens=0)
-        self.shared = shared
+        self.shared, self.gather_s = shared, gather_s
         self.adapters = {}
         self.rollout.row_scope = shared.multi.rows
         self.batches = 0  # batches run, and how many held two adapters or more
@@ -54,6 +56,11 @@ class MultiLoraEngine(HFEngine):
         if name is not None and name not in self.adapters:
             raise KeyError(name)
         return self.shared.multi.rows([name])
+
+    def _gather(self) -> None:
+        """With several samplers loaded, wait `gather_s` for other adapters' requests to join the batch."""
+        if self.gather_s and len(self.adapters) > 1:
+            time.sleep(self.gather_s)
 
     def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
         """The oldest request and every later one with its sampling parameters and stop rule, whatever its adapter."""

@@ -158,7 +158,7 @@ class MultiLora:
         targets = tuple(target_modules or DEFAULT_TARGETS)
         gen = torch.Generator().manual_seed(seed)
         weights = {}
-        for path in self._paths(targets):
+        for path in self.target_paths(targets):
             base = self.linears[path]
             a = torch.empty(r, base.in_features)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
@@ -174,7 +174,7 @@ class MultiLora:
     def __contains__(self, name: str) -> bool:
         return name in self.adapters
 
-    def _paths(self, targets: Sequence[str]) -> list[str]:
+    def target_paths(self, targets: Sequence[str]) -> list[str]:
         paths = [p for p in self.linears if p.rsplit(".", 1)[-1] in targets]
         missing = set(targets) - {p.rsplit(".", 1)[-1] for p in paths}
         if missing:

@@ -121,7 +121,7 @@ class SharedBase:
 
     def training_bytes(self, shape: LoraShape) -> int:
         """An adapter's weights, gradients and two AdamW moments, float32: r (in + out) per target linear, four times."""
-        paths = self.multi._paths(tuple(shape.spec().target_modules))
+        paths = self.multi.target_paths(tuple(shape.spec().target_modules))
         return 16 * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features) for p in paths)
 
     def detach(self, name: str) -> None:

@@ -38,7 +38,8 @@ class ContextLengthError(ValueError):
 
 
 @dataclass
-class _Batchable:
+class Request:
+    """One generate call waiting for a batch: its prompts, budgets, parameters and the future its completions go to."""
     prompts: list[list[int]]
     budgets: list[int]
     params: SamplingParams
@@ -69,7 +70,7 @@ class HFEngine:
             raise ModelLoadError("the model states no context length: pass max_model_len")
         self.context_length = int(min(lengths))
         self.max_batch_size = max_batch_size
-        self._queue: queue.Queue[_Batchable | None] = queue.Queue()
+        self._queue: queue.Queue[Request | None] = queue.Queue()
         self._model_lock = threading.Lock()  # adapters change only between batches
         self._worker = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
         self._worker.start()
@@ -211,7 +212,7 @@ class HFEngine:
         `images[i]`: prompt i's VisualInputs (a VLM); `stop_rule(tokens) -> bool` ends a completion
         in place of the end-of-turn tokens (requests batch together only with an equal rule)."""
         future: Future = Future()
-        self._queue.put(_Batchable(prompts, budgets, params, seed, future, adapter, images, stop_rule))
+        self._queue.put(Request(prompts, budgets, params, seed, future, adapter, images, stop_rule))
         return future
 
     def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
@@ -234,7 +235,7 @@ class HFEngine:
         return [float("nan")] + chosen, top
 
     def _loop(self) -> None:
-        pending: list[_Batchable] = []
+        pending: list[Request] = []
         stopping = False
         while True:
             if not pending:
@@ -260,7 +261,7 @@ class HFEngine:
     def _gather(self) -> None:
         """After a request found the engine idle: a moment for others to join its batch (none here)."""
 
-    def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
+    def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
         """The oldest request and every later one that shares its sampling parameters (up to the batch size)."""
         first = pending[0]
         batch, rest, size = [first], [], len(first.prompts)
@@ -274,7 +275,7 @@ class HFEngine:
                 rest.append(item)
         return batch, rest
 
-    def _run(self, batch: list[_Batchable]) -> None:
+    def _run(self, batch: list[Request]) -> None:
         import torch
 
         prompts = [p for item in batch for p in item.prompts]

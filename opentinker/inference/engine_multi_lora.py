@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.backend.shared_base import SharedBase
-from opentinker.inference.engine_hf import HFEngine, _Batchable
+from opentinker.inference.engine_hf import HFEngine, Request
 
 
 class MultiLoraEngine(HFEngine):
@@ -62,7 +62,7 @@ class MultiLoraEngine(HFEngine):
         if self.gather_s and len(self.adapters) > 1:
             time.sleep(self.gather_s)
 
-    def _take_batch(self, pending: list[_Batchable]) -> tuple[list[_Batchable], list[_Batchable]]:
+    def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
         """The oldest request and every later one with its sampling parameters and stop rule, whatever its adapter."""
         first = pending[0]
         batch, rest, size = [first], [], len(first.prompts)
@@ -75,7 +75,7 @@ class MultiLoraEngine(HFEngine):
                 rest.append(item)
         return batch, rest
 
-    def _run(self, batch: list[_Batchable]) -> None:
+    def _run(self, batch: list[Request]) -> None:
         from dataclasses import replace
 
         import torch

@@ -200,7 +200,80 @@ def target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.
     return lp
 
 
-class PrimitiveModel:
+class LoraTrainer:
+    """What a training client's model does beyond its forward-backward, for a base of its own
+    (PrimitiveModel) and a shared one (shared_base.SharedAdapter): AdamW steps over `params`, and
+    the checkpoint files, from `trainable_state()` (peft's parameter names, in `params` order) and
+    `adapter_files()` (the peft folder)."""
+
+    params: list[torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    shape: LoraShape
+    lora: LoraSpec
+    base_name: str
+    steps: int
+    pending_tokens: int
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def adapter_files(self) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Nothing to give back (a shared base's adapter leaves its base here)."""
+
+    def _fresh_optimizer(self) -> torch.optim.AdamW:
+        p = AdamParams()
+        return torch.optim.AdamW(self.params, lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """One AdamW step with `adam` exactly as sent, then the gradients are cleared."""
+        try:
+            norm = adam_step(self.optimizer, self.params, adam)
+        except BadRequest:
+            self.pending_tokens = 0
+            raise
+        self.steps += 1
+        tokens, self.pending_tokens = self.pending_tokens, 0
+        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}
+
+    def state_files(self, with_optimizer: bool) -> dict[str, Any]:
+        """What a checkpoint of this model holds: the trainable weights, the peft adapter folder
+        (`adapter/…`, what `PeftModel.from_pretrained` and vLLM read), the optimizer's state when
+        asked."""
+        from safetensors.torch import save as save_safetensors
+
+        files = {"weights.safetensors": save_safetensors({k: v.contiguous() for k, v in self.trainable_state().items()}),
+                 **self.adapter_files()}
+        if with_optimizer:
+            buf = io.BytesIO()
+            torch.save(self.optimizer.state_dict(), buf)
+            files["optimizer.pt"] = buf.getvalue()
+        return files
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, steps: int) -> None:
+        """Weights (and the optimizer's moments when given, else a fresh optimizer) of a checkpoint."""
+        names = list(self.trainable_state())
+        if set(weights) != set(names):
+            raise BadRequest(f"the checkpoint's weights do not fit this model ({len(set(weights) ^ set(names))} tensors differ)")
+        with torch.no_grad():
+            for name, param in zip(names, self.params):
+                param.copy_(weights[name])
+        self.optimizer = self._fresh_optimizer()
+        if optimizer_state is not None:
+            self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_tokens = 0
+        self.steps = steps
+
+    def policy_info(self) -> dict[str, Any]:
+        """policy.json: what the weights apply to (so `opentinker serve` and the registry take them)."""
+        return {"base_model": self.base_name, "dtype": "float32", "adapter": self.lora.model_dump(mode="json"), "init_from": None,
+                "tinker": asdict(self.shape)}
+
+
+class PrimitiveModel(LoraTrainer):
     """One training client's model and optimizer. `steps`: optimizer steps taken."""
 
     def __init__(self, base, tokenizer, base_name: str, shape: LoraShape, placement: Placement | None = None):
@@ -224,11 +297,6 @@ class PrimitiveModel:
         self.pending_tokens = 0  # trained tokens since the last optimizer step
         self.arch = type(self.model.get_base_model()).__name__
 
-    def _fresh_optimizer(self) -> torch.optim.AdamW:
-        p = AdamParams()
-        return torch.optim.AdamW(self.params, lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-
-    # -- forward / backward -------------------------------------------------------------------
     def _check(self, data: list[Any], loss_fn: str) -> list[dict[str, torch.Tensor]]:
         return checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
 
@@ -272,58 +340,12 @@ class PrimitiveModel:
             self.pending_tokens += int(tokens_total)
         return outputs, averaged(sums, tokens_total)
 
-    def close(self) -> None:
-        """Nothing to give back (a shared base's adapter leaves its base here)."""
-
-    # -- optimizer -------------------------------------------------------------------------
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """One AdamW step with `adam` exactly as sent, then the gradients are cleared."""
-        try:
-            norm = adam_step(self.optimizer, self.params, adam)
-        except BadRequest:
-            self.pending_tokens = 0
-            raise
-        self.steps += 1
-        tokens, self.pending_tokens = self.pending_tokens, 0
-        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}
-
     # -- state -----------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def state_files(self, with_optimizer: bool) -> dict[str, Any]:
-        """What a checkpoint of this model holds: the trainable weights, the peft adapter folder
-        (`adapter/…`, what `PeftModel.from_pretrained` and vLLM read), the optimizer's state when
-        asked, and the step count."""
-        from safetensors.torch import save as save_safetensors
-
-        files = {"weights.safetensors": save_safetensors({k: v.contiguous() for k, v in self.trainable_state().items()}),
-                 **adapter_files(self.model, save_embedding_layers=False)}  # a LoRA on a tied lm_head leaves the embedding as it was
-        if with_optimizer:
-            buf = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buf)
-            files["optimizer.pt"] = buf.getvalue()
-        return files
-
-    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, steps: int) -> None:
-        """Weights (and the optimizer's moments when given, else a fresh optimizer) of a checkpoint."""
-        named = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        if set(weights) != set(named):
-            raise BadRequest(f"the checkpoint's weights do not fit this model ({len(set(weights) ^ set(named))} tensors differ)")
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                named[name].copy_(tensor)
-        self.optimizer = self._fresh_optimizer()
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.pending_tokens = 0
-        self.steps = steps
-
-    def policy_info(self) -> dict[str, Any]:
-        """policy.json: what the weights apply to (so `opentinker serve` and the registry take them)."""
-        return {"base_model": self.base_name, "dtype": "float32", "adapter": self.lora.model_dump(mode="json"), "init_from": None,
-                "tinker": asdict(self.shape)}
+    def adapter_files(self) -> dict[str, bytes]:
+        return adapter_files(self.model, save_embedding_layers=False)  # a LoRA on a tied lm_head leaves the embedding as it was
 
 
 def shape_from_policy(info: dict[str, Any]) -> LoraShape:

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -41,10 +41,9 @@ from opentinker.backend.primitives import (
     LORA_ALPHA,
     MLP,
     UNEMBED,
-    AdamParams,
     BadRequest,
     LoraShape,
-    adam_step,
+    LoraTrainer,
     add_metrics,
     averaged,
     checked_rows,
@@ -252,7 +251,7 @@ class SharedBase:
         return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
 
 
-class SharedAdapter:
+class SharedAdapter(LoraTrainer):
     """One training client's LoRA on a SharedBase: the calls and checkpoint files of a PrimitiveModel."""
 
     def __init__(self, shared: SharedBase, name: str, shape: LoraShape):
@@ -268,10 +267,6 @@ class SharedAdapter:
         self.steps = 0
         self.pending_tokens = 0
 
-    def _fresh_optimizer(self) -> torch.optim.AdamW:
-        p = AdamParams()
-        return torch.optim.AdamW(self.params, lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-
     def close(self) -> None:
         self.shared.detach(self.name)
 
@@ -284,46 +279,9 @@ class SharedAdapter:
             self.pending_tokens += sum(len(r["tokens"]) for r in rows)
         return outputs, metrics
 
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        try:
-            norm = adam_step(self.optimizer, self.params, adam)
-        except BadRequest:
-            self.pending_tokens = 0
-            raise
-        self.steps += 1
-        tokens, self.pending_tokens = self.pending_tokens, 0
-        return {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate, "tokens:sum": float(tokens)}
-
     # -- state: the files a PrimitiveModel writes and reads -----------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return self.shared.multi.peft_state(self.name, adapter_name="default")
 
-    def state_files(self, with_optimizer: bool) -> dict[str, Any]:
-        import io
-
-        from safetensors.torch import save as save_safetensors
-
-        files = {"weights.safetensors": save_safetensors(self.trainable_state()), **self.shared.multi.adapter_files(self.name)}
-        if with_optimizer:
-            buf = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buf)
-            files["optimizer.pt"] = buf.getvalue()
-        return files
-
-    def load_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any] | None, steps: int) -> None:
-        names = list(self.trainable_state())
-        if set(weights) != set(names):
-            raise BadRequest(f"the checkpoint's weights do not fit this model ({len(set(weights) ^ set(names))} tensors differ)")
-        with torch.no_grad():
-            for name, param in zip(names, self.params):
-                param.copy_(weights[name])
-        self.optimizer = self._fresh_optimizer()
-        if optimizer_state is not None:
-            self.optimizer.load_state_dict(optimizer_state)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.pending_tokens = 0
-        self.steps = steps
-
-    def policy_info(self) -> dict[str, Any]:
-        return {"base_model": self.base_name, "dtype": "float32", "adapter": self.lora.model_dump(mode="json"), "init_from": None,
-                "tinker": asdict(self.shape)}
+    def adapter_files(self) -> dict[str, bytes]:
+        return self.shared.multi.adapter_files(self.name)

@@ -261,14 +261,17 @@ class HFEngine:
     def _gather(self) -> None:
         """After a request found the engine idle: a moment for others to join its batch (none here)."""
 
+    def _joins(self, first: Request, item: Request) -> bool:
+        """Whether `item` may run in `first`'s batch: the same parameters, adapter and stop rule."""
+        return item.params == first.params and item.adapter == first.adapter and item.stop_rule == first.stop_rule
+
     def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
         """The oldest request and every later one that shares its sampling parameters (up to the batch size)."""
         first = pending[0]
         batch, rest, size = [first], [], len(first.prompts)
         for item in pending[1:]:
             fits = size + len(item.prompts) <= self.max_batch_size
-            same = item.params == first.params and item.adapter == first.adapter and item.stop_rule == first.stop_rule
-            if first.seed is None and item.seed is None and same and fits:
+            if first.seed is None and item.seed is None and self._joins(first, item) and fits:
                 batch.append(item)
                 size += len(item.prompts)
             else:

@@ -62,18 +62,9 @@ class MultiLoraEngine(HFEngine):
         if self.gather_s and len(self.adapters) > 1:
             time.sleep(self.gather_s)
 
-    def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
-        """The oldest request and every later one with its sampling parameters and stop rule, whatever its adapter."""
-        first = pending[0]
-        batch, rest, size = [first], [], len(first.prompts)
-        for item in pending[1:]:
-            same = item.params == first.params and item.stop_rule == first.stop_rule and not item.images
-            if first.seed is None and item.seed is None and same and size + len(item.prompts) <= self.max_batch_size:
-                batch.append(item)
-                size += len(item.prompts)
-            else:
-                rest.append(item)
-        return batch, rest
+    def _joins(self, first: Request, item: Request) -> bool:
+        """Any adapter joins: the same sampling parameters and stop rule (and no images) suffice."""
+        return item.params == first.params and item.stop_rule == first.stop_rule and not item.images
 
     def _run(self, batch: list[Request]) -> None:
         from dataclasses import replace

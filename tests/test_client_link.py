@@ -217,6 +217,36 @@ def test_a_job_waits_for_a_gateway_that_does_not_answer_as_for_a_client_that_wen
     assert 2 <= time.monotonic() - started < 3  # it waited, as for a client, and no longer
 
 
+def test_a_gateway_that_drops_the_handshake_reads_as_unreachable_and_is_retried():
+    """A port that accepts and closes at once (a gateway still starting; once in CI the link's
+    reader thread died of this ConnectionClosedError and the job waited for a client that never
+    came back) is a ConnectionError, which reopening retries."""
+    import socket
+
+    from opentinker.client.link import EnvironmentLink
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def drop() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    link = EnvironmentLink(f"http://127.0.0.1:{server.getsockname()[1]}", "otk_key", "acme-job", object)
+    try:
+        for _ in range(5):  # whichever moment of the handshake the close hits
+            with pytest.raises(ConnectionError, match=r"^cannot reach the gateway at ws://127\.0\.0\.1:\d+/v1/jobs/acme-job/link: "):
+                link._connect()
+    finally:
+        server.close()
+
+
 def test_a_fit_rides_out_a_gateway_restart_and_keeps_its_link_until_taken_over(service, tmp_path):
     """One job, three clients: the first's fit() outlives a SIGKILLed gateway (its link reopens,
     the job waits for it), a second fit() is refused in one line, a third takes over and the first

@@ -66,7 +66,7 @@ class EnvironmentLink:
         return self
 
     def _connect(self, takeover: bool = False) -> Any:
-        from websockets.exceptions import InvalidHandshake, InvalidStatus
+        from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
         from websockets.sync.client import connect
 
         try:
@@ -81,8 +81,8 @@ class EnvironmentLink:
             except (ValueError, KeyError, TypeError):
                 detail = f"HTTP {status}"
             raise LinkRefused(f"the gateway refused the environment link of job {self.job_id}: {detail}") from None
-        except (OSError, InvalidHandshake) as err:  # unreachable, or gone in the middle of the handshake
-            raise ConnectionError(f"cannot reach the gateway at {self.url.split('?')[0]}: {err}") from None
+        except (OSError, InvalidHandshake, ConnectionClosed) as err:  # unreachable, or gone (or still starting) mid-handshake
+            raise ConnectionError(f"cannot reach the gateway at {self.url.split('?')[0]}: {type(err).__name__}: {err}") from None
 
     @property
     def alive(self) -> bool:
@@ -112,7 +112,8 @@ class EnvironmentLink:
             log.warning("environment link of job %s dropped; reopening it", self.job_id)
             try:
                 socket = self._reopen()
-            except (LinkRefused, ConnectionError) as err:
+            except Exception as err:  # noqa: BLE001 - refused, unreachable past the timeout, or anything else: fit() is told
+                log.warning("environment link of job %s not reopened", self.job_id, exc_info=not isinstance(err, (LinkRefused, ConnectionError)))
                 self.lost = (f"the environment link of job {self.job_id} could not be reopened ({err}); the job waits "
                              "env.link_timeout_s for a client: fit() again")
                 return

@@ -236,13 +236,13 @@ def test_through_the_stack_resume_skips_each_tampered_folder_names_it_and_mlflow
     settings, _ = tenants
     alice, bob = _client(tenants, "ckalice"), _client(tenants, "ckbob")
     job_id = alice.submit_job(_gateway_spec(tmp_path, 5))["job_id"]
+    bobs = _bobs_checkpoint(settings, tmp_path).removeprefix("file://")  # made while alice's job runs
     assert alice.wait(job_id, timeout=600, poll=1)["state"] == "COMPLETED"
     root = settings.state_dir / "storage" / "tenants" / "ckalice" / job_id
     url = f"{settings.storage_url}/tenants/ckalice/{job_id}"
     assert settings.storage_url == f"file://{settings.state_dir / 'storage'}"
 
     # the attacks, as a user with write access to the storage would make them
-    bobs = _bobs_checkpoint(settings, tmp_path).removeprefix("file://")
     shutil.rmtree(root / "step-00000005")
     shutil.copytree(bobs, root / "step-00000005")  # another tenant's step folder over this job's latest
     weights = root / "step-00000004" / "weights.safetensors"

@@ -86,24 +86,35 @@ def test_an_unhealthy_evaluation_never_promotes():
 # --- followers outlive blips --------------------------------------------------------------------------
 
 def test_train_reports_the_real_end_state_across_a_prefect_restart(stack, stack_env, tmp_path):
-    """`opentinker train` follows a job; the Prefect server is killed and started again mid-job:
-    the follower says it is reconnecting, and reports the job's real end (COMPLETED, exit 0)."""
+    """`opentinker train` follows a job; the Prefect server is killed mid-job, kept down until the
+    follower says it is reconnecting, and started again: the follower reports the job's real end
+    (COMPLETED, exit 0)."""
+    import threading
+
     from opentinker.control.stack import Stack
 
     settings, env = stack_env
     spec_path = tmp_path / "job.yaml"
-    spec_path.write_text(yaml.safe_dump(tiny_spec(tmp_path, optimization={"steps": 12}, checkpoint={"every": 1}).model_dump(mode="json")))
+    spec_path.write_text(yaml.safe_dump(tiny_spec(tmp_path, optimization={"steps": 6}, checkpoint={"every": 1}).model_dump(mode="json")))
     train = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "train", str(spec_path), "--job-id", "blip"], cwd=ROOT,
-                             env=os.environ | env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env=os.environ | env | {"PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(train.stdout), daemon=True)  # its output as it comes
+    reader.start()
     services, stack_status = Stack(settings), stack[1]
     deadline = time.monotonic() + 300
     while "RUNNING" not in _job_state("blip", settings) and time.monotonic() < deadline:
         assert train.poll() is None
-        time.sleep(1)
+        time.sleep(0.5)
     os.kill(services.pid("prefect"), signal.SIGKILL)
-    time.sleep(8)
+    deadline = time.monotonic() + 60
+    while not any("reconnecting" in line for line in lines):  # the follower found it down (it looks every 2 s)
+        assert train.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
     stack_status.update(services.up(timeout=180))  # the session's stack goes on with the new server
-    out, _ = train.communicate(timeout=600)
+    train.wait(timeout=600)
+    reader.join(timeout=30)
+    out = "".join(lines)
     assert train.returncode == 0, out[-3000:]
     assert "reconnecting" in out and "job blip: COMPLETED" in out
     assert "Traceback" not in out

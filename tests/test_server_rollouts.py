@@ -28,7 +28,8 @@ def test_the_math_task_trains_through_the_jobs_own_server(tmp_path):
     spec = parse_spec({
         "model": {"name": "smollm2-135m-instruct"}, "adapter": {"kind": "lora", "r": 16, "alpha": 32},
         "rollout": {"engine": "server", "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 12},
-        "optimization": {"lr": 2e-4, "steps": 2, "micro_batch_size": 16}, "evaluation": {"every": 0, "n_samples": 8},
+        "optimization": {"lr": 2e-4, "steps": 2, "micro_batch_size": 16},
+        "evaluation": {"every": 0, "n_samples": 1},  # evaluate() only puts the adapter on the server; the 8 tasks below compare
         "checkpoint": {"every": 1, "base_url": f"file://{tmp_path}"},
         "env": {"game": "envs.math:MathGame", "config": {"operations": ["+"], "val_size": 8}}, "seed": 0})
     job = RLJob(spec, job_id="via-server", start_server=rollout_server)
@@ -51,7 +52,7 @@ def test_the_math_task_trains_through_the_jobs_own_server(tmp_path):
 
             # Greedy (temperature 0): the server's records are the in-process engine's, token for token.
             tasks = sampler.env.validation_tasks(8)
-            sampler.evaluate(step)  # puts the updated adapter on the server first
+            sampler.evaluate(step)  # puts the updated adapter on the server first (and plays one validation episode)
             via_server = run_episodes(sampler.engine, sampler.chat, [sampler.env.make_game() for _ in tasks], tasks, greedy, sampler.limits)
             in_process = run_episodes(local, sampler.chat, [sampler.env.make_game() for _ in tasks], tasks, greedy, sampler.limits)
             assert [t.token_ids for t in via_server] == [t.token_ids for t in in_process]

@@ -120,7 +120,8 @@ def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3
 
     settings, env = stack_env
     job_id = "s3-killed"
-    steps = 10  # tiny steps take about a second: leave the poller room to kill mid-run on a busy runner
+    steps = 6  # killed within a poll (0.2 s) of step 2's checkpoint; tiny steps take about a second: room to kill mid-run,
+    # and the resumed run still evaluates twice (steps 4 and 6) and prunes to keep_last=3
     spec = _on(s3_url, tmp_path, optimization={"steps": steps}, evaluation={"every": 2, "n_samples": 8}, checkpoint={"every": 1})
     script = ("import sys, json; from opentinker.core.spec import parse_spec; from flows.rl_train import rl_train; "
               f"rl_train(parse_spec(json.loads(sys.argv[1])), job_id={job_id!r})")

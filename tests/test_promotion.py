@@ -146,7 +146,7 @@ def _wait_for_run(flow_name: str, match, deadline_s: float = 420.0):
         for run in runs:
             if match(run.parameters) and run.state and run.state.is_final():
                 return run
-        time.sleep(2)
+        time.sleep(1)
     raise AssertionError(f"no finished {flow_name} run matching within {deadline_s} s")
 
 
@@ -169,7 +169,7 @@ def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env
     register(settings, _as(u_spec, name, "promo-t-1"), u_url)  # champion v1: the untrained policy
     spec = toy_spec(tmp_path, "promo-t-train", name, steps=8)
     flow_run_id = submit_job(spec.model_dump(mode="json"), spec.job_id, settings)
-    final = follow(flow_run_id, spec.job_id, settings, lambda p: None, interval=2.0)
+    final = follow(flow_run_id, spec.job_id, settings, lambda p: None, interval=1.0)
     assert final.state == "COMPLETED", final.message
     assert client.get_registered_model(name).aliases == {"champion": "1", "challenger": "2"}
     assert client.get_model_version(name, "2").tags["prefect_flow_run_id"] == flow_run_id
@@ -206,7 +206,7 @@ def _wait_for_scheduled(deployment_id, deadline_s: float = 180.0) -> list:
                 flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
         if runs:
             return runs
-        time.sleep(2)
+        time.sleep(1)
     return []
 
 

@@ -237,7 +237,7 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
     wait_for(lambda: _active("waiting-cpu-globex") == 1 or None, interval=1, timeout=120, what="globex's job waiting for a slot")
     assert states(globex, [other])[other] == "QUEUED" and _active("waiting-cpu-acme") == 2
 
-    wait_for(lambda: all(acme.job_status(j)["step"] >= 1 for j in running) or None, interval=2, timeout=180, what="a first step")
+    wait_for(lambda: all(acme.job_status(j)["step"] >= 1 for j in running) or None, interval=1, timeout=180, what="a first step")
     acme.cancel_job(running[0])  # frees a slot, and a process: acme's next job starts (Pending while its process loads)
     wait_for(lambda: prefect_state(unstarted[0]) != "SCHEDULED" or None, interval=0.1, timeout=120, what="acme's next job starting")
     assert prefect_state(unstarted[0]) == "PENDING"
@@ -263,7 +263,7 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
         client.cancel_job(job_id)
     for client, job_id in ((acme, running[0]), (acme, running[1]), (globex, other)):
         assert client.wait(job_id, timeout=120, poll=1)["state"] == "CANCELLED"
-    wait_for(lambda: _slots(settings) == 0 or None, interval=2, timeout=90, what="every slot released")
+    wait_for(lambda: _slots(settings) == 0 or None, interval=1, timeout=90, what="every slot released")
     latest = ckpt.latest_checkpoint(f"{settings.storage_url}/tenants/acme", running[0])  # a cancelled job keeps its checkpoints
     assert latest is not None and latest.step >= 1
 

@@ -58,9 +58,10 @@ class Hosted:
     app: Any
     mlflow: tuple[str, str, str] | None
     steps: int = 0
+    run: Any = None  # its MLflow run, opened at its first step
 
 
-class _Router:
+class SessionRouter:
     """ASGI: `/s/<session_id>/<rest>` goes to that session's own app (as `/<rest>`); anything else is 404."""
 
     def __init__(self) -> None:
@@ -95,7 +96,7 @@ class BaseModelWorker:
         self.placement = placement(num_gpus)
         self.bases = SharedBases(self.settings.models_folder, self.placement, memory_bytes=worker_memory_bytes(self.settings, num_gpus))
         self.hosted: dict[str, Hosted] = {}
-        self.router = _Router()
+        self.router = SessionRouter()
         self.lock = threading.Lock()
         self.idle_s, self.empty_since, self.closing = idle_s, time.monotonic(), False
         self.server = serve_in_thread(self.router, self.settings.listen_host, 0, model="base-worker", engine="tinker")
@@ -170,9 +171,8 @@ class BaseModelWorker:
                 return
 
     def _log_steps(self) -> None:
-        from opentinker.tracking.runs import Run, mlflow_client
+        from opentinker.orchestration.tinker_actor import open_run, step_metrics
 
-        runs: dict[str, Any] = {}
         while True:
             session_id, model_id, step, metrics = self.metrics.get()
             hosted = self.hosted.get(session_id)
@@ -182,14 +182,9 @@ class BaseModelWorker:
             if hosted.mlflow is None:
                 continue
             try:
-                if session_id not in runs:
-                    uri, experiment_id, run_id = hosted.mlflow
-                    runs[session_id] = Run(mlflow_client(uri), uri, experiment_id, run_id)
-                n = model_id.rsplit(":", 1)[-1]
-                prefix = "" if n == "0" else f"model{n}/"
+                hosted.run = hosted.run or open_run(hosted.mlflow)
                 shares = [b["batch_share"] for b in self.bases.stats().values()]  # how often calls shared a pass, so far
-                runs[session_id].log_metrics(step, {**{f"{prefix}{k.split(':')[0]}": v for k, v in metrics.items()},
-                                                    "worker/batch_share": sum(shares) / max(1, len(shares))})
+                hosted.run.log_metrics(step, {**step_metrics(model_id, metrics), "worker/batch_share": sum(shares) / max(1, len(shares))})
             except Exception:  # noqa: BLE001 - a lost metric never fails a training call
                 log.warning("could not log step %d of %s to MLflow", step, session_id, exc_info=True)
 
@@ -233,6 +228,7 @@ class OnBaseWorker:
         import ray
 
         ray.get(self.worker.drop.remote(self.session_id), timeout=60)
+        self.worker = None  # off the worker: nothing left for kill()
 
     def kill(self) -> None:
         """The session off the worker, whatever happened (the worker stays for the others)."""

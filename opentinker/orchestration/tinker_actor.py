@@ -8,9 +8,29 @@ metrics go to the session's MLflow run from a background thread (no call waits o
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any
+
+
+log = logging.getLogger("opentinker.tinker")
+
+
+def open_run(mlflow: tuple[str, str, str]) -> Any:
+    """The session's MLflow run, from (tracking URI, experiment id, run id)."""
+    from opentinker.tracking.runs import Run, mlflow_client
+
+    uri, experiment_id, run_id = mlflow
+    return Run(mlflow_client(uri), uri, experiment_id, run_id)
+
+
+def step_metrics(model_id: str, metrics: dict[str, float]) -> dict[str, float]:
+    """A training client's optimizer-step metrics as its session's run holds them: the first
+    client's by their names (`loss`, `grad_norm`), client n's under `model<n>/`."""
+    n = model_id.rsplit(":", 1)[-1]
+    prefix = "" if n == "0" else f"model{n}/"
+    return {f"{prefix}{k.split(':')[0]}": v for k, v in metrics.items()}
 
 
 class TinkerSessionActor:
@@ -41,25 +61,17 @@ class TinkerSessionActor:
             self.session.tick()
 
     def _log_steps(self) -> None:
-        from opentinker.tracking.runs import Run, mlflow_client
-
         run = None
         while True:
             model_id, step, metrics = self.metrics.get()
             self.steps += 1
             if self.mlflow is None:
                 continue
-            if run is None:
-                uri, experiment_id, run_id = self.mlflow
-                run = Run(mlflow_client(uri), uri, experiment_id, run_id)
-            n = model_id.rsplit(":", 1)[-1]
-            prefix = "" if n == "0" else f"model{n}/"
             try:
-                run.log_metrics(step, {f"{prefix}{k.split(':')[0]}": v for k, v in metrics.items()})
+                run = run or open_run(self.mlflow)
+                run.log_metrics(step, step_metrics(model_id, metrics))
             except Exception:  # noqa: BLE001 - a lost metric never fails a training call
-                import logging
-
-                logging.getLogger("opentinker.tinker").warning("could not log step %d to MLflow", step, exc_info=True)
+                log.warning("could not log step %d to MLflow", step, exc_info=True)
 
     def info(self) -> dict[str, Any]:
         import os

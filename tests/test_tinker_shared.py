@@ -85,10 +85,50 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
 def test_a_session_that_ends_takes_only_its_own_adapters_off_the_base(shared):
     clients, sessions = shared
     alice = clients["alice"].create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    alice.save_weights_and_get_sampling_client().result()
     bob_session = [s for s in sessions.live if s.startswith("bob-")]
+    # Alice's adapter and sampler sit on the base bob's session uses: his session still cannot name them.
+    from opentinker.tinker.paths import NotFound
+
+    alices = sessions.live[alice.model_id.split(":")[0]][0]
+    bobs = sessions.live[bob_session[0]][0]
+    for op, body in (("optim_step", {"model_id": alice.model_id, "seq_id": 1, "adam_params": {"learning_rate": 1.0}}),
+                     ("save_weights", {"model_id": alice.model_id, "seq_id": 2, "path": "stolen"})):
+        with pytest.raises(NotFound, match="no model"):
+            bobs.submit(op, body)
+    for sampler_id in alices.samplers.records:
+        with pytest.raises(NotFound, match="no sampler"):
+            bobs.get_sampler(sampler_id)
     before = sessions.bases.adapters()["tiny-random"]
     for session_id in bob_session:
         sessions.end(session_id, "test")
     left = sessions.bases.adapters()["tiny-random"]
     assert left and all(not m.startswith("bob-") for m in left) and set(left) <= set(before)
     assert alice.forward(ALICE, "cross_entropy").result().metrics["loss:sum"] != 0.0
+
+
+def test_a_worker_door_opens_only_to_its_own_sessions_token(tmp_path):
+    """On a base-model worker every session has a door under the worker's server: another
+    session's token is refused (401) at it, a session the worker does not host is a 404 the
+    gateway reads as gone."""
+    from starlette.testclient import TestClient
+
+    from opentinker.orchestration.base_worker import SessionRouter
+    from opentinker.tinker.server import create_app
+    from opentinker.tinker.session import TinkerSession
+
+    router = SessionRouter()
+    for name in ("alice-tk-1", "bob-tk-2"):
+        session = TinkerSession(name, name.split("-")[0], f"file://{tmp_path}/{name}", tmp_path / "models")
+        router.apps[name] = create_app(session, f"token-of-{name}")
+    http = TestClient(router)
+
+    def describe(door: str, token: str):
+        return http.post(f"/s/{door}/direct/describe", json={}, headers={"Authorization": f"Bearer {token}"})
+
+    assert describe("alice-tk-1", "token-of-alice-tk-1").status_code == 200
+    assert describe("alice-tk-1", "token-of-bob-tk-2").status_code == 401  # bob's session token at alice's door
+    assert describe("alice-tk-1", "").status_code == 401
+    gone = describe("carol-tk-3", "token-of-bob-tk-2")
+    assert gone.status_code == 404 and gone.headers["x-opentinker-no-session"] == "1"
+    assert describe("../s/alice-tk-1", "token-of-bob-tk-2").status_code in (401, 404)  # no way round by path

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opentinker.backend.packed_linear import PackedLinear
+
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -97,20 +99,19 @@ class _Rows:
 _ROWS: ContextVar[_Rows | None] = ContextVar("opentinker_multi_lora_rows", default=None)
 
 
-class MultiLoraLinear(nn.Linear):
+class MultiLoraLinear(PackedLinear):
     """A frozen linear plus, per row, the delta of that row's adapter (read from `rows(...)`).
     It takes over the base linear's own weight and bias, so the model's parameter names and
-    state_dict stay those of the base (its checkpoints, weight tying) and it is still an nn.Linear."""
+    state_dict stay those of the base (its checkpoints, weight tying) and it is still an nn.Linear
+    (a PackedLinear: sampling engines on the base multiply with a packed copy, see packed_linear)."""
 
     def __init__(self, base: nn.Linear, path: str, owner: object):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight, self.bias = base.weight, base.bias
+        super().__init__(base)
         self.path = path
         self._owner = owner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.base_output(x)
         rows = _ROWS.get()
         if rows is None or rows.owner is not self._owner:
             return out
@@ -142,7 +143,7 @@ class MultiLora:
         model.requires_grad_(False)
         self.linears: dict[str, MultiLoraLinear] = {}
         for path, module in list(model.named_modules()):
-            if type(module) is nn.Linear and path.rsplit(".", 1)[-1] in targets:
+            if type(module) in (nn.Linear, PackedLinear) and path.rsplit(".", 1)[-1] in targets:
                 parent_path, _, child = path.rpartition(".")
                 wrapper = MultiLoraLinear(module, path, self._owner)
                 setattr(model.get_submodule(parent_path) if parent_path else model, child, wrapper)

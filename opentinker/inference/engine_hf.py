@@ -20,6 +20,7 @@ from typing import Any
 from opentinker.agent import chat_format
 from opentinker.agent.chat import Chunk
 from opentinker.backend.device import Placement, cpu
+from opentinker.backend.packed_linear import pack_linears, repack
 from opentinker.backend.rollout import Completion, HFRolloutEngine, SamplingParams
 
 
@@ -60,6 +61,8 @@ class HFEngine:
                  prefix_cache_tokens: int = 65536):
         self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size, placement=placement,
                                        prefix_cache_tokens=prefix_cache_tokens)
+        if next(model.parameters()).device.type == "cpu":
+            pack_linears(model)  # decode's few-row matmuls ~1.6x as fast on packed weights (opentinker.backend.packed_linear)
         self.chat = chat_format(tokenizer)
         self.tokenizer = tokenizer
         self.info = info or {}
@@ -127,8 +130,7 @@ class HFEngine:
         with self._model_lock:
             model = self.rollout.model
             if self.merged is not None:  # layers take a new adapter unmerged
-                model.unmerge_adapter()
-                self.merged = None
+                self._unmerge()
             if isinstance(model, PeftModel):
                 model.load_adapter(str(folder), adapter_name=name)
             else:
@@ -142,10 +144,14 @@ class HFEngine:
             raise KeyError(name)
         with self._model_lock:
             if self.merged == name:
-                self.rollout.model.unmerge_adapter()
-                self.merged = None
+                self._unmerge()
             self.rollout.model.delete_adapter(name)
         del self.adapters[name]
+
+    def _unmerge(self) -> None:
+        self.rollout.model.unmerge_adapter()
+        repack(self.rollout.model)
+        self.merged = None
 
     def _adapter(self, name: str | None) -> Any:
         """The context a batch for adapter `name` runs in (None: the base model alone)."""
@@ -153,14 +159,14 @@ class HFEngine:
         if name is not None and (not self.adapters or name not in self.adapters):
             raise KeyError(name)
         if self.merged is not None and self.merged != name:
-            model.unmerge_adapter()
-            self.merged = None
+            self._unmerge()
         if name is not None:
             if self.merged == name:  # set_adapter would unmerge it
                 return nullcontext()
             model.set_adapter(name)
             if self.merges:
                 model.merge_adapter()
+                repack(model)  # peft rewrote the weights through .data
                 self.merged = name
             return nullcontext()
         return model.disable_adapter() if self.adapters else nullcontext()

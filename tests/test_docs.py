@@ -2,7 +2,7 @@
 (a broken link, a missing page or anchor, or a generated reference that no longer matches the
 code fails the build), offline; the generated reference covers every spec field, every CLI
 command and every benchmark result; the README stays short and its links and commands point at
-things that exist; and the docs' Python examples run, or say why they are not run."""
+things that exist; and the docs' examples (Python and shell) run, or say why they are not run."""
 
 from __future__ import annotations
 
@@ -177,9 +177,9 @@ def _shell_lines(code: str) -> list[list[str]]:
 
 
 def test_the_commands_in_the_docs_name_real_commands_targets_and_files():
-    """Shell blocks need a stack, a GPU or minutes, so they are not run here; what they name must
-    exist: each `opentinker …` sub-command, each `make` target, each examples/ spec (which must
-    validate) and each bench/ script."""
+    """What every shell block names exists, in the blocks that are not run too (they need a stack,
+    a GPU or minutes): each `opentinker …` sub-command, each `make` target, each examples/ spec
+    (which must validate) and each bench/ script."""
     import typer.main
 
     from opentinker.cli.main import app
@@ -239,4 +239,59 @@ def test_the_python_examples_run_or_say_why_not(tmp_path):
             assert proc.returncode == 0, f"{doc.relative_to(ROOT)}:\n{code}\n{proc.stderr[-3000:]}"
             ran += 1
     assert ran >= 1
+    assert all(len(reason.strip()) > 5 for _, reason in skipped)
+
+
+SHELL = ("bash", "sh", "console")
+
+
+def _runnable(lang: str, code: str) -> str:
+    """The commands of a block: a ```console block's `$ ` lines (its other lines are output)."""
+    if lang != "console":
+        return code
+    return "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ "))
+
+
+def _repository_of_links(tmp_path: Path) -> Path:
+    """The repository root as links to its entries, without runs/: a block runs from the root as a
+    reader's would, and what it writes there (runs/…) lands in this temporary folder."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in ("runs", ".git"):
+            (root / entry.name).symlink_to(entry)
+    return root
+
+
+def test_the_shell_examples_run_or_say_why_not(tmp_path):
+    """Every ```bash, ```sh and ```console block in the README and docs runs under `bash -e` (the
+    project's venv first on PATH), unless the line above it is `<!-- not run: reason -->`. Each
+    block gets a fresh state folder and free ports, so it never sees or changes a developer's stack
+    or tenants (`opentinker status` reports a stack that is not running). A block that appears in
+    two documents runs once."""
+    from tests.stack_fixtures import PORTS, free_ports
+
+    root = _repository_of_links(tmp_path)
+    ran, skipped = {}, []
+    for doc in _documents():
+        for lang, code, before in _code_blocks(doc.read_text()):
+            if lang not in SHELL:
+                continue
+            if m := NOT_RUN.search(before):
+                skipped.append((doc.name, m["reason"]))
+                continue
+            code = _runnable(lang, code)
+            if code in ran:
+                continue
+            state = tmp_path / f"state{len(ran)}"
+            env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                   "OPENTINKER_STATE_DIR": str(state),
+                   **{f"OPENTINKER_{name.upper()}": str(port) for name, port in zip(PORTS, free_ports(len(PORTS)))}}
+            proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], cwd=root, env=env, capture_output=True,
+                                  text=True, timeout=120)
+            assert proc.returncode == 0, f"{doc.relative_to(ROOT)}:\n{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+            if "prints a key that starts with tml-" in code:
+                assert re.search(r"^tml-\S+$", proc.stdout, re.M), proc.stdout
+            ran[code] = proc.stdout
+    assert len(ran) >= 3, list(ran)
     assert all(len(reason.strip()) > 5 for _, reason in skipped)

@@ -144,11 +144,25 @@ def test_the_readmes_links_into_the_docs_resolve(site):
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", text)
     assert links
+    pictures = re.findall(r'<img src="([^"]+)"', text)
+    assert pictures
+    for path in pictures:
+        assert path.startswith("docs/img/") and (ROOT / path).is_file(), path
     for path, anchor in links:
         assert (ROOT / path).exists(), path
         if anchor:
             assert f'id="{anchor}"' in _page(site, path.removeprefix("docs/")), f"{path}#{anchor}"
 
+
+def test_every_picture_is_shown_and_small():
+    """docs/img/ holds only pictures a page or the README shows (docs/screenshots.py makes them
+    again), each under 400 KB: the repository stays small."""
+    texts = [doc.read_text() for doc in _documents()]
+    pictures = sorted((DOCS / "img").iterdir())
+    assert {p.name for p in pictures} >= {"prefect-run.png", "mlflow-run.png"}
+    for picture in pictures:
+        assert picture.stat().st_size < 400_000, picture.name
+        assert any(f"img/{picture.name}" in text for text in texts), f"{picture.name} is shown nowhere"
 
 def _code_blocks(text: str) -> list[tuple[str, str, str]]:
     """(language, code, the line just before the block) for every fenced block at any indentation."""

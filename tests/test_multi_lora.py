@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from opentinker.backend.multi_lora import MultiLora
+from opentinker.backend.multi_lora import MultiLora, grouped_rows
 
 RANKS = {"x": 2, "y": 4, "z": 8}
 ALPHA = {"x": 4.0, "y": 16.0, "z": 8.0}
@@ -85,6 +85,21 @@ def test_each_row_of_a_mixed_batch_gets_its_own_adapter(base, tokens):
             torch.testing.assert_close(mixed[i:i + 1], alone, rtol=0, atol=1e-5, msg=f"row {i} ({name})")
             if name is not None:  # the adapter really changes the row (the test could fail)
                 assert (mixed[i] - plain[i]).abs().max() > 1e-2
+
+
+def test_a_mixed_batch_runs_its_adapters_as_batched_matmuls_when_padding_is_small(base):
+    """The batch of ROWS (groups of 2, 2 and 1) takes the batched path the tests above check
+    against peft; groups far apart in size, or dropout, keep the per-adapter loop."""
+    multi = _multi(base)
+    rows = lambda *ix: torch.tensor(ix)  # noqa: E731
+    grouped = grouped_rows(((multi["y"], rows(0, 5)), (multi["x"], rows(2, 4)), (multi["z"], rows(3))))
+    assert grouped is not None and grouped.width == 2
+    assert grouped.index.tolist() == [0, 5, 2, 4, 3, 3]
+    assert grouped.weight.tolist() == [multi["y"].scale] * 2 + [multi["x"].scale] * 2 + [multi["z"].scale, 0.0]
+    assert grouped_rows(((multi["x"], rows(0)), (multi["y"], rows(1, 2, 3, 4)))) is None  # 8 padded rows for 5
+    assert grouped_rows(((multi["x"], rows(0)),)) is None  # one adapter: nothing to batch
+    multi.add("wet", r=2, dropout=0.1, seed=5)
+    assert grouped_rows(((multi["x"], rows(0)), (multi["wet"], rows(1)))) is None
 
 
 def test_gradients_of_a_mixed_batch_are_each_adapters_own(base, tokens):

@@ -90,10 +90,43 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class _Grouped:
+    """Rows gathered adapter by adapter into equal groups (shorter groups padded by repeating a
+    row whose result is then multiplied by 0): `index` [N * g] rows, `weight` [N * g] each row's
+    adapter scale, 0.0 for the padding."""
+
+    adapters: tuple[Adapter, ...]
+    index: torch.Tensor
+    weight: torch.Tensor
+    width: int  # g
+
+
+@dataclass(frozen=True)
 class _Rows:
     owner: object  # which MultiLora the assignment is for (several bases may live in a process)
     size: int
     segments: tuple[tuple[Adapter, torch.Tensor], ...]  # (adapter, its row indices)
+    grouped: _Grouped | None = None  # the same rows for batched matmuls, when it pays (see grouped_rows)
+
+
+def grouped_rows(segments: tuple[tuple[Adapter, torch.Tensor], ...]) -> _Grouped | None:
+    """With two adapters or more, their deltas are two batched matmuls (`bmm`) per linear instead
+    of two matmuls per adapter: about five tensor operations per linear whatever the number of
+    adapters, where the per-adapter loop takes five per adapter (on a CPU each costs ~10 µs, as
+    much as the matmul at decode's few rows). Not when padding the groups to one width would add
+    more than half the rows again, nor with dropout (drawn per adapter, see Adapter.drop)."""
+    if len(segments) < 2 or any(adapter.dropout for adapter, _ in segments):
+        return None
+    width = max(len(index) for _, index in segments)
+    total = sum(len(index) for _, index in segments)
+    if width * len(segments) > 1.5 * total:
+        return None
+    index, weight = [], []
+    for adapter, rows in segments:
+        n = len(rows)
+        index.append(torch.cat([rows, rows[:1].expand(width - n)]))
+        weight.append(torch.cat([torch.full((n,), adapter.scale), torch.zeros(width - n)]))
+    return _Grouped(tuple(a for a, _ in segments), torch.cat(index), torch.cat(weight).to(segments[0][1].device), width)
 
 
 _ROWS: ContextVar[_Rows | None] = ContextVar("opentinker_multi_lora_rows", default=None)
@@ -117,6 +150,9 @@ class MultiLoraLinear(PackedLinear):
             return out
         if x.shape[0] != rows.size:
             raise ValueError(f"{self.path}: batch of {x.shape[0]} rows, but rows(...) named {rows.size}")
+        grouped = rows.grouped
+        if grouped is not None and all(self.path in adapter.weights for adapter in grouped.adapters):
+            return self._grouped_delta(x, out, grouped)
         for adapter, index in rows.segments:
             pair = adapter.weights.get(self.path)
             if pair is None:
@@ -128,6 +164,19 @@ class MultiLoraLinear(PackedLinear):
             delta = F.linear(F.linear(xs, a), b) * adapter.scale
             out = out.index_add(0, index, delta.to(out.dtype))
         return out
+
+    def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, grouped: _Grouped) -> torch.Tensor:
+        """`out` plus every row's delta through two batched matmuls over the adapters' stacked
+        A and B (smaller ranks padded with zeros: they add exact zeros)."""
+        pairs = [adapter.weights[self.path] for adapter in grouped.adapters]
+        rank = max(a.shape[0] for a, _ in pairs)
+        a_stack = torch.stack([F.pad(a, (0, 0, 0, rank - a.shape[0])) for a, _ in pairs])  # [N, r, in]
+        b_stack = torch.stack([F.pad(b, (0, rank - b.shape[1])) for _, b in pairs])  # [N, out, r]
+        n, inner = len(pairs), x.shape[-1]
+        xs = x.index_select(0, grouped.index).to(a_stack.dtype).reshape(n, -1, inner)  # [N, g * positions, in]
+        delta = torch.bmm(torch.bmm(xs, a_stack.transpose(1, 2)), b_stack.transpose(1, 2))
+        delta = delta.reshape(n * grouped.width, *x.shape[1:-1], -1) * grouped.weight.reshape(-1, *([1] * (x.dim() - 1)))
+        return out.index_add(0, grouped.index, delta.to(out.dtype))
 
 
 class MultiLora:
@@ -211,7 +260,7 @@ class MultiLora:
             if n is not None:
                 groups.setdefault(n, []).append(i)
         segments = tuple((self.adapters[n], torch.tensor(ix, device=device)) for n, ix in groups.items())
-        token = _ROWS.set(_Rows(self._owner, len(names), segments))
+        token = _ROWS.set(_Rows(self._owner, len(names), segments, grouped_rows(segments)))
         try:
             yield
         finally:

@@ -132,6 +132,7 @@ def test_resume_logs_the_steps_its_checkpoint_covers_that_mlflow_missed(stack_en
     assert again.log_missing_metrics(restored.metrics) == [2]
     assert again.log_missing_metrics(restored.metrics) == []  # idempotent
     client, run = _mlflow_run(settings, job_id)
+    assert spec.job_id is None and run.data.params["job_id"] == job_id  # the id given outside the spec is the run's parameter
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "rollout/reward_mean"))
     assert history == [(1, 0.5), (2, 0.25)]
     assert _steps(client, run.info.run_id, "update/policy_loss") == [1, 2]

@@ -135,7 +135,7 @@ class JobTracker(Run):
         else:
             run = client.create_run(exp, run_name=job_id, tags={JOB_TAG: job_id, **(tags or {})})
             super().__init__(client, tracking_uri, exp, run.info.run_id)
-            self.log_params(flatten(spec.model_dump(mode="json")))
+            self.log_params({**flatten(spec.model_dump(mode="json")), "job_id": job_id})  # the id given on the command line, too
             self.log_files({"spec.yaml": dump_spec(spec)})
         self.set_tags(tags or {})
 

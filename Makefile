@@ -68,7 +68,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/step_vs_trl.py
 	$(PY) bench/overhead.py --model tiny-random --steps 20
 	$(PY) bench/overhead.py --model smollm2-135m-instruct --steps 8
-	$(PY) bench/scheduler_load.py --jobs 20 --slots 2
+	$(PY) bench/scheduler_load.py --jobs 10 --slots 2
 	$(PY) bench/env_link.py --episodes 64 --turns 8 --rounds 3
 	$(PY) bench/multiturn_rollout.py --game gomoku --steps 3 --eval-n 16
 	$(PY) bench/multiturn_rollout.py --game math_tool --steps 3 --eval-n 32

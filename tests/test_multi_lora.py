@@ -92,14 +92,34 @@ def test_a_mixed_batch_runs_its_adapters_as_batched_matmuls_when_padding_is_smal
     against peft; groups far apart in size, or dropout, keep the per-adapter loop."""
     multi = _multi(base)
     rows = lambda *ix: torch.tensor(ix)  # noqa: E731
-    grouped = grouped_rows(((multi["y"], rows(0, 5)), (multi["x"], rows(2, 4)), (multi["z"], rows(3))))
-    assert grouped is not None and grouped.width == 2
-    assert grouped.index.tolist() == [0, 5, 2, 4, 3, 3]
-    assert grouped.weight.tolist() == [multi["y"].scale] * 2 + [multi["x"].scale] * 2 + [multi["z"].scale, 0.0]
-    assert grouped_rows(((multi["x"], rows(0)), (multi["y"], rows(1, 2, 3, 4)))) is None  # 8 padded rows for 5
-    assert grouped_rows(((multi["x"], rows(0)),)) is None  # one adapter: nothing to batch
+    grouped = grouped_rows(((multi["y"], rows(0, 5)), (multi["x"], rows(2, 4)), (multi["z"], rows(3))), 6)
+    assert grouped is not None and grouped.width == 2 and not grouped.in_order
+    assert grouped.index.tolist() == [0, 5, 2, 4, 3, 3] and grouped.keep.tolist() == [1, 1, 1, 1, 1, 0]
+    in_order = grouped_rows(((multi["x"], rows(0, 1)), (multi["y"], rows(2, 3))), 4)  # viewed, not gathered
+    assert in_order.in_order and in_order.keep is None
+    assert not grouped_rows(((multi["x"], rows(0, 1)), (multi["y"], rows(2, 3))), 5).in_order  # a base row follows
+    assert grouped_rows(((multi["x"], rows(0)), (multi["y"], rows(1, 2, 3, 4))), 5) is None  # 8 padded rows for 5
+    assert grouped_rows(((multi["x"], rows(0)),), 1) is None  # one adapter: nothing to batch
     multi.add("wet", r=2, dropout=0.1, seed=5)
-    assert grouped_rows(((multi["x"], rows(0)), (multi["wet"], rows(1)))) is None
+    assert grouped_rows(((multi["x"], rows(0)), (multi["wet"], rows(1))), 2) is None
+
+
+def test_a_batch_in_adapter_order_with_kept_stacks_gives_each_row_its_adapter(base, tokens):
+    """Rows already grouped by adapter (viewed, not gathered) and, without grad, the adapters'
+    stacked weights kept between passes: still each row's own adapter, also after an adapter
+    changed in place (its stacks are made again)."""
+    multi = _multi(base)
+    ref = _peft(base, multi)
+    order, ids = ["x", "x", "z", "z"], tokens[:4]
+    with torch.no_grad():
+        for change in (False, False, True):  # the second pass reuses the stacks; the third follows a change
+            if change:
+                for path, (_, b) in multi["z"].weights.items():
+                    b.mul_(2.0)
+                    ref.base_model.model.get_submodule(path).lora_B["z"].weight.mul_(2.0)
+            mixed = multi(order, input_ids=ids).logits
+            for i, name in enumerate(order):
+                torch.testing.assert_close(mixed[i:i + 1], _peft_logits(ref, name, ids[i:i + 1]), rtol=0, atol=1e-5)
 
 
 def test_gradients_of_a_mixed_batch_are_each_adapters_own(base, tokens):

@@ -91,14 +91,15 @@ class Adapter:
 
 @dataclass(frozen=True)
 class _Grouped:
-    """Rows gathered adapter by adapter into equal groups (shorter groups padded by repeating a
-    row whose result is then multiplied by 0): `index` [N * g] rows, `weight` [N * g] each row's
-    adapter scale, 0.0 for the padding."""
+    """Rows gathered adapter by adapter into equal groups of `width` (shorter groups padded by
+    repeating a row): `index` [N * width] rows; `keep` [N * width] 1.0, or 0.0 for the padding
+    (None: no padding); `in_order`: the batch is already those groups (index = 0, 1, 2, ...)."""
 
     adapters: tuple[Adapter, ...]
     index: torch.Tensor
-    weight: torch.Tensor
-    width: int  # g
+    keep: torch.Tensor | None
+    width: int
+    in_order: bool
 
 
 @dataclass(frozen=True)
@@ -109,24 +110,28 @@ class _Rows:
     grouped: _Grouped | None = None  # the same rows for batched matmuls, when it pays (see grouped_rows)
 
 
-def grouped_rows(segments: tuple[tuple[Adapter, torch.Tensor], ...]) -> _Grouped | None:
+def grouped_rows(segments: tuple[tuple[Adapter, torch.Tensor], ...], size: int) -> _Grouped | None:
     """With two adapters or more, their deltas are two batched matmuls (`bmm`) per linear instead
     of two matmuls per adapter: about five tensor operations per linear whatever the number of
     adapters, where the per-adapter loop takes five per adapter (on a CPU each costs ~10 µs, as
     much as the matmul at decode's few rows). Not when padding the groups to one width would add
-    more than half the rows again, nor with dropout (drawn per adapter, see Adapter.drop)."""
+    more than half the rows again, nor with dropout (drawn per adapter, see Adapter.drop). `size`:
+    the batch's rows (rows of the base alone included)."""
     if len(segments) < 2 or any(adapter.dropout for adapter, _ in segments):
         return None
     width = max(len(index) for _, index in segments)
     total = sum(len(index) for _, index in segments)
     if width * len(segments) > 1.5 * total:
         return None
-    index, weight = [], []
-    for adapter, rows in segments:
+    index, keep = [], []
+    for _, rows in segments:
         n = len(rows)
         index.append(torch.cat([rows, rows[:1].expand(width - n)]))
-        weight.append(torch.cat([torch.full((n,), adapter.scale), torch.zeros(width - n)]))
-    return _Grouped(tuple(a for a, _ in segments), torch.cat(index), torch.cat(weight).to(segments[0][1].device), width)
+        keep.append(torch.cat([torch.ones(n), torch.zeros(width - n)]))
+    index = torch.cat(index)
+    padded = width * len(segments) > total
+    return _Grouped(tuple(a for a, _ in segments), index, torch.cat(keep).to(index.device) if padded else None, width,
+                    not padded and len(index) == size and bool((index == torch.arange(size, device=index.device)).all()))
 
 
 _ROWS: ContextVar[_Rows | None] = ContextVar("opentinker_multi_lora_rows", default=None)
@@ -166,17 +171,35 @@ class MultiLoraLinear(PackedLinear):
         return out
 
     def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, grouped: _Grouped) -> torch.Tensor:
-        """`out` plus every row's delta through two batched matmuls over the adapters' stacked
-        A and B (smaller ranks padded with zeros: they add exact zeros)."""
-        pairs = [adapter.weights[self.path] for adapter in grouped.adapters]
+        """`out` plus every row's delta through two batched matmuls over the adapters' stacked A
+        and B. A batch already in its groups is viewed, not gathered and scattered."""
+        a_stack, b_stack = self._stacks(grouped.adapters)
+        n, inner = len(grouped.adapters), x.shape[-1]
+        xs = x if grouped.in_order else x.index_select(0, grouped.index)
+        delta = torch.bmm(torch.bmm(xs.to(a_stack.dtype).reshape(n, -1, inner), a_stack.transpose(1, 2)), b_stack.transpose(1, 2))
+        delta = delta.reshape(n * grouped.width, *x.shape[1:-1], -1).to(out.dtype)
+        if grouped.in_order:
+            return out + delta
+        if grouped.keep is not None:
+            delta = delta * grouped.keep.reshape(-1, *([1] * (x.dim() - 1)))
+        return out.index_add(0, grouped.index, delta)
+
+    def _stacks(self, adapters: tuple[Adapter, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapters' A [N, r, in] and scale * B [N, out, r] for this linear (smaller ranks
+        padded with zeros, which add exact zeros). Without grad (sampling) they are kept until an
+        adapter's tensors change or another set of adapters comes: a decode step reuses them."""
+        pairs = [adapter.weights[self.path] for adapter in adapters]
+        key = [(t, t._version) for pair in pairs for t in pair]
+        cached = None if torch.is_grad_enabled() else getattr(self, "_stacked", None)
+        if cached is not None and len(cached[0]) == len(key) and all(t is u and v == w for (t, v), (u, w) in zip(cached[0], key)):
+            return cached[1], cached[2]
         rank = max(a.shape[0] for a, _ in pairs)
-        a_stack = torch.stack([F.pad(a, (0, 0, 0, rank - a.shape[0])) for a, _ in pairs])  # [N, r, in]
-        b_stack = torch.stack([F.pad(b, (0, rank - b.shape[1])) for _, b in pairs])  # [N, out, r]
-        n, inner = len(pairs), x.shape[-1]
-        xs = x.index_select(0, grouped.index).to(a_stack.dtype).reshape(n, -1, inner)  # [N, g * positions, in]
-        delta = torch.bmm(torch.bmm(xs, a_stack.transpose(1, 2)), b_stack.transpose(1, 2))
-        delta = delta.reshape(n * grouped.width, *x.shape[1:-1], -1) * grouped.weight.reshape(-1, *([1] * (x.dim() - 1)))
-        return out.index_add(0, grouped.index, delta.to(out.dtype))
+        a_stack = torch.stack([a if a.shape[0] == rank else F.pad(a, (0, 0, 0, rank - a.shape[0])) for a, _ in pairs])
+        b_stack = torch.stack([(b if b.shape[1] == rank else F.pad(b, (0, rank - b.shape[1]))) * adapter.scale
+                               for (_, b), adapter in zip(pairs, adapters)])
+        if not torch.is_grad_enabled():
+            self._stacked = (key, a_stack, b_stack)
+        return a_stack, b_stack
 
 
 class MultiLora:
@@ -260,7 +283,7 @@ class MultiLora:
             if n is not None:
                 groups.setdefault(n, []).append(i)
         segments = tuple((self.adapters[n], torch.tensor(ix, device=device)) for n, ix in groups.items())
-        token = _ROWS.set(_Rows(self._owner, len(names), segments, grouped_rows(segments)))
+        token = _ROWS.set(_Rows(self._owner, len(names), segments, grouped_rows(segments, len(names))))
         try:
             yield
         finally:

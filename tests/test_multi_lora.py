@@ -99,7 +99,9 @@ def test_a_mixed_batch_runs_its_adapters_as_batched_matmuls_when_padding_is_smal
     assert in_order.in_order and in_order.keep is None
     assert not grouped_rows(((multi["x"], rows(0, 1)), (multi["y"], rows(2, 3))), 5).in_order  # a base row follows
     assert grouped_rows(((multi["x"], rows(0)), (multi["y"], rows(1, 2, 3, 4))), 5) is None  # 8 padded rows for 5
-    assert grouped_rows(((multi["x"], rows(0)),), 1) is None  # one adapter: nothing to batch
+    alone = grouped_rows(((multi["x"], rows(0, 1, 2)),), 3)  # one adapter, the whole batch: viewed
+    assert alone.in_order and alone.width == 3
+    assert grouped_rows(((multi["x"], rows(0, 2)),), 3) is None  # one adapter beside a base row
     multi.add("wet", r=2, dropout=0.1, seed=5)
     assert grouped_rows(((multi["x"], rows(0)), (multi["wet"], rows(1))), 2) is None
 
@@ -111,6 +113,8 @@ def test_a_batch_in_adapter_order_with_kept_stacks_gives_each_row_its_adapter(ba
     multi = _multi(base)
     ref = _peft(base, multi)
     order, ids = ["x", "x", "z", "z"], tokens[:4]
+    with torch.no_grad():  # one adapter over the whole batch
+        torch.testing.assert_close(multi(["z"] * 4, input_ids=ids).logits, _peft_logits(ref, "z", ids), rtol=0, atol=1e-5)
     with torch.no_grad():
         for change in (False, False, True):  # the second pass reuses the stacks; the third follows a change
             if change:

@@ -115,9 +115,12 @@ def grouped_rows(segments: tuple[tuple[Adapter, torch.Tensor], ...], size: int) 
     of two matmuls per adapter: about five tensor operations per linear whatever the number of
     adapters, where the per-adapter loop takes five per adapter (on a CPU each costs ~10 µs, as
     much as the matmul at decode's few rows). Not when padding the groups to one width would add
-    more than half the rows again, nor with dropout (drawn per adapter, see Adapter.drop). `size`:
+    more than half the rows again, nor with dropout (drawn per adapter, see Adapter.drop). One
+    adapter takes it only for the whole batch (viewed, and its stacks kept while sampling). `size`:
     the batch's rows (rows of the base alone included)."""
-    if len(segments) < 2 or any(adapter.dropout for adapter, _ in segments):
+    if not segments or any(adapter.dropout for adapter, _ in segments):
+        return None
+    if len(segments) == 1 and len(segments[0][1]) != size:  # one adapter beside base rows: the loop gathers less
         return None
     width = max(len(index) for _, index in segments)
     total = sum(len(index) for _, index in segments)

@@ -76,7 +76,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_gomoku.py --steps 16 --every 4 --eval-n 32 --lr 5e-4 --no-selfplay --eval-mode sampled --max-turns 8 --max-total-tokens 1536
 	$(PY) bench/learning_vlm.py --steps 20 --every 5
 	$(PY) bench/tinker_overhead.py --steps 10
-	$(PY) bench/learning_tinker.py --steps 25 --every 5
+	$(PY) bench/learning_tinker.py --steps 25 --every 5 --recompute-logprobs
 
 clean:
 	rm -rf $(VENV) runs .opentinker .pytest_cache

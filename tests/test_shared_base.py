@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from opentinker.backend.packed_linear import available as packed_available
 from opentinker.backend.primitives import AdamParams, BadRequest, LoraShape, PrimitiveModel
 from opentinker.backend.shared_base import SharedBase
 from opentinker.model import load_model
@@ -233,16 +234,20 @@ def test_an_adapter_the_memory_bound_cannot_hold_is_refused_with_the_numbers():
     """The base and its adapters' training state (weights, gradients, AdamW moments) stay within the
     worker's memory bound: one more client that would not fit is refused before anything is allocated."""
     probe = shared()
-    base_bytes = sum(p.numel() * p.element_size() for p in probe.lm.parameters())
+    base_bytes = probe.base_bytes()
+    params = sum(p.numel() * p.element_size() for p in probe.lm.parameters())
+    packed = sum(lin.weight.numel() * 4 for lin in probe.multi.linears.values())  # the sampling engine's packed copy on a CPU
+    assert base_bytes == params + (packed if packed_available() else 0)
     one = probe.training_bytes(LoraShape(rank=8))
-    assert one == 16 * sum(8 * (lin.in_features + lin.out_features) for lin in probe.multi.linears.values())  # every target, r (in + out)
+    assert one == 20 * sum(8 * (lin.in_features + lin.out_features) for lin in probe.multi.linears.values())  # every target, r (in + out)
     base, tok = load_model("tiny-random")
     sb = SharedBase(base, tok, "tiny-random", memory_bytes=base_bytes + 2.5 * one)
     sb.attach("a", LoraShape(rank=8))
     sb.attach("b", LoraShape(rank=8))
     with pytest.raises(BadRequest, match=r"^lora_config\.rank 8: this client's adapter needs \d+ MiB \(weights, gradients, AdamW "
-                                         r"moments\); the worker of tiny-random has \d+ MiB left of \d+ MiB \(the base \d+ MiB, "
-                                         r"2 adapter\(s\) \d+ MiB\): a smaller rank, or when another session has ended$"):
+                                         r"moments, sampling copy\); the worker of tiny-random has \d+ MiB left of \d+ MiB \(the base "
+                                         r"with its packed copy \d+ MiB, 2 adapter\(s\) \d+ MiB\): a smaller rank, or when another "
+                                         r"session has ended$"):
         sb.attach("c", LoraShape(rank=8))
     assert "c" not in sb.multi
     sb.attach("c", LoraShape(rank=2))  # a quarter of the size fits in what is left

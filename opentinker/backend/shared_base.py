@@ -36,6 +36,7 @@ import torch
 from opentinker.algo.primitive_losses import loss_config, primitive_loss
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
+from opentinker.backend.packed_linear import available as packed_available
 from opentinker.backend.primitives import (
     ATTENTION,
     LORA_ALPHA,
@@ -55,6 +56,7 @@ from opentinker.backend.primitives import (
 from opentinker.model.vision import hidden_states
 
 log = logging.getLogger(__name__)
+ADAPTER_BYTES_PER_PARAMETER = 20  # float32 weights, gradients, two AdamW moments, the stacked copy while sampling
 GATHER_S = 0.05  # after the first call of a pass, how long other tenants' calls may join it (only while there are others)
 
 
@@ -106,22 +108,30 @@ class SharedBase:
         """A new adapter `name` (a training client's model) on this base; BadRequest when the
         memory bound cannot hold its training state beside what is there."""
         if self.memory_bytes is not None:
-            need, base = self.training_bytes(shape), sum(p.numel() * p.element_size() for p in self.lm.parameters())
-            held = sum(4 * a.num_parameters() * 4 for a in self.multi.adapters.values())
+            need, base = self.training_bytes(shape), self.base_bytes()
+            held = sum(ADAPTER_BYTES_PER_PARAMETER * a.num_parameters() for a in self.multi.adapters.values())
             if base + held + need > self.memory_bytes:
                 mib = 2**20
                 raise BadRequest(f"lora_config.rank {shape.rank}: this client's adapter needs {need / mib:.0f} MiB (weights, gradients, "
-                                 f"AdamW moments); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
-                                 f"left of {self.memory_bytes / mib:.0f} MiB (the base {base / mib:.0f} MiB, {len(self.multi.adapters)} "
-                                 f"adapter(s) {held / mib:.0f} MiB): a smaller rank, or when another session has ended")
+                                 f"AdamW moments, sampling copy); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
+                                 f"left of {self.memory_bytes / mib:.0f} MiB (the base with its packed copy {base / mib:.0f} MiB, "
+                                 f"{len(self.multi.adapters)} adapter(s) {held / mib:.0f} MiB): a smaller rank, or when another session has ended")
         adapter = SharedAdapter(self, name, shape)
         self.tenants.add(name)
         return adapter
 
     def training_bytes(self, shape: LoraShape) -> int:
-        """An adapter's weights, gradients and two AdamW moments, float32: r (in + out) per target linear, four times."""
+        """An adapter's weights, gradients, two AdamW moments and the copy its samplers stack with
+        other adapters' (multi_lora keeps it while sampling), float32: r (in + out) per target linear, five times."""
         paths = self.multi.target_paths(tuple(shape.spec().target_modules))
-        return 16 * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features) for p in paths)
+        return ADAPTER_BYTES_PER_PARAMETER * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features)
+                                                 for p in paths)
+
+    def base_bytes(self) -> int:
+        """The base's parameters, and on a CPU the packed copy of its linears the sampling engine makes (packed_linear)."""
+        params = sum(p.numel() * p.element_size() for p in self.lm.parameters())
+        packs = self.placement.device.type == "cpu" and packed_available()
+        return params + (sum(lin.weight.numel() * lin.weight.element_size() for lin in self.multi.linears.values()) if packs else 0)
 
     def detach(self, name: str) -> None:
         self.tenants.discard(name)

@@ -150,6 +150,7 @@ class MultiLoraLinear(PackedLinear):
         super().__init__(base)
         self.path = path
         self._owner = owner
+        self._stacked: tuple | None = None  # (adapters' tensors and versions, A stack, B stack) kept while sampling
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_output(x)
@@ -193,7 +194,7 @@ class MultiLoraLinear(PackedLinear):
         adapter's tensors change or another set of adapters comes: a decode step reuses them."""
         pairs = [adapter.weights[self.path] for adapter in adapters]
         key = [(t, t._version) for pair in pairs for t in pair]
-        cached = None if torch.is_grad_enabled() else getattr(self, "_stacked", None)
+        cached = None if torch.is_grad_enabled() else self._stacked
         if cached is not None and len(cached[0]) == len(key) and all(t is u and v == w for (t, v), (u, w) in zip(cached[0], key)):
             return cached[1], cached[2]
         rank = max(a.shape[0] for a, _ in pairs)
@@ -219,9 +220,8 @@ class MultiLora:
         self.linears: dict[str, MultiLoraLinear] = {}
         for path, module in list(model.named_modules()):
             if type(module) in (nn.Linear, PackedLinear) and path.rsplit(".", 1)[-1] in targets:
-                parent_path, _, child = path.rpartition(".")
                 wrapper = MultiLoraLinear(module, path, self._owner)
-                setattr(model.get_submodule(parent_path) if parent_path else model, child, wrapper)
+                model.set_submodule(path, wrapper)
                 self.linears[path] = wrapper
         if not self.linears:
             raise ValueError(f"no nn.Linear named one of {list(targets)} in the model")

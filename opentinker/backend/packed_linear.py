@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 def available() -> bool:
     """Whether this torch has oneDNN's packed linear (CPU builds for x86 and ARM do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -66,9 +67,8 @@ def pack_linears(model: nn.Module) -> int:
     count = 0
     for path, module in list(model.named_modules()):
         if type(module) is nn.Linear:
-            parent, _, child = path.rpartition(".")
             module = PackedLinear(module)
-            setattr(model.get_submodule(parent) if parent else model, child, module)
+            model.set_submodule(path, module)
         if isinstance(module, PackedLinear):
             module.packing = True
             count += 1

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,22 +28,13 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from opentinker.control.services import free_ports  # noqa: E402
 IMG = ROOT / "docs" / "img"
 CLI = Path(sys.executable).parent / "opentinker"
 PORTS = ("PREFECT_PORT", "MLFLOW_PORT", "GATEWAY_PORT", "RAY_PORT", "RAY_CLIENT_PORT")
 WIDTH, HEIGHT = 1400, 900
 JOB = "docs-demo"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def opentinker(env: dict[str, str], *args: str, timeout: float = 900) -> str:

@@ -8,24 +8,17 @@ module as a plugin, so every test module shares the one stack.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports that nothing listens on now (all held open until all are chosen)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """`count` distinct free ports (the service's own helper, imported when called: a bare GPU
+    Python imports this module without the service's dependencies)."""
+    from opentinker.control.services import free_ports as ports
+
+    return ports(count, host)
 
 
 PORTS = ("prefect_port", "mlflow_port", "gateway_port", "ray_port", "ray_client_port")

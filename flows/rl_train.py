@@ -33,6 +33,9 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
     logger = get_run_logger()
     with scheduled_job(spec, job_id, tenant) as job, job.tracked(spec) as tracker:
         actors = create_actors(spec, job.job_id, job.tenant)
+        if actors.hosted is not None:
+            logger.info(f"job {job.job_id} {actors.hosted.line()}")
+            tracker.set_tags({"opentinker.base_worker": actors.hosted.line()})
         try:
             result = run_steps(spec, TaskSteps(actors, job.job_id), LoopHooks(
                 on_restore=job.on_restore(tracker),

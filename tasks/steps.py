@@ -27,14 +27,14 @@ _COMMON = {"cache_policy": NO_CACHE, "persist_result": False, "log_prints": Fals
 @task(name="rollout", task_run_name="rollout-{job_id}-step{step}", **_COMMON)
 def rollout(actors: JobActors, job_id: str, step: int) -> dict[str, float]:
     """Sample a batch of episodes with the current policy; the batch stays in the actor."""
-    return ray.get(actors.samples.rollout.remote(step))
+    return ray.get(actors.sample("rollout", step))
 
 
 @task(name="update", task_run_name="update-{job_id}-step{step}", **_COMMON)
 def update(actors: JobActors, job_id: str, step: int) -> dict[str, float]:
     """One policy update on the step's batch, then the weight-sync handshake with the sampler."""
     if actors.colocated:
-        return ray.get(actors.job.update.remote(step))
+        return ray.get(actors.call("update", step))
     metrics = ray.get(actors.policy.update.remote(actors.sampler.batch.remote(step)))
     ray.get(actors.sampler.sync.remote(actors.policy.weights.remote()))
     return metrics
@@ -43,14 +43,14 @@ def update(actors: JobActors, job_id: str, step: int) -> dict[str, float]:
 @task(name="evaluate", task_run_name="evaluate-{job_id}-step{step}", retries=1, **_COMMON)
 def evaluate(actors: JobActors, job_id: str, step: int) -> Evaluation:
     """Validation episodes (greedy by default): metrics and readable transcripts."""
-    return ray.get(actors.samples.evaluate.remote(step))
+    return ray.get(actors.sample("evaluate", step))
 
 
 @task(name="checkpoint", task_run_name="checkpoint-{job_id}-step{step}", retries=2, **_COMMON)
 def checkpoint(actors: JobActors, job_id: str, step: int, metrics: list | None = None) -> Any:
     """Commit weights, optimizer, RNG, data position and the not yet logged `metrics` for `step`."""
     if actors.colocated:
-        return ray.get(actors.job.checkpoint.remote(step, metrics or []))
+        return ray.get(actors.call("checkpoint", step, metrics or []))
     return ray.get(actors.policy.save.remote(step, actors.sampler.env_state.remote(), metrics or []))
 
 
@@ -69,7 +69,7 @@ class TaskSteps:
     def restore(self) -> Restored | None:
         a = self.actors
         if a.colocated:
-            return ray.get(a.job.restore.remote())
+            return ray.get(a.call("restore"))
         restored = ray.get(a.policy.restore_latest.remote())
         if restored is not None and restored.resumed:
             ray.get(a.sampler.load_env_state.remote(restored.env_state))

@@ -238,7 +238,7 @@ def test_an_adapter_the_memory_bound_cannot_hold_is_refused_with_the_numbers():
     params = sum(p.numel() * p.element_size() for p in probe.lm.parameters())
     packed = sum(lin.weight.numel() * 4 for lin in probe.multi.linears.values())  # the sampling engine's packed copy on a CPU
     assert base_bytes == params + (packed if packed_available() else 0)
-    one = probe.training_bytes(LoraShape(rank=8))
+    one = probe.training_bytes(8, LoraShape(rank=8).spec().target_modules)
     assert one == 20 * sum(8 * (lin.in_features + lin.out_features) for lin in probe.multi.linears.values())  # every target, r (in + out)
     base, tok = load_model("tiny-random")
     sb = SharedBase(base, tok, "tiny-random", memory_bytes=base_bytes + 2.5 * one)

@@ -84,13 +84,14 @@ def _worker_info(settings) -> dict | None:
         ray.shutdown()
 
 
-def test_two_tenants_sessions_share_one_base_model_worker(tenant):
+def test_two_tenants_sessions_share_one_base_model_worker(tenant, tmp_path):
     """Two tenants' sessions are two flow runs, each holding a seat, hosted on one worker actor:
     one base, both clients adapters of it, each session's door under the worker's server. Same
     seed and data give the same loss to both. A session that ends leaves the worker to the other;
     the worker killed, that one fails in one line, its client is told, and its saved state resumes
     in a new session on a new worker; with no session for `tinker_worker_idle_s` (5 s on the test
-    stack) a worker exits."""
+    stack) a worker exits. A native LoRA job that shares its base (`resources.share_base`) runs on
+    the same worker beside them, as a flow run of its own with its own MLflow run."""
     from concurrent.futures import ThreadPoolExecutor
 
     from opentinker.control.gateway.tenants import TenantStore
@@ -114,6 +115,7 @@ def test_two_tenants_sessions_share_one_base_model_worker(tenant):
     (adapters,) = info["adapters"].values()  # one base loaded, both clients on it
     assert sorted(adapters) == sorted(t.model_id for t in trainers.values())
     assert _seats() == 2
+    _a_native_job_shares_the_worker(settings, info["pid"], tmp_path)
     for name, session_id in sessions.items():
         assert PrefectSessions(settings).endpoint(name, session_id)[0] == f"{info['url']}/s/{session_id}"
     state = trainers["sharer"].save_state("before-the-crash").result().path
@@ -142,6 +144,34 @@ def test_two_tenants_sessions_share_one_base_model_worker(tenant):
     while _worker_info(settings) is not None:
         assert time.monotonic() < deadline, "the idle base-model worker did not exit"
         time.sleep(2.0)
+
+
+def _a_native_job_shares_the_worker(settings, worker_pid: int, tmp_path) -> None:
+    """A native RL job with `resources.share_base` submitted beside the sessions: hosted on their
+    worker (its MLflow run says which), its episodes sampled by the worker's shared engine."""
+    from mlflow.tracking import MlflowClient
+
+    from opentinker.control.scheduler import job_state, prefect_client
+    from opentinker.control.submit import submit_job
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(tmp_path, optimization={"steps": 2}, checkpoint={"every": 2, "base_url": f"{settings.storage_url}/jobs"},
+                     resources={"share_base": True})
+    run_id = submit_job(spec.model_dump(mode="json"), "shares-a-base", settings)
+    deadline = time.monotonic() + 180
+    while True:
+        with prefect_client() as client:
+            state, reason = job_state(client.read_flow_run(run_id))
+        if state in ("COMPLETED", "FAILED", "CANCELLED"):
+            break
+        assert time.monotonic() < deadline, f"the shared job is still {state}"
+        time.sleep(1.0)
+    assert state == "COMPLETED", reason
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    (run,) = client.search_runs([client.get_experiment_by_name(settings.project).experiment_id],
+                                filter_string="tags.`opentinker.job_id` = 'shares-a-base'")
+    assert run.data.tags["opentinker.base_worker"].startswith(f"on the base-model worker (pid {worker_pid}): adapter 3 of its tiny-random")
+    assert "rollout/batch_share" in run.data.metrics and run.data.metrics["update/sequences"] > 0
 
 
 def _next_steps(trainer, data) -> list[float]:

@@ -105,7 +105,7 @@ class _Grouped:
 @dataclass(frozen=True)
 class _Rows:
     owner: object  # which MultiLora the assignment is for (several bases may live in a process)
-    size: int
+    size: int | None  # None: every row of any batch goes through the one adapter of `segments` (see MultiLora.only)
     segments: tuple[tuple[Adapter, torch.Tensor], ...]  # (adapter, its row indices)
     grouped: _Grouped | None = None  # the same rows for batched matmuls, when it pays (see grouped_rows)
 
@@ -157,6 +157,8 @@ class MultiLoraLinear(PackedLinear):
         rows = _ROWS.get()
         if rows is None or rows.owner is not self._owner:
             return out
+        if rows.size is None:
+            return self._whole_batch_delta(x, out, rows.segments[0][0]) if rows.segments else out
         if x.shape[0] != rows.size:
             raise ValueError(f"{self.path}: batch of {x.shape[0]} rows, but rows(...) named {rows.size}")
         grouped = rows.grouped
@@ -173,6 +175,15 @@ class MultiLoraLinear(PackedLinear):
             delta = F.linear(F.linear(xs, a), b) * adapter.scale
             out = out.index_add(0, index, delta.to(out.dtype))
         return out
+
+    def _whole_batch_delta(self, x: torch.Tensor, out: torch.Tensor, adapter: Adapter) -> torch.Tensor:
+        pair = adapter.weights.get(self.path)
+        if pair is None:
+            return out
+        xs = x.to(pair[0].dtype)
+        if adapter.dropout and self.training:
+            xs = adapter.drop(xs)
+        return out + (F.linear(F.linear(xs, pair[0]), pair[1]) * adapter.scale).to(out.dtype)
 
     def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, grouped: _Grouped) -> torch.Tensor:
         """`out` plus every row's delta through two batched matmuls over the adapters' stacked A
@@ -287,6 +298,20 @@ class MultiLora:
                 groups.setdefault(n, []).append(i)
         segments = tuple((self.adapters[n], torch.tensor(ix, device=device)) for n, ix in groups.items())
         token = _ROWS.set(_Rows(self._owner, len(names), segments, grouped_rows(segments, len(names))))
+        try:
+            yield
+        finally:
+            _ROWS.reset(token)
+
+    @contextmanager
+    def only(self, name: str | None) -> Iterator[None]:
+        """Within the block (this thread/task), every row of every batch uses adapter `name`
+        (None: the base alone), whatever the batch's size: one job's adapter seen as its own model
+        (opentinker.backend.adapter_model)."""
+        if name is not None and name not in self.adapters:
+            raise KeyError(f"unknown adapter: {name!r}")
+        segments = ((self.adapters[name], None),) if name is not None else ()
+        token = _ROWS.set(_Rows(self._owner, None, segments))
         try:
             yield
         finally:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from opentinker.algo.primitive_losses import loss_config, primitive_loss
+from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
@@ -107,24 +108,36 @@ class SharedBase:
     def attach(self, name: str, shape: LoraShape) -> SharedAdapter:
         """A new adapter `name` (a training client's model) on this base; BadRequest when the
         memory bound cannot hold its training state beside what is there."""
-        if self.memory_bytes is not None:
-            need, base = self.training_bytes(shape), self.base_bytes()
-            held = sum(ADAPTER_BYTES_PER_PARAMETER * a.num_parameters() for a in self.multi.adapters.values())
-            if base + held + need > self.memory_bytes:
-                mib = 2**20
-                raise BadRequest(f"lora_config.rank {shape.rank}: this client's adapter needs {need / mib:.0f} MiB (weights, gradients, "
-                                 f"AdamW moments, sampling copy); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
-                                 f"left of {self.memory_bytes / mib:.0f} MiB (the base with its packed copy {base / mib:.0f} MiB, "
-                                 f"{len(self.multi.adapters)} adapter(s) {held / mib:.0f} MiB): a smaller rank, or when another session has ended")
+        self._check_room(shape.rank, shape.spec().target_modules, "lora_config.rank", "this client's", "another session")
         adapter = SharedAdapter(self, name, shape)
         self.tenants.add(name)
         return adapter
 
-    def training_bytes(self, shape: LoraShape) -> int:
+    def add_job(self, name: str, rank: int, alpha: float, targets: list[str], dropout: float, seed: int) -> AdapterModel:
+        """A native LoRA job's adapter `name` on this base, as the job's own peft-like model
+        (opentinker.backend.adapter_model; its optimizer is the job's trainer's); BadRequest when
+        the memory bound cannot hold it."""
+        self._check_room(rank, targets, "adapter.r", "this job's", "another job")
+        self.multi.add(name, r=rank, alpha=alpha, target_modules=targets, dropout=dropout, seed=seed)
+        return AdapterModel(self.multi, name, self.base_name)
+
+    def _check_room(self, rank: int, targets: list[str], field: str, whose: str, other: str) -> None:
+        if self.memory_bytes is None:
+            return
+        need, base = self.training_bytes(rank, targets), self.base_bytes()
+        held = sum(ADAPTER_BYTES_PER_PARAMETER * a.num_parameters() for a in self.multi.adapters.values())
+        if base + held + need > self.memory_bytes:
+            mib = 2**20
+            raise BadRequest(f"{field} {rank}: {whose} adapter needs {need / mib:.0f} MiB (weights, gradients, "
+                             f"AdamW moments, sampling copy); the worker of {self.base_name} has {(self.memory_bytes - base - held) / mib:.0f} MiB "
+                             f"left of {self.memory_bytes / mib:.0f} MiB (the base with its packed copy {base / mib:.0f} MiB, "
+                             f"{len(self.multi.adapters)} adapter(s) {held / mib:.0f} MiB): a smaller rank, or when {other} has ended")
+
+    def training_bytes(self, rank: int, targets: list[str]) -> int:
         """An adapter's weights, gradients, two AdamW moments and the copy its samplers stack with
         other adapters' (multi_lora keeps it while sampling), float32: r (in + out) per target linear, five times."""
-        paths = self.multi.target_paths(tuple(shape.spec().target_modules))
-        return ADAPTER_BYTES_PER_PARAMETER * sum(shape.rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features)
+        paths = self.multi.target_paths(tuple(targets))
+        return ADAPTER_BYTES_PER_PARAMETER * sum(rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features)
                                                  for p in paths)
 
     def base_bytes(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
+from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.shared_prefix import Prefix, plan, run_prefix, selected_hidden, supports
 from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
@@ -87,9 +88,12 @@ class PolicyTrainer:
                  temperature: float = 1.0, placement: Placement | None = None):
         self.is_lora = isinstance(adapter, LoraSpec)
         self.placement = placement or cpu()
-        if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
-            model = model.to(dtype=self.placement.weights_dtype(trained=False))
-        self.model = wrap_model(model, adapter).to(self.placement.device)
+        if isinstance(model, AdapterModel):  # an adapter of a shared base (a base-model worker's): adapted and placed there
+            self.model = model
+        else:
+            if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
+                model = model.to(dtype=self.placement.weights_dtype(trained=False))
+            self.model = wrap_model(model, adapter).to(self.placement.device)
         for p in self.model.parameters():  # what trains is float32 (a VLM's vision tower may have come in the compute precision)
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()

@@ -114,8 +114,7 @@ class LoraSpec(_AdapterBase):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA input during training (0: none)")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        min_length=1, description="projections of the language model that get LoRA (a VLM's vision encoder never does)",
-    )
+        min_length=1, description="projections of the language model that get LoRA (a VLM's vision encoder never does)")
     vision_tower: Literal["frozen", "connector", "trainable"] = Field(
         "frozen", description="vision-language models: beside the LoRA, train nothing of the vision side, only the "
                               "connector (the projection into the language model), or the vision encoder and connector")
@@ -243,6 +242,8 @@ class ResourcesSpec(Section):
     num_cpus: float = Field(1, gt=0, description="logical CPUs reserved per actor; torch threads are set separately")
     torch_threads: int = Field(0, ge=0, description="torch threads per actor (0: all cores of the node)")
     colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
+    share_base: bool = Field(False, description="a LoRA job trains as an adapter of its pool's base-model worker: one copy of "
+                             "the base for many jobs and Tinker sessions, their episodes sampled in shared batches")
 
 
 # `register` is the field's name in the interface other modules use; it shadows only the ABC
@@ -356,21 +357,23 @@ class JobSpec(BaseJobSpec):
         return done == self.optimization.steps or (every > 0 and done % every == 0)
 
     @model_validator(mode="after")
-    def _server_engine_syncs_adapters(self) -> "JobSpec":
+    def _placement_fits_the_job(self) -> "JobSpec":
         if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):
             raise ValueError("rollout.engine: 'server' moves the policy to the inference server as a LoRA adapter; "
                              "a full fine-tune (adapter.kind 'full') samples with engine 'local'")
         if self.rollout.engine == "server" and self.multiagent is not None:
             raise ValueError("rollout.engine: self-play jobs sample with engine 'local'")
+        if self.resources.share_base and (not isinstance(self.adapter, LoraSpec) or self.model.init_from or self.multiagent is not None
+                                          or not self.resources.colocate or self.rollout.engine != "local"):
+            raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
+                             "rollout.engine 'local' and not self-play, trains as an adapter of a shared base-model worker")
         return self
 
     @model_validator(mode="after")
     def _group_baseline_needs_a_group(self) -> "JobSpec":
         if self.rollout.group_size < 2:
-            raise ValueError(
-                f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
-                f"so group_size must be at least 2 (got {self.rollout.group_size})"
-            )
+            raise ValueError(f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
+                             f"so group_size must be at least 2 (got {self.rollout.group_size})")
         return self
 
 
@@ -400,10 +403,7 @@ def validate_spec(model: type[_M], data: Any) -> _M:
         raise SpecError(_format_errors(err)) from None
 
 
-def read_spec_yaml(path: str | Path) -> Any:
-    """A spec file's YAML (a mapping for a valid spec), read and parsed once within the limits of
-    opentinker.core.spec_limits; SpecError (one line naming the file) if it cannot be."""
-    return read_spec_file(path)
+read_spec_yaml = read_spec_file  # a spec file's YAML, read within the limits of core.spec_limits (SpecError in one line)
 
 
 def parse_spec(data: dict[str, Any]) -> JobSpec:

@@ -93,3 +93,48 @@ class MultiLoraEngine(HFEngine):
         for item in batch:
             item.future.set_result(completions[start : start + len(item.prompts)])
             start += len(item.prompts)
+
+    def serve_training_adapter(self, name: str) -> None:
+        """Sample from adapter `name` of the shared base as it is now (a hosted job's live adapter, not a snapshot)."""
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is loaded already")
+        self.adapters[name] = "(training)"
+
+    def release_training_adapter(self, name: str) -> None:
+        """No more requests for `name` (the adapter itself stays with its owner)."""
+        self.adapters.pop(name, None)
+
+
+class AdapterRollouts:
+    """A hosted job's rollout engine (its sampler's `engine`): the episodes' turns go to the base's
+    MultiLoraEngine under the job's live training adapter, so rows of several jobs (and Tinker
+    samplers) decode in one batch. Sampling follows the adapter as the job's updates change it
+    (the version handshake of a colocated job)."""
+
+    def __init__(self, engine: MultiLoraEngine, name: str):
+        self.engine, self.name = engine, name
+        engine.serve_training_adapter(name)
+        self.policy_version = 0
+        self.generated_tokens = 0
+        self.generate_seconds = 0.0
+
+    def generate(self, prompts: list[list[int]], params: Any, budgets: list[int] | None = None,
+                 images: list[list[Any]] | None = None, stop_rule: Any = None) -> list[Any]:
+        if images is not None and any(images):
+            raise ValueError("a job on a shared base-model worker samples text only")
+        t0 = time.perf_counter()
+        budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]  # as HFRolloutEngine
+        completions = self.engine.generate(prompts, budgets, params, adapter=self.name, stop_rule=stop_rule).result()
+        self.generated_tokens += sum(len(c.token_ids) for c in completions)
+        self.generate_seconds += time.perf_counter() - t0
+        return completions
+
+    def end_phase(self) -> None:
+        """Nothing is cached per job (the shared engine keeps no prefix cache)."""
+
+    def shared_metrics(self) -> dict[str, float]:
+        """How often the base's sampling batches (so far, every tenant's) held rows of several adapters."""
+        return {"rollout/batch_share": self.engine.mixed / self.engine.batches if self.engine.batches else 0.0}
+
+    def close(self) -> None:
+        self.engine.release_training_adapter(self.name)

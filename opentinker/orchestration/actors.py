@@ -6,6 +6,8 @@ The actors are the runtime's own classes, hosted by Ray, with no wrapper in betw
   version handshake;
 - split (`colocate: false`): a `Policy` actor and a `Sampler` actor with their own model copies;
   after every update the policy's trainable weights go to the sampler, tagged with their version;
+- shared (`resources.share_base: true`, LoRA): hosted on the pool's base-model worker, its adapter
+  on the worker's one copy of the base, its episodes batched with other tenants' there;
 - self-play: one `SelfPlayJob` actor holding every agent's policy.
 Trajectories travel actor to actor through Ray's object store, never through Prefect.
 """
@@ -21,24 +23,33 @@ from opentinker.core.spec import JobSpec
 
 @dataclass
 class JobActors:
-    """Handles of one RL job's actors: `job` (colocated), or `policy` and `sampler` (split)."""
+    """Handles of one RL job's actors: `job` (colocated), or `policy` and `sampler` (split), or
+    `hosted`: the job on its base's shared worker (opentinker.orchestration.base_worker)."""
 
     job: Any = None
     policy: Any = None
     sampler: Any = None
+    hosted: Any = None
 
     @property
     def colocated(self) -> bool:
-        return self.job is not None
+        return self.job is not None or self.hosted is not None
 
-    @property
-    def samples(self) -> Any:
-        """The actor that plays episodes (rollout, evaluate)."""
-        return self.job if self.colocated else self.sampler
+    def call(self, method: str, *args: Any) -> Any:
+        """An ObjectRef of the colocated job's `method(*args)`, wherever it is hosted."""
+        if self.hosted is not None:
+            return self.hosted.call(method, *args)
+        return getattr(self.job, method).remote(*args)
+
+    def sample(self, method: str, *args: Any) -> Any:
+        """An ObjectRef of `method(*args)` on what plays episodes (rollout, evaluate)."""
+        return self.call(method, *args) if self.colocated else getattr(self.sampler, method).remote(*args)
 
     def kill(self) -> None:
         import ray
 
+        if self.hosted is not None:
+            self.hosted.kill()
         for handle in (self.job, self.policy, self.sampler):
             if handle is not None:
                 ray.kill(handle)
@@ -61,6 +72,11 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
 
+    if spec.resources.share_base:
+        from opentinker.core.settings import get_settings
+        from opentinker.orchestration.base_worker import JobOnBaseWorker
+
+        return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
     if spec.resources.colocate:
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())

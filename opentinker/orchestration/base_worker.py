@@ -61,6 +61,20 @@ class Hosted:
     run: Any = None  # its MLflow run, opened at its first step
 
 
+JOB_CALLS = ("restore", "rollout", "update", "evaluate", "checkpoint")  # what a flow may call on a hosted job
+
+
+def adapter_name(job_id: str, tenant: str | None) -> str:
+    """A hosted job's adapter on its base: never a Tinker model id (those hold a `:`), never another tenant's job."""
+    return f"job/{tenant or '-'}/{job_id}"
+
+
+@dataclass
+class HostedJob:
+    job: Any  # opentinker.rl.RLJob
+    model: Any  # its AdapterModel
+
+
 class SessionRouter:
     """ASGI: `/s/<session_id>/<rest>` goes to that session's own app (as `/<rest>`); anything else is 404."""
 
@@ -96,6 +110,7 @@ class BaseModelWorker:
         self.placement = placement(num_gpus)
         self.bases = SharedBases(self.settings.models_folder, self.placement, memory_bytes=worker_memory_bytes(self.settings, num_gpus))
         self.hosted: dict[str, Hosted] = {}
+        self.jobs: dict[str, HostedJob] = {}  # native LoRA jobs, by job id
         self.router = SessionRouter()
         self.lock = threading.Lock()
         self.idle_s, self.empty_since, self.closing = idle_s, time.monotonic(), False
@@ -139,12 +154,65 @@ class BaseModelWorker:
         if hosted is not None:
             hosted.session.close()
 
+    # -- native jobs ------------------------------------------------------------------------
+    def host_job(self, spec: Any, job_id: str, tenant: str | None) -> dict[str, Any]:
+        """Host a native LoRA RL job (`resources.share_base`): its adapter on the base it names, its
+        policy and sampler the job's own (opentinker.rl.RLJob) over that adapter, its episodes
+        sampled by the base's shared engine, batched with other jobs' and sessions' requests."""
+        from opentinker.inference.engine_multi_lora import AdapterRollouts
+        from opentinker.rl import RLJob
+
+        with self.lock:
+            if self.closing:
+                raise WorkerClosing("this base-model worker is closing (idle): start another")
+            if job_id in self.jobs:
+                raise ValueError(f"job {job_id} is hosted here already")
+            self.jobs[job_id] = None  # taken while the base loads
+        try:
+            shared = self.bases.base(spec.model.name)
+            lora = spec.adapter
+            model = shared.add_job(adapter_name(job_id, tenant), lora.r, lora.alpha, lora.target_modules, lora.dropout, spec.seed)
+            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), model.name)
+            with model.using():
+                job = RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
+        except BaseException:
+            self._forget_job(job_id)
+            raise
+        self.jobs[job_id] = HostedJob(job, model)
+        import os
+
+        return {"pid": os.getpid(), "adapters": len(shared.multi.adapters), "base": spec.model.name}
+
+    def job_call(self, job_id: str, method: str, *args: Any) -> Any:
+        """One of the step loop's calls of a hosted job, every forward in it through the job's adapter."""
+        if method not in JOB_CALLS:
+            raise ValueError(f"no such job call: {method}")
+        hosted = self.jobs[job_id]
+        with hosted.model.using():
+            return getattr(hosted.job, method)(*args)
+
+    def drop_job(self, job_id: str) -> None:
+        """The job leaves: its sampler stops using the engine, its adapter leaves the base."""
+        hosted = self.jobs.get(job_id)
+        if hosted is not None:
+            hosted.job.close()
+        self._forget_job(job_id)
+
+    def _forget_job(self, job_id: str) -> None:
+        hosted = self.jobs.get(job_id)
+        with self.lock:
+            self.jobs.pop(job_id, None)
+            if not self.hosted and not self.jobs:
+                self.empty_since = time.monotonic()
+        if hosted is not None:
+            hosted.model.multi.remove(hosted.model.name)
+
     def info(self) -> dict[str, Any]:
         """What the worker hosts: sessions, each base's adapters and how often calls shared a pass."""
         import os
 
-        return {"url": self.url, "pid": os.getpid(), "sessions": sorted(self.hosted), "adapters": self.bases.adapters(),
-                "bases": self.bases.stats()}
+        return {"url": self.url, "pid": os.getpid(), "sessions": sorted(self.hosted), "jobs": sorted(self.jobs),
+                "adapters": self.bases.adapters(), "bases": self.bases.stats(), "sampling": self.bases.sampling_stats()}
 
     # -- background -------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -158,7 +226,7 @@ class BaseModelWorker:
                     log.warning("session %s: no call for %.0f s and no flow took it off: dropped", session_id, hosted.session.idle_seconds())
                     self.drop(session_id)
             with self.lock:
-                idle = not self.hosted and time.monotonic() - self.empty_since > self.idle_s
+                idle = not self.hosted and not self.jobs and time.monotonic() - self.empty_since > self.idle_s
                 if idle:
                     self.closing = True
             if idle:
@@ -189,30 +257,37 @@ class BaseModelWorker:
                 log.warning("could not log step %d of %s to MLflow", step, session_id, exc_info=True)
 
 
+def on_worker(num_gpus: float, idle_s: float, method: str, *args: Any, timeout_s: float = 600) -> tuple[Any, Any]:
+    """(the pool's base-model worker, what its `method(*args)` returned), the worker found or
+    started detached; one found closing (idle) is waited out and a new one started."""
+    import ray
+
+    from opentinker.control.scheduler import pool_for
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        worker = ray.remote(BaseModelWorker).options(
+            name=worker_name(pool_for(num_gpus)), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0,
+            max_concurrency=16, num_cpus=1, num_gpus=1 if num_gpus > 0 else 0).remote(num_gpus, idle_s)
+        try:
+            return worker, ray.get(getattr(worker, method).remote(*args), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayError as err:
+            if "WorkerClosing" not in str(err) and not isinstance(err, ray.exceptions.RayActorError) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 class OnBaseWorker:
     """A flow's session hosted on its pool's base-model worker (found, or started detached)."""
 
     def __init__(self, num_gpus: float, idle_s: float, session_id: str, *host_args: Any):
-        from opentinker.control.scheduler import pool_for
-
-        self.name, self.num_gpus, self.idle_s = worker_name(pool_for(num_gpus)), num_gpus, idle_s
+        self.num_gpus, self.idle_s = num_gpus, idle_s
         self.session_id, self.host_args, self.worker = session_id, host_args, None
 
     def start(self, timeout_s: float = 600) -> dict[str, Any]:
-        """Host the session; a worker found closing (idle) is waited out and a new one started."""
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.worker = ray.remote(BaseModelWorker).options(
-                name=self.name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0, max_concurrency=16,
-                num_cpus=1, num_gpus=1 if self.num_gpus > 0 else 0).remote(self.num_gpus, self.idle_s)
-            try:
-                return ray.get(self.worker.host.remote(self.session_id, *self.host_args), timeout=max(1.0, deadline - time.monotonic()))
-            except ray.exceptions.RayError as err:
-                if "WorkerClosing" not in str(err) and not isinstance(err, ray.exceptions.RayActorError) or time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        """Host the session; its URL."""
+        self.worker, info = on_worker(self.num_gpus, self.idle_s, "host", self.session_id, *self.host_args, timeout_s=timeout_s)
+        return info
 
     def status(self) -> dict[str, Any]:
         """The session's status; WorkerLost in one line when the worker died under it."""
@@ -239,3 +314,28 @@ class OnBaseWorker:
                 ray.get(self.worker.drop.remote(self.session_id), timeout=60)
             except Exception:  # noqa: BLE001 - the worker is gone already
                 pass
+
+
+class JobOnBaseWorker:
+    """A native LoRA job's actor side when it shares its base (`resources.share_base`): hosted on
+    the pool's base-model worker; the step loop's calls go there (JobActors.call)."""
+
+    def __init__(self, spec: Any, job_id: str, tenant: str | None, idle_s: float):
+        self.job_id = job_id
+        self.worker, self.where = on_worker(spec.resources.num_gpus, idle_s, "host_job", spec, job_id, tenant)
+
+    def line(self) -> str:
+        return f"on the base-model worker (pid {self.where['pid']}): adapter {self.where['adapters']} of its {self.where['base']}"
+
+    def call(self, method: str, *args: Any) -> Any:
+        """An ObjectRef of the hosted job's `method(*args)`."""
+        return self.worker.job_call.remote(self.job_id, method, *args)
+
+    def kill(self) -> None:
+        """The job off the worker, whatever happened (the worker stays for the others)."""
+        import ray
+
+        try:
+            ray.get(self.worker.drop_job.remote(self.job_id), timeout=60)
+        except Exception:  # noqa: BLE001 - the worker is gone already
+            pass

@@ -206,7 +206,8 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
     check_mlflow(settings.mlflow_url)
     check_job_storage(spec)
     check_placeable(spec)
-    with held_slots(spec.resources.num_gpus, tenant):
+    shares = spec.resources.share_base and cluster_address(settings) is not None  # a seat of the base-model worker (see actors.py)
+    with held_slots(spec.resources.num_gpus, tenant, seat=shares):
         context = JobContext(job_id, flow_run_id, tenant or settings.project, tenant)
         try:
             yield context

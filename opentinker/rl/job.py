@@ -25,20 +25,23 @@ class RLJob:
     """A `StepRunner` (see opentinker.rl.loop) over a policy and a sampler sharing one model."""
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None,
-                 tenant: str | None = None):
+                 tenant: str | None = None, model: Any = None, tokenizer: Any = None, rollout_engine: Any = None):
         """`start_server` starts the job's own inference server for `rollout.engine: server`
         (opentinker.inference.launch.rollout_server; the runtime's callers pass it). `tenant` is
-        whose job it is (its checkpoints are signed as such; None: the operator's). A job id
+        whose job it is (its checkpoints are signed as such; None: the operator's). A host that
+        shares a base gives the job's `model` (an AdapterModel), `tokenizer` and `rollout_engine`;
+        the job then leaves the process's global seeds alone (other jobs draw from them). A job id
         that is not one folder name (core/ids.py) is refused first: InvalidJobId, nothing written."""
         job_id = job_id_for(spec, job_id)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         check_gpus(spec.resources.num_gpus)
         self.spec = spec
         self.job_id = job_id
-        seed_everything(spec.seed)
-        self.policy = Policy(spec, job_id=self.job_id, tenant=tenant)
+        if model is None:
+            seed_everything(spec.seed)
+        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant)
         self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
-                               start_server=start_server)
+                               start_server=start_server, engine=rollout_engine)
 
     def restore(self) -> Restored | None:
         restored = self.policy.restore_latest()

@@ -75,14 +75,18 @@ def sync_tolerance(spec: JobSpec, where: Placement) -> float:
 
 class Sampler:
     def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None,
-                 where: Placement | None = None, start_server: StartServer | None = None):
+                 where: Placement | None = None, start_server: StartServer | None = None, engine: Any = None):
+        """`engine`: what samples the episodes, given by the host (a base-model worker's shared
+        engine, opentinker.inference.engine_multi_lora.AdapterRollouts); None: per `rollout.engine`."""
         where = where or placement(spec.resources.num_gpus, spec.model.dtype)
         if model is None:
             model, tokenizer = own_model(spec, job_id, where)
         self.spec, self.model, self.where = spec, model, where
         r = spec.rollout
         self.wanted_version = 0  # the policy version episodes should be sampled from
-        if r.engine == "server":
+        if engine is not None:
+            self.engine = engine
+        elif r.engine == "server":
             if getattr(tokenizer, "processor", None) is not None:
                 raise ValueError("rollout.engine: 'server' samples text only; a vision-language model samples with engine 'local'")
             self.engine = ServerRolloutEngine(self._server(start_server, job_id), sync_tolerance(spec, where))
@@ -119,8 +123,8 @@ class Sampler:
         self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        """Stop what the sampler started (a server engine's own server)."""
-        if isinstance(self.engine, ServerRolloutEngine):
+        """Stop what the sampler started (a server engine's own server), or leave the host's engine."""
+        if not isinstance(self.engine, HFRolloutEngine):
             self.engine.close()
 
     def sync(self, version: int | tuple[int, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor] | None = None) -> int:
@@ -137,7 +141,7 @@ class Sampler:
                 for name, tensor in weights.items():
                     named[name].copy_(tensor)
         self.wanted_version = version
-        if isinstance(self.engine, HFRolloutEngine):  # samples from self.model: nothing to move
+        if not isinstance(self.engine, ServerRolloutEngine):  # samples from self.model: nothing to move
             self.engine.policy_version = version
         return version
 
@@ -163,7 +167,7 @@ class Sampler:
             "rollout/decode_positions": float(getattr(self.engine, "decode_positions", 0) - decoded0),
             "rollout/useful_positions": float(getattr(self.engine, "useful_positions", 0) - useful0),
             "rollout/policy_version": float(self.engine.policy_version),
-        } | self.sync_metrics
+        } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
         self._batch = RolloutBatch(step=step, policy_version=self.engine.policy_version, trajectories=trajs, metrics=metrics)
         return metrics
 

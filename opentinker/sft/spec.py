@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from opentinker.core.spec import BaseJobSpec, LearningRate, Section, SpecError, dump_spec, read_spec_yaml, storage_url, validate_spec
 
@@ -45,6 +45,12 @@ class SFTSpec(BaseJobSpec):
 
     data: SFTDataSpec = Field(description="the chat examples to train on")
     training: SFTTrainingSpec = Field(default_factory=SFTTrainingSpec, description="the optimizer and the passes over the data")
+
+    @model_validator(mode="after")
+    def _trains_its_own_model(self) -> "SFTSpec":
+        if self.resources.share_base:  # trl's trainer wants a model of its own (a peft model), not an adapter of a shared base
+            raise ValueError("resources.share_base: an SFT job trains a model of its own (RL LoRA jobs and Tinker sessions share bases)")
+        return self
 
 
 class SFTDataError(SpecError):

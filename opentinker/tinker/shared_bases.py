@@ -54,6 +54,10 @@ class SharedBases:
         return {name: {"adapters": len(shared.multi.adapters), "passes": shared.stats.passes, "calls": shared.stats.calls,
                        "batch_share": shared.stats.share()} for name, shared in self.bases.items()}
 
+    def sampling_stats(self) -> dict[str, dict[str, int]]:
+        """Per base, the sampling batches run and how many held rows of two adapters or more."""
+        return {name: {"batches": engine.batches, "mixed": engine.mixed} for name, engine in self.engines.engines.items()}
+
     def close(self) -> None:
         for shared in self.bases.values():
             shared.close()

@@ -123,5 +123,5 @@ def test_a_job_that_cannot_share_a_base_is_refused_with_the_reason(tmp_path, ove
 def test_an_sft_job_that_asks_to_share_a_base_is_refused(tmp_path):
     from opentinker.sft.spec import parse_sft_spec
 
-    with pytest.raises(SpecError, match=r"^resources.share_base: an SFT job trains a model of its own"):
+    with pytest.raises(SpecError, match=r"^<spec>: resources.share_base: an SFT job trains a model of its own"):
         parse_sft_spec({"model": {"name": "tiny-random"}, "data": {"path": str(tmp_path / "d.jsonl")}, "resources": {"share_base": True}})

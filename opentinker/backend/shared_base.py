@@ -99,6 +99,9 @@ class SharedBase:
         self.vocab_size = int(self.lm.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0) or None
         self.stats = PassStats()
+        # One training pass at a time (a Tinker pass here, a hosted job's update in its caller's thread):
+        # each takes every core; two at once would only fight over them (sampling runs beside, as ever).
+        self.training = threading.Lock()
         self.tenants: set[str] = set()  # the training adapters attached
         self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
@@ -206,7 +209,8 @@ class SharedBase:
         saved = {c.adapter: [None if p.grad is None else p.grad.clone() for p in self.multi[c.adapter].parameters()]
                  for c in calls if not c.forward_only}
         try:
-            results = self._pass(calls)
+            with self.training:
+                results = self._pass(calls)
         except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
             if len(calls) == 1:
                 calls[0].future.set_exception(err)

@@ -12,6 +12,13 @@ session) and its MLflow run; its Prefect flow run holds one of the worker's seat
 as the session. The worker is a detached, named actor: the first session's flow starts it, the
 next ones find it; `drop` takes a session (and its adapters) off; with no session left for
 `idle_s` it closes and exits, and a flow that finds it closing starts a new one.
+
+It hosts native LoRA RL jobs too (`resources.share_base`): the job's policy and sampler
+(opentinker.rl.RLJob) over its adapter of the base (`host_job`), the flow's step tasks calling
+in (`job_call`), its episodes sampled by the base's shared engine in batches with every other
+adapter's rows. Updates (a job's, or a pass of Tinker clients) take the base's training lock in
+turn: on a CPU a training pass's matmuls already fill every core, so joining them buys nothing,
+while a job's own pass keeps its shared-prefix saving (opentinker.backend.shared_prefix).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +81,7 @@ def adapter_name(job_id: str, tenant: str | None) -> str:
 class HostedJob:
     job: Any  # opentinker.rl.RLJob
     model: Any  # its AdapterModel
+    shared: Any  # the SharedBase it is an adapter of
 
 
 class SessionRouter:
@@ -178,7 +187,7 @@ class BaseModelWorker:
         except BaseException:
             self._forget_job(job_id)
             raise
-        self.jobs[job_id] = HostedJob(job, model)
+        self.jobs[job_id] = HostedJob(job, model, shared)
         import os
 
         return {"pid": os.getpid(), "adapters": len(shared.multi.adapters), "base": spec.model.name}
@@ -188,7 +197,7 @@ class BaseModelWorker:
         if method not in JOB_CALLS:
             raise ValueError(f"no such job call: {method}")
         hosted = self.jobs[job_id]
-        with hosted.model.using():
+        with hosted.model.using(), hosted.shared.training if method == "update" else nullcontext():
             return getattr(hosted.job, method)(*args)
 
     def drop_job(self, job_id: str) -> None:

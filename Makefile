@@ -77,6 +77,8 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_vlm.py --steps 20 --every 5
 	$(PY) bench/tinker_overhead.py --steps 10
 	$(PY) bench/learning_tinker.py --steps 25 --every 5 --recompute-logprobs
+	$(PY) bench/shared_base.py
+	$(PY) bench/shared_jobs.py
 
 clean:
 	rm -rf $(VENV) runs .opentinker .pytest_cache

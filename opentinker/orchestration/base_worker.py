@@ -24,6 +24,7 @@ while a job's own pass keeps its shared-prefix saving (opentinker.backend.shared
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,6 +71,21 @@ class Hosted:
 
 
 JOB_CALLS = ("restore", "rollout", "update", "evaluate", "checkpoint")  # what a flow may call on a hosted job
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    Why: each of the worker's threads (one per call in flight) gets a malloc arena of its own,
+    which keeps the peak of what its calls allocated: measured with three SmolLM2 jobs after two
+    steps each, 4.4 GB resident, 1.8 GB after a trim. A trim costs milliseconds against a step's seconds."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def adapter_name(job_id: str, tenant: str | None) -> str:
@@ -188,8 +204,6 @@ class BaseModelWorker:
             self._forget_job(job_id)
             raise
         self.jobs[job_id] = HostedJob(job, model, shared)
-        import os
-
         return {"pid": os.getpid(), "adapters": len(shared.multi.adapters), "base": spec.model.name}
 
     def job_call(self, job_id: str, method: str, *args: Any) -> Any:
@@ -197,8 +211,12 @@ class BaseModelWorker:
         if method not in JOB_CALLS:
             raise ValueError(f"no such job call: {method}")
         hosted = self.jobs[job_id]
-        with hosted.model.using(), hosted.shared.training if method == "update" else nullcontext():
-            return getattr(hosted.job, method)(*args)
+        try:
+            with hosted.model.using(), hosted.shared.training if method == "update" else nullcontext():
+                return getattr(hosted.job, method)(*args)
+        finally:
+            if method in ("rollout", "update", "evaluate"):
+                return_freed_memory()
 
     def drop_job(self, job_id: str) -> None:
         """The job leaves: its sampler stops using the engine, its adapter leaves the base."""
@@ -218,8 +236,6 @@ class BaseModelWorker:
 
     def info(self) -> dict[str, Any]:
         """What the worker hosts: sessions, each base's adapters and how often calls shared a pass."""
-        import os
-
         return {"url": self.url, "pid": os.getpid(), "sessions": sorted(self.hosted), "jobs": sorted(self.jobs),
                 "adapters": self.bases.adapters(), "bases": self.bases.stats(), "sampling": self.bases.sampling_stats()}
 
@@ -277,7 +293,10 @@ def on_worker(num_gpus: float, idle_s: float, method: str, *args: Any, timeout_s
     while True:
         worker = ray.remote(BaseModelWorker).options(
             name=worker_name(pool_for(num_gpus)), namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=0,
-            max_concurrency=16, num_cpus=1, num_gpus=1 if num_gpus > 0 else 0).remote(num_gpus, idle_s)
+            max_concurrency=16, num_cpus=1, num_gpus=1 if num_gpus > 0 else 0,
+            # torch on every core of the node, as a job's own actor has it (Ray would set 1 thread for 1 CPU)
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "TOKENIZERS_PARALLELISM": "false"}},
+        ).remote(num_gpus, idle_s)
         try:
             return worker, ray.get(getattr(worker, method).remote(*args), timeout=max(1.0, deadline - time.monotonic()))
         except ray.exceptions.RayError as err:

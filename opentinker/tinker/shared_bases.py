@@ -26,7 +26,9 @@ class SharedBases:
         """`memory_bytes`: what each base and its adapters may fill (None: no bound)."""
         self.models_folder, self.placement, self.memory_bytes = models_folder, placement, memory_bytes
         self.bases: dict[str, SharedBase] = {}
-        self.engines = SamplingEngines(placement, factory=lambda loader_name: MultiLoraEngine(self.base(loader_name)))
+        # Up to 128 rows a batch: a hosted job's rollout asks for its whole step at once (the demo's: 32 rows), and
+        # several jobs' only share a batch when together they fit.
+        self.engines = SamplingEngines(placement, factory=lambda loader_name: MultiLoraEngine(self.base(loader_name), max_batch_size=128))
         self.lock = threading.Lock()
 
     def base(self, loader_name: str, base_name: str | None = None) -> SharedBase:

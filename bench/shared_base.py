@@ -89,6 +89,33 @@ class Memory:
         return self.peak
 
 
+def compared(n: int, separate: dict, shared: dict) -> dict:
+    """One row of the results (shared / separate ratios), printed as it comes."""
+    row = {"tenants": n, "memory_ratio": shared["rss_mb"] / separate["rss_mb"],
+           "throughput_ratio": shared["tokens_per_s"] / separate["tokens_per_s"],
+           "p95_latency_ratio": shared["p95_s"] / separate["p95_s"], "shared": shared, "separate": separate}
+    print(f"N={n}: memory {shared['rss_mb']:.0f} / {separate['rss_mb']:.0f} MB = {row['memory_ratio']:.2f}; "
+          f"throughput {shared['tokens_per_s']:.0f} / {separate['tokens_per_s']:.0f} tok/s = {row['throughput_ratio']:.2f}; "
+          f"p95 step {shared['p95_s']:.2f} / {separate['p95_s']:.2f} s = {row['p95_latency_ratio']:.2f}", flush=True)
+    return row
+
+
+def met_at_4(rows: list[dict]) -> dict[str, bool]:
+    at4 = next((r for r in rows if r["tenants"] == 4), None)
+    return {k: (at4[k] <= g if k != "throughput_ratio" else at4[k] >= g) for k, g in GOALS.items()} if at4 else {}
+
+
+def table(rows: list[dict], first: str) -> list[str]:
+    """The results as a markdown table; `first`: what the first column counts."""
+    lines = [f"| {first} | memory shared / separate (MB) | ratio | tokens/s shared / separate | ratio | p95 step shared / separate (s) | ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s, p = r["shared"], r["separate"]
+        lines.append(f"| {r['tenants']} | {s['rss_mb']:.0f} / {p['rss_mb']:.0f} | **{r['memory_ratio']:.2f}** | {s['tokens_per_s']:.0f} / "
+                     f"{p['tokens_per_s']:.0f} | **{r['throughput_ratio']:.2f}** | {s['p95_s']:.2f} / {p['p95_s']:.2f} | **{r['p95_latency_ratio']:.2f}** |")
+    return lines
+
+
 def tenant_loop(url: str, key: str, args, seed: int, out: dict) -> None:
     import numpy as np
     import tinker
@@ -180,45 +207,33 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve[1:], args.serve[0] == "shared")
+    rows = [compared(n, one_way(n, False, args), one_way(n, True, args)) for n in args.tenants]  # separate first, then shared
+    write_results("shared_base", rows, args.model, {
+        "steps": args.steps, "warmup": args.warmup, "samples": args.samples, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+        "lora_rank": 16}, f"N tenants on one base vs. N separate servers ({args.model})",
+        f"Each tenant: {args.steps} measured RL steps after {args.warmup} warm-up (sample {args.samples} x {args.new_tokens} tokens "
+        f"from a {args.prompt_len}-token prompt, then importance_sampling forward_backward + optim_step, LoRA r16), through the "
+        "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant.", "tenants")
+
+
+def write_results(name: str, rows: list[dict], model: str, work: dict, title: str, what: str, first: str) -> None:
+    """bench/results/NAME.{json,md}: the rows, the goals at N = 4 and whether they were met, the machine and the command."""
     import torch
 
-    rows = []
-    for n in args.tenants:
-        separate = one_way(n, False, args)
-        shared = one_way(n, True, args)
-        row = {"tenants": n, "memory_ratio": shared["rss_mb"] / separate["rss_mb"],
-               "throughput_ratio": shared["tokens_per_s"] / separate["tokens_per_s"],
-               "p95_latency_ratio": shared["p95_s"] / separate["p95_s"], "shared": shared, "separate": separate}
-        rows.append(row)
-        print(f"N={n}: memory {shared['rss_mb']:.0f} / {separate['rss_mb']:.0f} MB = {row['memory_ratio']:.2f}; "
-              f"throughput {shared['tokens_per_s']:.0f} / {separate['tokens_per_s']:.0f} tok/s = {row['throughput_ratio']:.2f}; "
-              f"p95 step {shared['p95_s']:.2f} / {separate['p95_s']:.2f} s = {row['p95_latency_ratio']:.2f}", flush=True)
-    at4 = next((r for r in rows if r["tenants"] == 4), None)
-    met = {k: (at4[k] <= g if k != "throughput_ratio" else at4[k] >= g) for k, g in GOALS.items()} if at4 else {}
+    met = met_at_4(rows)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-    result = {"rows": rows, "goals_at_4": GOALS, "met_at_4": met, "model": args.model, "machine": machine,
-              "work": {"steps": args.steps, "warmup": args.warmup, "samples": args.samples, "new_tokens": args.new_tokens,
-                       "prompt_len": args.prompt_len, "lora_rank": 16}, "command": "python bench/shared_base.py " + " ".join(sys.argv[1:])}
+    result = {"rows": rows, "goals_at_4": GOALS, "met_at_4": met, "model": model, "machine": machine, "work": work,
+              "command": f"python bench/{name}.py " + " ".join(sys.argv[1:])}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "shared_base.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# N tenants on one base vs. N separate servers ({args.model})", "",
-             f"{machine}. Each tenant: {args.steps} measured RL steps after {args.warmup} warm-up (sample {args.samples} x "
-             f"{args.new_tokens} tokens from a {args.prompt_len}-token prompt, then importance_sampling forward_backward + optim_step, "
-             "LoRA r16), through the tinker SDK. Shared: one server process, one base for all; separate: one process per tenant.", "",
-             "| tenants | memory shared / separate (MB) | ratio | tokens/s shared / separate | ratio | p95 step shared / separate (s) | ratio |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        s, p = r["shared"], r["separate"]
-        lines.append(f"| {r['tenants']} | {s['rss_mb']:.0f} / {p['rss_mb']:.0f} | **{r['memory_ratio']:.2f}** | {s['tokens_per_s']:.0f} / "
-                     f"{p['tokens_per_s']:.0f} | **{r['throughput_ratio']:.2f}** | {s['p95_s']:.2f} / {p['p95_s']:.2f} | **{r['p95_latency_ratio']:.2f}** |")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"# {title}", "", f"{machine}. {what}", "", *table(rows, first)]
     if met:
         lines += ["", "Goals at N = 4: memory <= 0.4x, throughput >= 1.3x, p95 step latency <= 1.0x: "
                   + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in met.items()) + "."]
     lines += ["", f"Made with `{result['command']}`"]
-    (out / "shared_base.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
 
 if __name__ == "__main__":
     main()

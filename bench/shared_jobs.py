@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.shared_base import GOALS, Memory  # noqa: E402
+from bench.shared_base import Memory, compared, write_results  # noqa: E402
 
 
 def _spec(model: str, seed: int, shared: bool):
@@ -137,45 +136,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.run:
         return run(args.run, args.seeds, args.model, args.warmup, args.steps, args.threads)
-    import torch
-
-    rows = []
-    for n in args.tenants:
-        separate = one_way(n, False, args)
-        shared = one_way(n, True, args)
-        row = {"tenants": n, "memory_ratio": shared["rss_mb"] / separate["rss_mb"],
-               "throughput_ratio": shared["tokens_per_s"] / separate["tokens_per_s"],
-               "p95_latency_ratio": shared["p95_s"] / separate["p95_s"], "shared": shared, "separate": separate}
-        rows.append(row)
-        print(f"N={n}: memory {shared['rss_mb']:.0f} / {separate['rss_mb']:.0f} MB = {row['memory_ratio']:.2f}; "
-              f"throughput {shared['tokens_per_s']:.0f} / {separate['tokens_per_s']:.0f} tok/s = {row['throughput_ratio']:.2f}; "
-              f"p95 step {shared['p95_s']:.2f} / {separate['p95_s']:.2f} s = {row['p95_latency_ratio']:.2f}", flush=True)
-    at4 = next((r for r in rows if r["tenants"] == 4), None)
-    met = {k: (at4[k] <= g if k != "throughput_ratio" else at4[k] >= g) for k, g in GOALS.items()} if at4 else {}
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-    result = {"rows": rows, "goals_at_4": GOALS, "met_at_4": met, "model": args.model, "machine": machine,
-              "work": {"spec": "examples/math_grpo.yaml", "steps": args.steps, "warmup": args.warmup},
-              "command": "python bench/shared_jobs.py " + " ".join(sys.argv[1:])}
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shared_jobs.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# N native LoRA RL jobs on one base-model worker vs. a model per job ({args.model})", "",
-             f"{machine}. Each job: the demo's spec (examples/math_grpo.yaml, its own seed), {args.steps} measured steps "
-             f"(rollout + update) after {args.warmup} warm-up. Shared: one process, the jobs hosted on a BaseModelWorker "
-             "(`resources.share_base: true`); separate: one process per job, torch threads = cores // N each.", "",
-             "| jobs | memory shared / separate (MB) | ratio | tokens/s shared / separate | ratio | p95 step shared / separate (s) | ratio |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        s, p = r["shared"], r["separate"]
-        lines.append(f"| {r['tenants']} | {s['rss_mb']:.0f} / {p['rss_mb']:.0f} | **{r['memory_ratio']:.2f}** | {s['tokens_per_s']:.0f} / "
-                     f"{p['tokens_per_s']:.0f} | **{r['throughput_ratio']:.2f}** | {s['p95_s']:.2f} / {p['p95_s']:.2f} | **{r['p95_latency_ratio']:.2f}** |")
-    if met:
-        lines += ["", "Goals at N = 4 (as for Tinker tenants): memory <= 0.4x, throughput >= 1.3x, "
-                  "p95 step latency <= 1.0x: " + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in met.items()) + "."]
-    lines += ["", f"Made with `{result['command']}`"]
-    (out / "shared_jobs.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
+    rows = [compared(n, one_way(n, False, args), one_way(n, True, args)) for n in args.tenants]  # separate first, then shared
+    write_results("shared_jobs", rows, args.model, {"spec": "examples/math_grpo.yaml", "steps": args.steps, "warmup": args.warmup},
+                  f"N native LoRA RL jobs on one base-model worker vs. a model per job ({args.model})",
+                  f"Each job: the demo's spec (examples/math_grpo.yaml, its own seed), {args.steps} measured steps (rollout + update) "
+                  f"after {args.warmup} warm-up. Shared: one process, the jobs hosted on a BaseModelWorker (`resources.share_base: "
+                  "true`); separate: one process per job, torch threads = cores // N each.", "jobs")
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,8 @@ its episodes sampled by the base's shared engine in batches with other jobs' row
 In-process (the worker's class without Ray; the stack test runs it through Prefect and Ray):
 - the same batch gives the same update as the job's own peft model (loss, gradient norm, weights);
 - two jobs hosted together sample in mixed batches, train, and checkpoint in peft's layout, which
-  loads as any LoRA checkpoint and scores as the hosted adapter did; leaving frees the adapter;
+  loads as any LoRA checkpoint and scores as the hosted adapter did; the same job id of two tenants
+  is two jobs; a job the memory bound cannot hold is refused with the numbers; leaving frees the adapter;
 - a spec that cannot share is refused with the field and the reason.
 """
 
@@ -55,26 +56,36 @@ def test_an_update_on_a_shared_base_is_the_update_of_the_jobs_own_peft_model(tmp
 
 
 def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(tmp_path):
+    from opentinker.backend.primitives import BadRequest
     from opentinker.backend.rollout import score_tokens
     from opentinker.model.policy import load_policy
     from opentinker.orchestration.base_worker import BaseModelWorker, adapter_name
 
     worker = BaseModelWorker(num_gpus=0, idle_s=3600)
     specs = {name: _spec(tmp_path, seed=seed) for name, seed in (("ann", 1), ("bob", 2))}
-    for name, spec in specs.items():
-        worker.host_job(spec, name, "tenant-" + name)
+    keys = {name: worker.host_job(spec, name, "tenant-" + name)["key"] for name, spec in specs.items()}
+    assert keys == {name: adapter_name(name, "tenant-" + name) for name in specs}
+    with pytest.raises(ValueError, match="job ann is hosted here already"):
+        worker.host_job(specs["ann"], "ann", "tenant-ann")
+    other = worker.host_job(specs["ann"], "ann", "tenant-bob")["key"]  # the same job id of another tenant is another job
+    worker.drop_job(other)
+    shared = worker.bases.base("tiny-random")
+    shared.memory_bytes = shared.base_bytes() + 1  # full: a job is refused with the numbers, and leaves nothing behind
+    with pytest.raises(BadRequest, match=r"^adapter\.r 8: this job's adapter needs \d+ MiB .* or when another job has ended$"):
+        worker.host_job(specs["ann"], "carl", "tenant-carl")
+    shared.memory_bytes = None
     info = worker.info()
-    assert info["jobs"] == ["ann", "bob"]
-    assert sorted(info["adapters"]["tiny-random"]) == [adapter_name("ann", "tenant-ann"), adapter_name("bob", "tenant-bob")]
+    assert info["jobs"] == sorted(keys.values()) and sorted(info["adapters"]["tiny-random"]) == sorted(keys.values())
     worker.bases.engines.engine("tiny-random").gather_s = 0.2  # the two rollouts below start together: one batch
 
     def steps(name):
-        worker.job_call(name, "restore")
+        key = keys[name]
+        worker.job_call(key, "restore")
         for step in (1, 2):
-            played = worker.job_call(name, "rollout", step)
+            played = worker.job_call(key, "rollout", step)
             assert played["rollout/response_tokens_mean"] <= specs[name].rollout.max_new_tokens  # the job's own limits hold
-            metrics[name].append(worker.job_call(name, "update", step))
-        refs[name] = worker.job_call(name, "checkpoint", 2)
+            metrics[name].append(worker.job_call(key, "update", step))
+        refs[name] = worker.job_call(key, "checkpoint", 2)
 
     metrics, refs = {"ann": [], "bob": []}, {}
     threads = [threading.Thread(target=steps, args=(name,)) for name in specs]
@@ -84,12 +95,12 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
         t.join()
     assert all(len(m) == 2 and m[-1]["update/sequences"] > 0 for m in metrics.values())
     assert worker.info()["sampling"]["tiny-random"]["mixed"] >= 1  # rows of both jobs decoded in one batch
-    assert worker.job_call("ann", "evaluate", 2).metrics["eval/accuracy"] >= 0.0
+    assert worker.job_call(keys["ann"], "evaluate", 2).metrics["eval/accuracy"] >= 0.0
 
     # The checkpoint is a peft LoRA checkpoint: it loads (merged) on a base of its own and scores
     # a completion as the hosted adapter does on the shared base.
     model, _, _ = load_policy(refs["ann"].url)
-    hosted = worker.jobs["ann"]
+    hosted = worker.jobs[keys["ann"]]
     prompt, tokens = [5, 6, 7, 8], [9, 10, 11]
     with hosted.model.using():
         on_shared = score_tokens(hosted.model.lm, hosted.job.policy.placement, prompt, tokens)
@@ -97,13 +108,14 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
     assert on_shared == pytest.approx(alone, abs=1e-4)
     assert refs["ann"].url.split("/")[-2] == "ann" and refs["bob"].url.split("/")[-2] == "bob"
 
-    worker.drop_job("ann")
-    assert worker.info()["jobs"] == ["bob"] and worker.info()["adapters"]["tiny-random"] == [adapter_name("bob", "tenant-bob")]
+    worker.drop_job(keys["ann"])
+    assert worker.info()["jobs"] == [keys["bob"]] and worker.info()["adapters"]["tiny-random"] == [keys["bob"]]
     with pytest.raises(KeyError):
-        worker.job_call("ann", "rollout", 3)
+        worker.job_call(keys["ann"], "rollout", 3)
     with pytest.raises(ValueError, match="no such job call: close"):
-        worker.job_call("bob", "close")
-    worker.drop_job("bob")
+        worker.job_call(keys["bob"], "close")
+    worker.drop_job(keys["bob"])
+    assert worker.info()["adapters"]["tiny-random"] == [] and worker.bases.engines.engine("tiny-random").adapters == {}
     worker.server.stop()
     worker.bases.close()
 

@@ -183,34 +183,41 @@ class BaseModelWorker:
     def host_job(self, spec: Any, job_id: str, tenant: str | None) -> dict[str, Any]:
         """Host a native LoRA RL job (`resources.share_base`): its adapter on the base it names, its
         policy and sampler the job's own (opentinker.rl.RLJob) over that adapter, its episodes
-        sampled by the base's shared engine, batched with other jobs' and sessions' requests."""
+        sampled by the base's shared engine, batched with other jobs' and sessions' requests.
+        Returns where it is (`key`: the job's name here, its adapter's, which holds its tenant)."""
         from opentinker.inference.engine_multi_lora import AdapterRollouts
         from opentinker.rl import RLJob
 
+        key = adapter_name(job_id, tenant)
         with self.lock:
             if self.closing:
                 raise WorkerClosing("this base-model worker is closing (idle): start another")
-            if job_id in self.jobs:
+            if key in self.jobs:
                 raise ValueError(f"job {job_id} is hosted here already")
-            self.jobs[job_id] = None  # taken while the base loads
+            self.jobs[key] = None  # taken while the base loads
+        shared = model = rollouts = None
         try:
             shared = self.bases.base(spec.model.name)
             lora = spec.adapter
-            model = shared.add_job(adapter_name(job_id, tenant), lora.r, lora.alpha, lora.target_modules, lora.dropout, spec.seed)
-            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), model.name)
+            model = shared.add_job(key, lora.r, lora.alpha, lora.target_modules, lora.dropout, spec.seed)
+            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key)
             with model.using():
                 job = RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
         except BaseException:
-            self._forget_job(job_id)
+            if rollouts is not None:
+                rollouts.close()
+            if model is not None:
+                shared.multi.remove(key)
+            self._forget_job(key)
             raise
-        self.jobs[job_id] = HostedJob(job, model, shared)
-        return {"pid": os.getpid(), "adapters": len(shared.multi.adapters), "base": spec.model.name}
+        self.jobs[key] = HostedJob(job, model, shared)
+        return {"key": key, "pid": os.getpid(), "adapters": len(shared.multi.adapters), "base": spec.model.name}
 
-    def job_call(self, job_id: str, method: str, *args: Any) -> Any:
+    def job_call(self, key: str, method: str, *args: Any) -> Any:
         """One of the step loop's calls of a hosted job, every forward in it through the job's adapter."""
         if method not in JOB_CALLS:
             raise ValueError(f"no such job call: {method}")
-        hosted = self.jobs[job_id]
+        hosted = self.jobs[key]
         try:
             with hosted.model.using(), hosted.shared.training if method == "update" else nullcontext():
                 return getattr(hosted.job, method)(*args)
@@ -218,21 +225,19 @@ class BaseModelWorker:
             if method in ("rollout", "update", "evaluate"):
                 return_freed_memory()
 
-    def drop_job(self, job_id: str) -> None:
+    def drop_job(self, key: str) -> None:
         """The job leaves: its sampler stops using the engine, its adapter leaves the base."""
-        hosted = self.jobs.get(job_id)
+        hosted = self.jobs.get(key)
         if hosted is not None:
             hosted.job.close()
-        self._forget_job(job_id)
+            hosted.model.multi.remove(key)
+        self._forget_job(key)
 
-    def _forget_job(self, job_id: str) -> None:
-        hosted = self.jobs.get(job_id)
+    def _forget_job(self, key: str) -> None:
         with self.lock:
-            self.jobs.pop(job_id, None)
+            self.jobs.pop(key, None)
             if not self.hosted and not self.jobs:
                 self.empty_since = time.monotonic()
-        if hosted is not None:
-            hosted.model.multi.remove(hosted.model.name)
 
     def info(self) -> dict[str, Any]:
         """What the worker hosts: sessions, each base's adapters and how often calls shared a pass."""
@@ -349,21 +354,21 @@ class JobOnBaseWorker:
     the pool's base-model worker; the step loop's calls go there (JobActors.call)."""
 
     def __init__(self, spec: Any, job_id: str, tenant: str | None, idle_s: float):
-        self.job_id = job_id
         self.worker, self.where = on_worker(spec.resources.num_gpus, idle_s, "host_job", spec, job_id, tenant)
+        self.key = self.where["key"]
 
     def line(self) -> str:
         return f"on the base-model worker (pid {self.where['pid']}): adapter {self.where['adapters']} of its {self.where['base']}"
 
     def call(self, method: str, *args: Any) -> Any:
         """An ObjectRef of the hosted job's `method(*args)`."""
-        return self.worker.job_call.remote(self.job_id, method, *args)
+        return self.worker.job_call.remote(self.key, method, *args)
 
     def kill(self) -> None:
         """The job off the worker, whatever happened (the worker stays for the others)."""
         import ray
 
         try:
-            ray.get(self.worker.drop_job.remote(self.job_id), timeout=60)
+            ray.get(self.worker.drop_job.remote(self.key), timeout=60)
         except Exception:  # noqa: BLE001 - the worker is gone already
             pass

@@ -254,6 +254,7 @@ def _complete_once(spec, job_id: str, settings: Settings, base_url: str) -> None
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(base_url, job_id).url).state["policy_version"] == STEPS
 
 
+@pytest.mark.slow  # 47 s; the default run's head-death test places a job on node B the same way, fails it and resumes it
 def test_job_runs_on_the_node_with_its_resource_and_resumes_after_that_node_is_killed(cluster, tmp_path):
     settings = cluster.settings
     (b,) = [n for n in _nodes(settings) if n["Resources"].get("node_b")]  # asked first: nothing between step 2 and the kill
@@ -293,7 +294,9 @@ def test_a_head_that_dies_mid_job_fails_it_in_one_line_and_it_resumes_on_the_res
     """The stack's head killed mid-job: the job fails in one line; `opentinker up` (Stack.up) starts
     a new head, machine B joins it by itself, and the resubmitted job resumes."""
     settings = cluster.settings
+    (b,) = [n for n in _nodes(settings) if n["Resources"].get("node_b")]  # asked first: nothing between step 2 and the kill
     job_id, spec, run_id, base_url = _start_until_step_2(cluster, tmp_path, "head")
+    assert _actor_node(cluster) == b["NodeID"]  # the job's actor lives in machine B's node, which has its resource
     rejoins = cluster.log.read_text().count("again (pid")
     head = psutil.Process(Stack(settings).pid("ray"))
     for proc in [head, *head.children(recursive=True)]:

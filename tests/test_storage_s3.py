@@ -109,6 +109,7 @@ def _mlflow_steps(settings, job_id: str, key: str) -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
 
 
+@pytest.mark.slow  # 44 s; in the default run test_multinode's head death kills a job that checkpoints to S3 and resumes it
 def test_killed_job_resumes_from_s3_on_the_stack_worker(stack_env, s3_server, s3_url, tmp_path):
     """SIGKILL the process running the flow once an S3 checkpoint exists; the same job id, run
     again by the stack's worker (which got the S3 variables when the stack started), resumes from

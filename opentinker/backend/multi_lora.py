@@ -165,25 +165,20 @@ class MultiLoraLinear(PackedLinear):
         if grouped is not None and all(self.path in adapter.weights for adapter in grouped.adapters):
             return self._grouped_delta(x, out, grouped)
         for adapter, index in rows.segments:
-            pair = adapter.weights.get(self.path)
-            if pair is None:
-                continue
-            a, b = pair
-            xs = x.index_select(0, index).to(a.dtype)
-            if adapter.dropout and self.training:
-                xs = adapter.drop(xs)
-            delta = F.linear(F.linear(xs, a), b) * adapter.scale
-            out = out.index_add(0, index, delta.to(out.dtype))
+            if self.path in adapter.weights:
+                out = out.index_add(0, index, self._delta(adapter, x.index_select(0, index)).to(out.dtype))
         return out
 
     def _whole_batch_delta(self, x: torch.Tensor, out: torch.Tensor, adapter: Adapter) -> torch.Tensor:
-        pair = adapter.weights.get(self.path)
-        if pair is None:
-            return out
-        xs = x.to(pair[0].dtype)
+        return out + self._delta(adapter, x).to(out.dtype) if self.path in adapter.weights else out
+
+    def _delta(self, adapter: Adapter, xs: torch.Tensor) -> torch.Tensor:
+        """`scale * B (A x)` of `adapter` for the rows `xs` (dropout on its input while training)."""
+        a, b = adapter.weights[self.path]
+        xs = xs.to(a.dtype)
         if adapter.dropout and self.training:
             xs = adapter.drop(xs)
-        return out + (F.linear(F.linear(xs, pair[0]), pair[1]) * adapter.scale).to(out.dtype)
+        return F.linear(F.linear(xs, a), b) * adapter.scale
 
     def _grouped_delta(self, x: torch.Tensor, out: torch.Tensor, grouped: _Grouped) -> torch.Tensor:
         """`out` plus every row's delta through two batched matmuls over the adapters' stacked A

@@ -173,3 +173,35 @@ def test_sampling_draws_from_the_distribution_whose_logprobs_it_records(tiny):
     renormalised = dict(zip(top5.indices.tolist(), torch.log_softmax(top5.values, -1).tolist()))
     assert {c.token_ids[0] for c in drawn} <= set(renormalised)
     assert max(abs(c.logprobs[0] - renormalised[c.token_ids[0]]) for c in drawn) < 1e-4
+
+
+def test_rows_with_their_own_generator_draw_the_same_whoever_shares_their_batch(tiny):
+    """A request's own generator (a hosted job's, a seeded request's): its rows draw the same tokens
+    alone and in a batch with other rows (of another generator, of torch's global one) finishing at
+    other steps, and leave the generator in the same state; a generator seeded s draws what
+    `torch.manual_seed(s)` did. Only rows without a generator draw from torch's global one."""
+    model, tok = tiny
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
+    engine.stop_ids = _stops(tok, 9)
+    prompts, params = _prompts(tok), SamplingParams(max_new_tokens=12, temperature=0.9)
+    mine, others = prompts[::2], prompts[1::2]
+    budgets = [BUDGETS[i % 4] for i in range(8)]
+
+    alone_rng = torch.Generator().manual_seed(11)
+    alone = engine.generate(mine, params, budgets, generators=[alone_rng] * 8)
+    shared_rng, theirs = torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)
+    torch.manual_seed(5)
+    global_before = torch.get_rng_state()
+    batch = [p for pair in zip(mine, others) for p in pair]
+    draws = [g for _ in range(8) for g in (shared_rng, theirs)]
+    draws[3::4] = [None] * 4  # some of the others draw from torch's global generator
+    mixed = engine.generate(batch, params, [b for b in budgets for _ in (0, 1)], generators=draws)
+    assert len({len(c.token_ids) for c in alone}) > 2  # rows of mine leave the batch at different steps
+    _same(mixed[::2], alone)
+    assert torch.equal(shared_rng.get_state(), alone_rng.get_state())
+    assert not torch.equal(torch.get_rng_state(), global_before)  # the None rows did draw from it
+
+    torch.manual_seed(7)
+    before = engine.generate(mine, params, budgets)  # an HFEngine seeded request, before generators
+    after = engine.generate(mine, params, budgets, generators=[torch.Generator().manual_seed(7)] * 8)
+    _same(after, before, 0.0)

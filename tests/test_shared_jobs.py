@@ -120,6 +120,53 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
     worker.bases.close()
 
 
+def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_from_its_checkpoint(tmp_path):
+    """Isolation of the random draws: a hosted job samples from its own generator (seeded with its
+    seed), so its episodes are the same alone on the worker and in mixed batches with another
+    job's; its checkpoint keeps that generator (not the worker's, which it neither reseeds nor
+    draws from), so a job resumed on the worker samples what it would have sampled uninterrupted."""
+    from opentinker.orchestration.base_worker import BaseModelWorker
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    engine = worker.bases.engines.engine("tiny-random")
+    spec = _spec(tmp_path / "a", seed=1, rollout={"temperature": 1.0})
+    tokens = lambda key, step: [t.token_ids for t in worker.jobs[key].job.sampler.batch(step).trajectories]  # noqa: E731
+
+    key = worker.host_job(spec, "ann", "tenant-ann")["key"]
+    worker.job_call(key, "restore")
+    torch.manual_seed(0)
+    global_rng = torch.get_rng_state()
+    worker.job_call(key, "rollout", 1)
+    alone = {1: tokens(key, 1)}
+    worker.job_call(key, "update", 1)
+    worker.job_call(key, "checkpoint", 1)
+    worker.job_call(key, "rollout", 2)
+    alone[2] = tokens(key, 2)
+    assert torch.equal(torch.get_rng_state(), global_rng)  # the worker's generator: not drawn from, not reseeded
+    worker.drop_job(key)
+
+    key = worker.host_job(spec, "ann", "tenant-ann")["key"]  # resumed (the worker restarted it, say)
+    assert worker.job_call(key, "restore").step == 1
+    assert torch.equal(torch.get_rng_state(), global_rng)
+    worker.job_call(key, "rollout", 2)
+    assert tokens(key, 2) == alone[2]
+    worker.drop_job(key)
+
+    twin = worker.host_job(_spec(tmp_path / "b", seed=1, rollout={"temperature": 1.0}), "ann", "tenant-ann")["key"]
+    other = worker.host_job(_spec(tmp_path / "c", seed=2, rollout={"temperature": 1.0}), "bob", "tenant-bob")["key"]
+    engine.gather_s = 0.2  # the two rollouts below start together: one batch
+    mixed_before = engine.mixed
+    threads = [threading.Thread(target=worker.job_call, args=(k, "rollout", 1)) for k in (twin, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.mixed > mixed_before  # the twin's rows were decoded beside bob's
+    assert tokens(twin, 1) == alone[1] and tokens(other, 1) != alone[1]
+    worker.server.stop()
+    worker.bases.close()
+
+
 @pytest.mark.parametrize("overrides", [
     {"adapter": {"kind": "full"}},
     {"model": {"name": "tiny-random", "init_from": "file:///tmp/x"}},

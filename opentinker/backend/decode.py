@@ -74,12 +74,24 @@ class Chooser:
     """Next tokens from logits, and the log-probabilities of the distribution they were drawn from:
     argmax when greedy (logprobs at temperature 1), else a draw from softmax(logits / T) after
     top-k and top-p (transformers' warpers, in `generate`'s order; tokens they remove get -inf),
-    with `torch.multinomial` called on the shape of the whole batch."""
+    with `torch.multinomial` called on the shape of the whole batch.
 
-    def __init__(self, rows: int, temperature: float | None, top_k: int | None, top_p: float):
+    `generators[row]`: the generator a row draws from (None: torch's global one). Rows of one
+    generator draw together, on the shape of all their rows and only while one of them runs, so
+    what they draw does not depend on the other rows of the batch: a tenant's own seeded stream
+    on a shared base gives the same tokens whoever else is in the batch."""
+
+    def __init__(self, rows: int, temperature: float | None, top_k: int | None, top_p: float,
+                 generators: list[torch.Generator | None] | None = None):
         from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
         self.rows, self.temperature, self.warpers = rows, temperature, []
+        self.groups: list[tuple[list[int], torch.Generator | None]] | None = None
+        if generators is not None and any(g is not None for g in generators):
+            by_generator: dict[int, tuple[list[int], torch.Generator | None]] = {}
+            for row, gen in enumerate(generators):
+                by_generator.setdefault(id(gen), ([], gen))[0].append(row)
+            self.groups = list(by_generator.values())
         if temperature is not None and top_k:
             self.warpers.append(TopKLogitsWarper(top_k=top_k))
         if temperature is not None and top_p < 1.0:
@@ -93,13 +105,30 @@ class Chooser:
             scores = warp(None, scores)
         logp = torch.log_softmax(scores, dim=-1)
         probs = logp.exp()  # the same distribution, one pass over the vocabulary fewer than a second softmax
-        if len(batch_rows) == self.rows:
-            return torch.multinomial(probs, num_samples=1).squeeze(1), logp
-        index = torch.tensor(batch_rows, device=probs.device)
-        full = probs.new_zeros((self.rows, probs.shape[-1]))
-        full[:, 0] = 1.0  # rows that left: any valid distribution; their draws are not used
-        full[index] = probs
-        return torch.multinomial(full, num_samples=1).squeeze(1)[index], logp
+        if self.groups is None:
+            return _draw(probs, list(range(self.rows)), batch_rows, None), logp
+        at = {row: k for k, row in enumerate(batch_rows)}
+        tokens = torch.zeros(len(batch_rows), dtype=torch.long, device=probs.device)
+        for rows, gen in self.groups:
+            running = [at[row] for row in rows if row in at]
+            if running:
+                where = torch.tensor(running, device=probs.device)
+                tokens[where] = _draw(probs[where], rows, [row for row in rows if row in at], gen)
+        return tokens, logp
+
+
+def _draw(probs: torch.Tensor, rows: list[int], running: list[int], gen: torch.Generator | None) -> torch.Tensor:
+    """One token per running row (`probs`: theirs, in `running`'s order) from a multinomial draw on
+    the shape of all `rows`: the rows that left get a placeholder distribution, so each row reads
+    the same noise whichever rows are still there."""
+    if len(running) == len(rows):
+        return torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)
+    place = {row: k for k, row in enumerate(rows)}
+    index = torch.tensor([place[row] for row in running], device=probs.device)
+    full = probs.new_zeros((len(rows), probs.shape[-1]))
+    full[:, 0] = 1.0  # rows that left: any valid distribution; their draws are not used
+    full[index] = probs
+    return torch.multinomial(full, num_samples=1, generator=gen).squeeze(1)[index]
 
 
 @torch.no_grad()
@@ -107,7 +136,8 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
            stop_ids: list[int], pad_id: int, temperature: float | None, top_k: int | None = None, top_p: float = 1.0,
            placement: Placement, extra: dict[str, Any] | None = None, compact: bool = True, keep_states: bool = False,
            stop_rule: Callable[[list[int]], bool] | None = None,
-           row_context: Callable[[list[int]], AbstractContextManager] | None = None) -> Decoded:
+           row_context: Callable[[list[int]], AbstractContextManager] | None = None,
+           generators: list[torch.Generator | None] | None = None) -> Decoded:
     """Sample up to `min(budgets[i], max_new_tokens)` tokens for each left-padded row of
     `input_ids` (the first `cache.get_seq_length()` columns already in `cache`, when given).
     `temperature=None`: greedy (logprobs at temperature 1). `extra`: inputs of the first forward
@@ -115,7 +145,8 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
     the sampled tokens the model ran (all but the last). `stop_rule`: instead of `stop_ids`, whether
     a row's sampled tokens so far end it (a stop string completed, say); the row keeps that token.
     `row_context(rows)`: entered around each forward with the original rows of the running batch
-    (a shared base's per-row adapters follow the rows as they leave)."""
+    (a shared base's per-row adapters follow the rows as they leave). `generators[i]`: where row
+    i's random draws come from (see Chooser; None: torch's global generator)."""
     rows, width = input_ids.shape
     device = input_ids.device
     stop_set = set(stop_ids)
@@ -128,7 +159,7 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, cache, *, bu
     next_position = positions[:, -1]
     inputs = {"input_ids": input_ids[:, past:], "position_ids": positions[:, past:], **(extra or {})}
     keep = logits_kwargs(model)
-    chooser = Chooser(rows, temperature, top_k, top_p)
+    chooser = Chooser(rows, temperature, top_k, top_p, generators)
     sampled: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     states: list[LayerStates | None] = [None] * rows

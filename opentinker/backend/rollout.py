@@ -106,9 +106,10 @@ class HFRolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
                  images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None,
-                 adapters: list[str | None] | None = None) -> list[Completion]:
+                 adapters: list[str | None] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
         """`stop_rule`: when a completion ends, in place of the end-of-turn tokens (see decode).
-        `adapters`: each prompt's adapter on a shared base (through `row_scope`; no prefix cache)."""
+        `adapters`: each prompt's adapter on a shared base (through `row_scope`; no prefix cache).
+        `generators`: each prompt's random generator (see decode.Chooser; None: torch's global one)."""
         budgets = budgets or [params.max_new_tokens] * len(prompts)
         if adapters is not None and (self.row_scope is None or self.prefix_cache.max_tokens):
             raise ValueError("per-row adapters need a shared base's row_scope and no prefix cache")
@@ -119,8 +120,9 @@ class HFRolloutEngine:
             chunk = order[start : start + self.max_batch_size]
             pictures = [images[i] for i in chunk] if images is not None and any(images[i] for i in chunk) else None
             names = [adapters[i] for i in chunk] if adapters is not None else None
+            draws = [generators[i] for i in chunk] if generators is not None else None
             for i, c in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params, [budgets[i] for i in chunk], pictures, stop_rule,
-                                                        names)):
+                                                        names, draws)):
                 results[i] = c
         return [results[i] for i in range(len(prompts))]
 
@@ -146,7 +148,7 @@ class HFRolloutEngine:
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
                         images: list[list[Any]] | None = None, stop_rule: Callable[[list[int]], bool] | None = None,
-                        names: list[str | None] | None = None) -> list[Completion]:
+                        names: list[str | None] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
         t0 = time.perf_counter()
         device = self.placement.device
         # Records with images prefill whole (their pixels enter at their image tokens), unshared and uncached.
@@ -166,7 +168,7 @@ class HFRolloutEngine:
                          stop_ids=self.stop_ids, pad_id=self.pad_id, temperature=None if params.greedy else params.temperature,
                          top_k=params.top_k, top_p=params.top_p, placement=self.placement, extra=pixels, compact=self.early_stop,
                          keep_states=images is None and bool(self.prefix_cache.max_tokens) and stop_rule is None, stop_rule=stop_rule,
-                         row_context=(lambda rows: self.row_scope([names[r] for r in rows])) if names else None)
+                         row_context=(lambda rows: self.row_scope([names[r] for r in rows])) if names else None, generators=generators)
         finally:
             self.model.train(was_training)
         completions = [Completion(ids, lps, reason) for ids, lps, reason in zip(out.token_ids, out.logprobs, out.finish_reasons)]

@@ -49,6 +49,23 @@ class Request:
     adapter: str | None = None  # a LoRA adapter loaded by name (None: the served model itself)
     images: list[list[Any]] | None = None  # per prompt, the VisualInputs of a VLM's prompt
     stop_rule: Any = None  # when a completion ends (None: the model's end-of-turn tokens); compared with ==
+    generator: Any = None  # a torch.Generator its draws come from (a hosted job's own stream); None: from `seed`, else torch's
+
+
+def request_generators(batch: list[Request], device: Any) -> list[Any] | None:
+    """Per prompt of a batch, the generator its draws come from: its request's own, or a new one
+    seeded with its seed (never torch's global generator reseeded, which other requests draw
+    from); None when no request has either (all draw from torch's global generator)."""
+    import torch
+
+    if all(item.generator is None and item.seed is None for item in batch):
+        return None
+    draws = []
+    for item in batch:
+        own = item.generator if item.generator is not None else (
+            torch.Generator(device=device).manual_seed(item.seed) if item.seed is not None else None)
+        draws += [own] * len(item.prompts)
+    return draws
 
 
 class HFEngine:
@@ -212,13 +229,15 @@ class HFEngine:
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None,
-                 adapter: str | None = None, images: list[list[Any]] | None = None, stop_rule: Any = None) -> Future:
+                 adapter: str | None = None, images: list[list[Any]] | None = None, stop_rule: Any = None,
+                 generator: Any = None) -> Future:
         """Future of one Completion per prompt. A request with a seed is generated alone, so its
-        samples do not depend on what else was in the batch; `adapter` names a loaded LoRA adapter;
+        samples do not depend on what else was in the batch; `generator`: a torch.Generator its
+        draws come from instead (it may share a batch; see decode.Chooser); `adapter` names a loaded LoRA adapter;
         `images[i]`: prompt i's VisualInputs (a VLM); `stop_rule(tokens) -> bool` ends a completion
         in place of the end-of-turn tokens (requests batch together only with an equal rule)."""
         future: Future = Future()
-        self._queue.put(Request(prompts, budgets, params, seed, future, adapter, images, stop_rule))
+        self._queue.put(Request(prompts, budgets, params, seed, future, adapter, images, stop_rule, generator))
         return future
 
     def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
@@ -285,18 +304,15 @@ class HFEngine:
         return batch, rest
 
     def _run(self, batch: list[Request]) -> None:
-        import torch
-
         prompts = [p for item in batch for p in item.prompts]
         budgets = [b for item in batch for b in item.budgets]
         images = [row for item in batch for row in (item.images or [[] for _ in item.prompts])]
         params = replace(batch[0].params, max_new_tokens=max(budgets))
         try:
             with self._model_lock, self._adapter(batch[0].adapter):
-                if batch[0].seed is not None:
-                    torch.manual_seed(batch[0].seed)
-                completions: list[Completion] = self.rollout.generate(prompts, params, budgets, images if any(images) else None,
-                                                                      stop_rule=batch[0].stop_rule)
+                completions: list[Completion] = self.rollout.generate(
+                    prompts, params, budgets, images if any(images) else None, stop_rule=batch[0].stop_rule,
+                    generators=request_generators(batch, self.rollout.placement.device))
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:
                 item.future.set_exception(err)

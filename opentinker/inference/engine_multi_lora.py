@@ -7,7 +7,9 @@ training client's later steps do not change it). Requests of different adapters 
 their sampling parameters (arriving within `gather_s` of the first, while several samplers are
 loaded) run as one batch in which each row goes through its own adapter (the
 rows follow their adapters as finished rows leave the batch); a request with a seed runs alone,
-as on any engine, so its samples do not depend on what else was asked. Sampling batches run
+as on any engine, so its samples do not depend on what else was asked, and a hosted job's
+requests draw from the job's own generator (AdapterRollouts), so they may share a batch and still
+sample what the job would sample alone: no request reseeds or reads the generator others draw from. Sampling batches run
 beside training passes (the model stays in eval mode; adapters are fixed per pass and batch).
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from opentinker.backend.shared_base import SharedBase
-from opentinker.inference.engine_hf import HFEngine, Request
+from opentinker.inference.engine_hf import HFEngine, Request, request_generators
 
 
 class MultiLoraEngine(HFEngine):
@@ -69,8 +71,6 @@ class MultiLoraEngine(HFEngine):
     def _run(self, batch: list[Request]) -> None:
         from dataclasses import replace
 
-        import torch
-
         prompts = [p for item in batch for p in item.prompts]
         budgets = [b for item in batch for b in item.budgets]
         names = [item.adapter for item in batch for _ in item.prompts]
@@ -80,9 +80,8 @@ class MultiLoraEngine(HFEngine):
             if unknown:
                 raise KeyError(f"unknown adapters: {unknown}")
             with self._model_lock:
-                if batch[0].seed is not None:
-                    torch.manual_seed(batch[0].seed)
-                completions = self.rollout.generate(prompts, params, budgets, stop_rule=batch[0].stop_rule, adapters=names)
+                completions = self.rollout.generate(prompts, params, budgets, stop_rule=batch[0].stop_rule, adapters=names,
+                                                    generators=request_generators(batch, self.shared.placement.device))
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:
                 item.future.set_exception(err)
@@ -109,10 +108,15 @@ class AdapterRollouts:
     """A hosted job's rollout engine (its sampler's `engine`): the episodes' turns go to the base's
     MultiLoraEngine under the job's live training adapter, so rows of several jobs (and Tinker
     samplers) decode in one batch. Sampling follows the adapter as the job's updates change it
-    (the version handshake of a colocated job)."""
+    (the version handshake of a colocated job). Its draws come from `generator`, the job's own,
+    seeded with the job's seed (its checkpoints keep its state: opentinker.rl.policy), so what it
+    samples does not depend on the other tenants of the base."""
 
-    def __init__(self, engine: MultiLoraEngine, name: str):
+    def __init__(self, engine: MultiLoraEngine, name: str, seed: int):
+        import torch
+
         self.engine, self.name = engine, name
+        self.generator = torch.Generator(device=engine.shared.placement.device).manual_seed(seed)
         engine.serve_training_adapter(name)
         self.policy_version = 0
         self.generated_tokens = 0
@@ -124,7 +128,8 @@ class AdapterRollouts:
             raise ValueError("a job on a shared base-model worker samples text only")
         t0 = time.perf_counter()
         budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]  # as HFRolloutEngine
-        completions = self.engine.generate(prompts, budgets, params, adapter=self.name, stop_rule=stop_rule).result()
+        completions = self.engine.generate(prompts, budgets, params, adapter=self.name, stop_rule=stop_rule,
+                                           generator=self.generator).result()
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         self.generate_seconds += time.perf_counter() - t0
         return completions

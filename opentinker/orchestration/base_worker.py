@@ -209,7 +209,7 @@ class BaseModelWorker:
             shared = self.bases.base(spec.model.name)
             lora = spec.adapter
             model = shared.add_job(key, lora.r, lora.alpha, lora.target_modules, lora.dropout, spec.seed)
-            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key)
+            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key, spec.seed)
             with model.using():
                 job = RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
         except BaseException:

@@ -30,7 +30,8 @@ class RLJob:
         (opentinker.inference.launch.rollout_server; the runtime's callers pass it). `tenant` is
         whose job it is (its checkpoints are signed as such; None: the operator's). A host that
         shares a base gives the job's `model` (an AdapterModel), `tokenizer` and `rollout_engine`;
-        the job then leaves the process's global seeds alone (other jobs draw from them). A job id
+        the job then leaves the process's global seeds alone (other jobs draw from them): it samples
+        from the engine's own generator, which its checkpoints keep. A job id
         that is not one folder name (core/ids.py) is refused first: InvalidJobId, nothing written."""
         job_id = job_id_for(spec, job_id)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
@@ -39,7 +40,8 @@ class RLJob:
         self.job_id = job_id
         if model is None:
             seed_everything(spec.seed)
-        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant)
+        own_rng = getattr(rollout_engine, "generator", None)  # a hosted job's own sampling stream (AdapterRollouts)
+        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rng=own_rng)
         self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
                                start_server=start_server, engine=rollout_engine)
 

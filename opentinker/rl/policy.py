@@ -52,12 +52,14 @@ def pinned_init_from(spec: JobSpec, job_id: str | None, tenant: str | None = Non
 class Policy:
     """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
     `<checkpoint.base_url>/<job_id>/`, signed as `tenant`'s (None: the operator's). Loads its
-    model unless one is given."""
+    model unless one is given. `own_rng`: a hosted job's own generator (its sampling draws), which
+    its checkpoints keep and restore instead of the process's generators (other jobs draw from those)."""
 
-    def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None, tenant: str | None = None):
+    def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None, tenant: str | None = None,
+                 own_rng: torch.Generator | None = None):
         if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
             check_folder_name(job_id, "job id")
-        self.spec, self.job_id, self.tenant = spec, job_id, tenant
+        self.spec, self.job_id, self.tenant, self.own_rng = spec, job_id, tenant, own_rng
         self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
@@ -101,6 +103,7 @@ class Policy:
             extra_files=extra,
             keep_last=self.spec.checkpoint.keep_last,
             tenant=self.tenant,
+            rng=self.own_rng,
         )
 
     @property
@@ -125,5 +128,5 @@ class Policy:
         self.trainer.load_trainable_state(loaded.weights)
         self.trainer.optimizer.load_state_dict(loaded.optimizer_state)
         self.trainer.version = int(loaded.state["policy_version"])
-        ckpt.set_rng_state(loaded.rng)
+        ckpt.set_rng_state(loaded.rng, self.own_rng)
         return loaded

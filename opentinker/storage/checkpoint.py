@@ -52,11 +52,15 @@ def job_url(base_url: str, job_id: str) -> str:
     return join_url(base_url, check_folder_name(job_id, "job id"))
 
 
-def rng_state() -> dict[str, Any]:
-    """Torch's, Python's and numpy's generator states as plain JSON (no pickle in a checkpoint)."""
+def rng_state(own: torch.Generator | None = None) -> dict[str, Any]:
+    """Torch's, Python's and numpy's generator states as plain JSON (no pickle in a checkpoint).
+    `own`: a job's own generator instead, for a job hosted beside others (a shared base), whose
+    process-wide generators are every job's: only its state is recorded."""
+    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
+    if own is not None:
+        return {"own": encode(own.get_state())}
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
     state = {"torch": encode(torch.get_rng_state()), "python": [version, list(internal), gauss],
              "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():  # a GPU job resumes with the same CUDA streams of random numbers
@@ -64,8 +68,15 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], own: torch.Generator | None = None) -> None:
+    """Put back what rng_state recorded: into `own` (a hosted job's generator; the process's stay
+    as they are), else into the process's generators. A state of the other kind is left out (a job
+    that moved onto or off a shared base keeps drawing from where it is)."""
     decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
+    if own is not None or "torch" not in state:
+        if own is not None and "own" in state:
+            own.set_state(decode(state["own"]))
+        return
     torch.set_rng_state(decode(state["torch"]))
     if state.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([decode(s) for s in state["cuda"]][: torch.cuda.device_count()])
@@ -85,9 +96,11 @@ def save_checkpoint(
     extra_files: dict[str, bytes] | None = None,
     keep_last: int | None = None,
     tenant: str | None = None,
+    rng: torch.Generator | None = None,
 ) -> CheckpointRef:
     """Write one checkpoint and commit it, signed as `tenant`'s job `job_id` at `step`; then prune
-    the job's older checkpoints beyond `keep_last`."""
+    the job's older checkpoints beyond `keep_last`. `rng`: a hosted job's own generator, recorded
+    instead of the process's (see rng_state)."""
     url = join_url(job_url(base_url, job_id), f"step-{step:08d}")
     owner = Owner(job_id, tenant)
     opt_buf = io.BytesIO()
@@ -95,7 +108,7 @@ def save_checkpoint(
     files = {
         "weights.safetensors": save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}),
         "optimizer.pt": opt_buf.getvalue(),
-        "rng.json": json.dumps(rng_state()).encode(),
+        "rng.json": json.dumps(rng_state(rng)).encode(),
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }

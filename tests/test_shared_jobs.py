@@ -167,6 +167,20 @@ def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_
     worker.bases.close()
 
 
+def test_a_hosted_job_whose_worker_died_fails_in_one_line_naming_the_worker_and_where_it_resumes(tmp_path):
+    import ray
+
+    from opentinker.orchestration.job import lost_cluster_line
+    from opentinker.storage import checkpoint as ckpt
+
+    spec = _spec(tmp_path)
+    ref = ckpt.save_checkpoint(spec.checkpoint.base_url, "ann", 2, {"w": torch.zeros(1)}, {"state": {}, "param_groups": []},
+                               {"env": {}}, tenant="tenant-ann")
+    assert lost_cluster_line(ray.exceptions.ActorDiedError(), spec, "ann", "tenant-ann") == (
+        "ActorDiedError: the base-model worker hosting it died (killed, out of memory, or its Ray node went away); "
+        f"resubmit job ann to resume from step 2 ({ref.url})")
+
+
 @pytest.mark.parametrize("overrides", [
     {"adapter": {"kind": "full"}},
     {"model": {"name": "tiny-random", "init_from": "file:///tmp/x"}},

@@ -221,8 +221,9 @@ _LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedEr
 
 
 def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | None = None) -> str | None:
-    """For a job whose actors or node went away (a node killed, the head dead): what happened and
-    where a resubmission resumes, instead of Ray's paragraph about node ids; None for other errors."""
+    """For a job whose actors or node went away (a node killed, the head dead, the base-model worker
+    of a job that shares its base): what happened and where a resubmission resumes, instead of
+    Ray's paragraph about node ids; None for other errors."""
     if not _LOST & {cls.__name__ for cls in type(err).__mro__}:
         return None
     if getattr(err, "actor_init_failed", False):  # its __init__ raised (a bad game, say): the job's own error
@@ -234,8 +235,9 @@ def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | 
         resume = f"from step {latest.step} ({latest.url})" if latest else "from the start (no checkpoint yet)"
     except Exception:  # noqa: BLE001 - the storage may be what failed; the line still says what to do
         resume = "from its last complete checkpoint"
-    return (f"{type(err).__name__}: the Ray node running its actors left the cluster (killed, or the head went away); "
-            f"resubmit job {job_id} to resume {resume}")
+    where = ("the base-model worker hosting it died (killed, out of memory, or its Ray node went away)"
+             if getattr(spec.resources, "share_base", False) else "the Ray node running its actors left the cluster (killed, or the head went away)")
+    return f"{type(err).__name__}: {where}; resubmit job {job_id} to resume {resume}"
 
 
 def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tracker: JobTracker, *, kind: str,

@@ -76,6 +76,13 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
     (engine,) = sessions.bases.engines.engines.values()  # both tenants' samplers are adapters of one sampling engine
     assert len(engine.adapters) == 2
     path = alice.save_state("after-one").result().path
+    import fsspec
+
+    from opentinker.tinker.paths import parse_path
+
+    session = sessions.live[alice.model_id.split(":")[0]][0]
+    with fsspec.open(session.store.url(parse_path(path)) + "/rng.json") as f:
+        assert f.read() == b"{}"  # the process's generators are both tenants' streams: not in alice's files
     resumed = clients["alice"].create_training_client_from_state_with_optimizer(path).result()
     after, again = (c.forward(ALICE, "cross_entropy").result() for c in (alice, resumed))
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(after), lps(again)))

@@ -118,6 +118,7 @@ class TinkerSession:
         `engines`: sampling engines shared with other sessions (SamplingEngines; default: the session's own)."""
         self.session_id, self.tenant, self.models_folder = session_id, tenant, models_folder
         self.trainers = trainers or self._own_base
+        self.shares_process = trainers is not None  # other sessions' clients live in this process too
         self.placement = placement
         self.store = paths.TenantCheckpoints(storage_url)
         self.on_step = on_step or (lambda *_: None)
@@ -304,7 +305,9 @@ class TinkerSession:
         policy = slot.model.policy_info() | {"base_model": resolve_base(self.models_folder, slot.base_name)}  # a name the loaders know
         files |= {"policy.json": json.dumps(policy).encode(),
                   "state.json": json.dumps({"step": slot.model.steps, "kind": path.kind}).encode(),
-                  "rng.json": json.dumps(rng_state()).encode()}
+                  # On a shared base the process's generators are every tenant's (their unseeded samples): a
+                  # checkpoint records none of them (a client's state is its weights and moments; nothing restores these).
+                  "rng.json": json.dumps({} if self.shares_process else rng_state()).encode()}
         ttl = body.get("ttl_seconds")
         write_committed(self.store.url(path), files, {"step": slot.model.steps, "user_metadata": body.get("user_metadata") or None,
                                                       "expires_at": paths.iso_in(float(ttl)) if ttl else None})

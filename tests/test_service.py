@@ -248,7 +248,8 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
     assert states(acme, [running[1], *waiting_a]) == {running[1]: "RUNNING", **{j: "QUEUED" for j in waiting_a}}
     with get_client(sync_client=True) as prefect:  # round robin: the tenant that got slots last starts last
         queues = {q.name: q.priority for q in prefect.read_work_queues(work_pool_name="cpu")}
-    assert queues["tenant-globex"] == max(queues.values()), queues
+    # (between this test's two tenants: other tenants' queues on the shared stack, from earlier tests, may move meanwhile)
+    assert queues["tenant-globex"] > queues["tenant-acme"], queues
 
     for job_id in waiting_a:
         assert acme.cancel_job(job_id)["state"] == "CANCELLED"  # started, waiting for its slot

@@ -69,8 +69,13 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
     # the rest of a client's life as on a base of its own: a step, a sampler, a checkpoint, a resume
     alice.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     sampler = alice.save_weights_and_get_sampling_client()
+    import torch
+
+    torch.manual_seed(123)
+    stream = torch.get_rng_state()  # what other tenants' unseeded samples draw from
     sample = sampler.sample(types.ModelInput.from_ints(seq(3, 6)), 1, types.SamplingParams(max_tokens=4, seed=0)).result()
     assert len(sample.sequences[0].tokens) == 4
+    assert torch.equal(torch.get_rng_state(), stream)  # alice's seed drew from a generator of its own, nobody's stream reseeded
     bobs_sampler = bob.save_weights_and_get_sampling_client()
     assert len(bobs_sampler.sample(types.ModelInput.from_ints(seq(4, 6)), 2, types.SamplingParams(max_tokens=3)).result().sequences) == 2
     (engine,) = sessions.bases.engines.engines.values()  # both tenants' samplers are adapters of one sampling engine

@@ -110,10 +110,10 @@ class Chooser:
         at = {row: k for k, row in enumerate(batch_rows)}
         tokens = torch.zeros(len(batch_rows), dtype=torch.long, device=probs.device)
         for rows, gen in self.groups:
-            running = [at[row] for row in rows if row in at]
+            running = [row for row in rows if row in at]
             if running:
-                where = torch.tensor(running, device=probs.device)
-                tokens[where] = _draw(probs[where], rows, [row for row in rows if row in at], gen)
+                where = torch.tensor([at[row] for row in running], device=probs.device)
+                tokens[where] = _draw(probs[where], rows, running, gen)
         return tokens, logp
 
 

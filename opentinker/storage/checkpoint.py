@@ -73,9 +73,11 @@ def set_rng_state(state: dict[str, Any], own: torch.Generator | None = None) -> 
     as they are), else into the process's generators. A state of the other kind is left out (a job
     that moved onto or off a shared base keeps drawing from where it is)."""
     decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
-    if own is not None or "torch" not in state:
-        if own is not None and "own" in state:
+    if own is not None:
+        if "own" in state:
             own.set_state(decode(state["own"]))
+        return
+    if "torch" not in state:  # a hosted job's state (or a shared session's {}): nothing of the process's
         return
     torch.set_rng_state(decode(state["torch"]))
     if state.get("cuda") and torch.cuda.is_available():

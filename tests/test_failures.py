@@ -170,6 +170,82 @@ def test_a_jobs_slot_lease_outlives_a_prefect_restart_and_a_second_holder_waits(
             pass
 
 
+def test_a_run_whose_process_died_with_its_worker_is_marked_crashed_and_its_job_reads_failed(stack_env):
+    """A run whose process died together with its worker (`opentinker down` mid-job, a kill -9, a lost
+    host) has nobody left to report its end: it stayed Running for ever, holding its place in the pool
+    (a full-suite run hung behind such runs). The stack installs Prefect's zombie-run automation; this
+    test makes its own copy, limited to its tag and a 10 s window (Prefect's least), and really leaves a run behind:
+    after one heartbeat and silence it is Crashed and its job reads FAILED with the line to resume,
+    while a run that keeps beating stays Running."""
+    import uuid
+    from datetime import datetime, timezone
+
+    import httpx
+    from prefect import flow
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled, Running
+
+    from opentinker.control.scheduler import LOST_RUNS, ensure_automation, job_state, lost_run_automation, prefect_client
+    from opentinker.core.polling import wait_for
+
+    settings, _ = stack_env
+    with prefect_client() as client:
+        (installed,) = client.read_automations_by_name(LOST_RUNS)
+    assert installed.trigger.within.total_seconds() == settings.lost_run_after_s and installed.enabled
+    assert installed.actions[0].state == StateType.CRASHED
+
+    tag = f"lost-test-{uuid.uuid4().hex[:8]}"
+    ensure_automation(lost_run_automation(10.0, name=tag, tag=tag))
+
+    def beat(run_id) -> None:
+        event = {"id": str(uuid.uuid4()), "occurred": datetime.now(timezone.utc).isoformat(), "event": "prefect.flow-run.heartbeat",
+                 "resource": {"prefect.resource.id": f"prefect.flow-run.{run_id}"},
+                 "related": [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}]}
+        httpx.post(f"{settings.prefect_api_url}/events", json=[event], trust_env=False, timeout=10).raise_for_status()
+
+    @flow(name=tag)
+    def left_behind() -> None:
+        """Never runs: its runs are created Running, as a job's run whose process died reads."""
+
+    with prefect_client() as client:
+        lost, alive = (client.create_flow_run(left_behind, state=Running(), tags=[tag, f"job:{tag}-{i}"]) for i in range(2))
+    try:
+        for run in (lost, alive):
+            beat(run.id)
+        started = time.monotonic()
+
+        def crashed():
+            beat(alive.id)
+            with prefect_client() as client:
+                return client.read_flow_run(lost.id).state.type == StateType.CRASHED or None
+
+        wait_for(crashed, interval=1, timeout=90, what="the silent run marked Crashed")
+        assert time.monotonic() - started >= 10.0 - 1.0  # not before the window
+        with prefect_client() as client:
+            run, other = client.read_flow_run(lost.id), client.read_flow_run(alive.id)
+        assert other.state.type == StateType.RUNNING  # it kept beating
+        state, line = job_state(run)
+        assert state == "FAILED" and "it stopped sending heartbeats: its worker or machine went away" in line, line
+        assert line.endswith(f"resubmit job {tag}-0 to resume from its last complete checkpoint"), line
+    finally:
+        with prefect_client() as client:
+            client.set_flow_run_state(alive.id, Cancelled(), force=True)
+            for run in (lost, alive):
+                client.delete_flow_run(run.id)
+            for automation in client.read_automations_by_name(tag):
+                client.delete_automation(automation.id)
+
+
+def test_a_lost_run_window_shorter_than_three_heartbeats_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from opentinker.core.settings import Settings
+
+    with pytest.raises(ValidationError, match=r"lost_run_after_s \(60\) must be at least three heartbeats \(3 x run_heartbeat_s = 90\)"):
+        Settings(state_dir=tmp_path, lost_run_after_s=60)
+    assert Settings(state_dir=tmp_path, run_heartbeat_s=60, lost_run_after_s=180).lost_run_after_s == 180
+
+
 def _job_state(job_id, settings) -> str:
     from opentinker.control.follow import latest_flow_run
     from opentinker.control.scheduler import job_state

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentinker.control.processes import group_members, reap, signal_group, tail
-from opentinker.control.services import RAY_NODE_ENV, WORKER_PREFECT_ENV, is_stand_in, ray_node_ports, short_dir
+from opentinker.control.services import RAY_NODE_ENV, is_stand_in, ray_node_ports, short_dir, worker_prefect_env
 from opentinker.control.submit import check_ray_address
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, address_toward, mlflow_env, prefect_env, ray_env, settings_env
@@ -162,7 +162,7 @@ class WorkerNode:
         name = self.name or f"opentinker-{self.pool}-{os.uname().nodename}"
         command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", self.pool, "--type", "process",
                    "--name", name, "--install-policy", "never"]
-        self.worker = subprocess.Popen(command, env={**self.env(), **WORKER_PREFECT_ENV},
+        self.worker = subprocess.Popen(command, env={**self.env(), **worker_prefect_env(self.settings)},
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         return self.worker.pid
 

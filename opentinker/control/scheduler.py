@@ -13,6 +13,8 @@
   rule is in opentinker/orchestration/admission.py.
 - Deployments per job kind and pool, declared in `deployments/prefect.yaml`, and the flow (job
   kind) a spec runs as.
+- An automation that marks Crashed a run whose heartbeats stopped before it ended (its process died
+  with its worker or machine), so a lost run frees its place in the pool instead of holding it.
 - The job states users see, mapped from Prefect states.
 
 Client-safe: imports no torch.
@@ -46,6 +48,8 @@ AWAITING_ENV = "AwaitingEnvironment"
 QUEUED_CANCEL = "cancelled while queued"
 # A run waiting for its environment is parked far in the future, out of every worker's reach.
 _PARKED = timedelta(days=3650)
+LOST_RUNS = "opentinker: crash runs whose heartbeats stopped"
+LOST_RUN_MESSAGE = "it stopped sending heartbeats: its worker or machine went away"
 
 
 class SchedulingError(ValueError):
@@ -182,6 +186,39 @@ def ensure_pools(settings: Settings) -> None:
         with prefect_client() as client:  # the pool's base-model worker hosts this many Tinker sessions
             client.upsert_global_concurrency_limit_by_name(slot_limit(seat_pool(pool)), settings.tinker_worker_seats)
             client.upsert_global_concurrency_limit_by_name(admit_limit(seat_pool(pool)), 1)
+    ensure_automation(lost_run_automation(settings.lost_run_after_s))
+
+
+def lost_run_automation(after_s: float, name: str = LOST_RUNS, tag: str | None = None):
+    """Prefect's documented answer to zombie runs: a run that sent a heartbeat and then neither another
+    one nor an end state within `after_s` is set Crashed. Without it a run whose process died with its
+    worker (`opentinker down`, a kill -9, a lost host) stays Running for ever and keeps its place in
+    the pool's concurrency limit. `tag`: only runs with that tag (a test's own automation)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    beat = "prefect.flow-run.heartbeat"
+    ends = {f"prefect.flow-run.{end}" for end in ("Completed", "Failed", "Cancelled", "Crashed")}
+    related = ResourceSpecification({"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"}) if tag else []
+    trigger = EventTrigger(after={beat}, expect={beat, *ends}, posture=Posture.Proactive, threshold=1,
+                           match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}), match_related=related,
+                           for_each={"prefect.resource.id"}, within=timedelta(seconds=after_s))
+    return AutomationCore(name=name, trigger=trigger,
+                          actions=[ChangeFlowRunState(state=StateType.CRASHED, message=LOST_RUN_MESSAGE)])
+
+
+def ensure_automation(automation) -> None:
+    """Create `automation`, or replace the one of its name when it differs (e.g. a new `lost_run_after_s`)."""
+    with prefect_client() as client:
+        existing = client.read_automations_by_name(automation.name)
+        fields = set(type(automation).model_fields)
+        if len(existing) == 1 and existing[0].model_dump(include=fields) == automation.model_dump(include=fields):
+            return
+        for old in existing:
+            client.delete_automation(old.id)
+        client.create_automation(automation)
 
 
 def resize_pool(pool: str, slots: int) -> None:

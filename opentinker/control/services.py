@@ -38,10 +38,16 @@ WORKER_PREFECT_ENV = {"PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_CLIENT_MAX_R
                       "PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false"}
 
 
+def worker_prefect_env(s: Settings) -> dict[str, str]:
+    """A Prefect worker's own variables; its flow runs send heartbeats every `run_heartbeat_s`, which
+    the scheduler's lost-run automation watches (scheduler.py)."""
+    return {**WORKER_PREFECT_ENV, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(s.run_heartbeat_s)}
+
+
 def worker_env(s: Settings) -> dict[str, str]:
     """Flow runs inherit the worker's environment: they find Prefect, MLflow, the settings and the
     stack's Ray head (with its token)."""
-    env = {**settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), **WORKER_PREFECT_ENV}
+    env = {**settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), **worker_prefect_env(s)}
     if "ray" in services_for(s):
         env["OPENTINKER_RAY_ADDRESS"] = s.ray_head_address
     return env

@@ -90,6 +90,15 @@ class Settings(BaseSettings):
     cpu_slots: int = Field(2, ge=0)
     """Slots of the `cpu` pool: CPU jobs that may run at once."""
 
+    run_heartbeat_s: int = Field(30, ge=30)
+    """Every job's flow run tells Prefect it is alive this often (Prefect's flow heartbeats; 30 s is
+    its least). See `lost_run_after_s`."""
+
+    lost_run_after_s: float = Field(150.0, gt=0)
+    """A run that sent no heartbeat for this long, and did not end, is marked Crashed by a Prefect
+    automation (its process died with its worker or machine: `down`, kill -9, a lost host), which frees
+    its place in the pool; its job reads FAILED with the line to resume. Keep it a few heartbeats long."""
+
     storage_url: str | None = None
     """fsspec URL under which the gateway places tenants' checkpoints
     (`<storage_url>/tenants/<tenant>/<job_id>`); None: `file://<state_dir>/storage`."""
@@ -222,6 +231,13 @@ class Settings(BaseSettings):
     def _default_storage(self) -> "Settings":
         if self.storage_url is None:
             self.storage_url = f"file://{self.state_dir / 'storage'}"
+        return self
+
+    @model_validator(mode="after")
+    def _lost_after_heartbeats(self) -> "Settings":
+        if self.lost_run_after_s < 3 * self.run_heartbeat_s:
+            raise ValueError(f"lost_run_after_s ({self.lost_run_after_s:g}) must be at least three heartbeats "
+                             f"(3 x run_heartbeat_s = {3 * self.run_heartbeat_s}): a live run would read as lost")
         return self
 
     def stack_secret(self) -> str:

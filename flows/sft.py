@@ -1,4 +1,5 @@
-"""SFT as a Prefect flow: one `sft` task (TRL's SFTTrainer, on Ray with the job's CPUs/GPUs) between
+"""SFT as a Prefect flow: one `sft` task (TRL's SFTTrainer, on Ray with the job's CPUs/GPUs; or, with
+`resources.share_base`, the job's steps on its pool's base-model worker: opentinker.sft.shared) between
 the same start-up and bookkeeping as RL jobs: the job's pool slots held for its life, one MLflow run
 (params = the spec; metrics per logging step; loss before/after; the final adapter or weights as
 artifacts), then the checkpoint registered as a new model version when `registry.register`.
@@ -28,9 +29,41 @@ def sft_train(spec: SFTSpec, job_id: str, tracking_uri: str, experiment: str, te
     from opentinker.tracking.runs import JobTracker
 
     tracker = JobTracker(tracking_uri, experiment, job_id, spec)
+    if spec.resources.share_base:
+        return train_on_shared_base(spec, job_id, tenant, tracker.log_metrics)
     result = run_sft(spec, job_id, tracker_callback=tracker.log_metrics, tenant=tenant)
     result.pop("history", None)  # already in MLflow; the task result stays small
     return result
+
+
+def train_on_shared_base(spec: SFTSpec, job_id: str, tenant: str | None, log_metrics) -> dict[str, Any]:
+    """The job as an adapter of its pool's base-model worker, one optimizer step a call (so a
+    cancelled flow stops it at the next step); taken off the worker whatever happens."""
+    import time
+
+    import ray
+
+    from opentinker.core.settings import get_settings
+    from opentinker.orchestration.base_worker import JobOnBaseWorker
+
+    hosted = JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s, host="host_sft")
+    try:
+        before, seconds = ray.get(hosted.call("begin")), 0.0
+        if not before.get("reused"):
+            log_metrics(0, before)
+            start, done = time.perf_counter(), False
+            while not done:
+                point = ray.get(hosted.call("step"))
+                done = point["done"]
+                if point["metrics"]:
+                    log_metrics(point["step"], point["metrics"])
+            seconds = time.perf_counter() - start
+        result = ray.get(hosted.call("finish", seconds))
+        if not result.get("reused"):
+            log_metrics(result["steps"], result["after"] | {"sft/train_seconds": result["train_seconds"]})
+        return {**result, "where": hosted.line()}
+    finally:
+        hosted.kill()
 
 
 @flow(name="sft", task_runner=ray_runner(), persist_result=False, log_prints=True)
@@ -41,7 +74,8 @@ def sft(spec: SFTSpec, job_id: str | None = None, tenant: str | None = None) -> 
         r = spec.resources
         threads = str(r.torch_threads or os.cpu_count() or 1)
         logger.info(f"SFT job {job.job_id}: {spec.model.name} ({spec.adapter.kind}) on {spec.data.path}; MLflow {tracker.run_url}")
-        with remote_options(num_cpus=r.num_cpus, num_gpus=r.num_gpus, max_retries=0,
+        # a job on a shared base only drives the base-model worker, which holds the resources
+        with remote_options(num_cpus=0 if r.share_base else r.num_cpus, num_gpus=0 if r.share_base else r.num_gpus, max_retries=0,
                             runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}):
             result = sft_train.submit(spec=spec, job_id=job.job_id, tracking_uri=tracker.tracking_uri, experiment=job.experiment,
                                     tenant=tenant).result()

@@ -238,7 +238,8 @@ def test_sft_flow_tracks_in_mlflow_checkpoints_and_registers(stack_env, tmp_path
 
 def test_an_sft_job_runs_through_the_gateway_in_the_tenants_namespace(stack_env, tmp_path, data):
     """SchedulerClient.submit_job with an SFT spec: the data path is read from the tenant's own
-    storage, the job runs as the sft flow and its checkpoint lands in the tenant's folder."""
+    storage, the job runs as the sft flow and its checkpoint lands in the tenant's folder. It asks to
+    share its base: it trains as an adapter of the pool's base-model worker (opentinker.sft.shared)."""
     import fsspec
 
     from opentinker.client import SchedulerClient
@@ -250,10 +251,13 @@ def test_an_sft_job_runs_through_the_gateway_in_the_tenants_namespace(stack_env,
     key = TenantStore(settings.state_dir / "tenants.json").create("sftco", rotate=True)
     with fsspec.open(f"{settings.storage_url}/tenants/sftco/data/chats.jsonl", "wb", auto_mkdir=True) as f:
         f.write(open(data, "rb").read())
-    config = _sft(tmp_path, data)
+    config = _sft(tmp_path, data, resources={"share_base": True})
     config["data"]["path"] = "data/chats.jsonl"  # relative to the tenant's storage
     client = SchedulerClient(url=settings.gateway_url, api_key=key)
     job = client.submit_job(config=config)
     final = client.wait(job["job_id"], timeout=600, poll=1)
     assert final["state"] == "COMPLETED", final.get("reason")
-    assert final["checkpoint"].startswith(f"{settings.storage_url}/tenants/sftco/{job['job_id']}/step-")
+    assert final["checkpoint"].startswith(f"{settings.storage_url}/tenants/sftco/{job['job_id']}/step-00000004")
+    with fsspec.open(f"{final['checkpoint']}/state.json") as f:
+        result = json.load(f)["result"]
+    assert result["shared_base"] and result["after"]["eval/loss"] < result["before"]["eval/loss"]

@@ -193,8 +193,126 @@ def test_a_job_that_cannot_share_a_base_is_refused_with_the_reason(tmp_path, ove
         tiny_spec(tmp_path, **data)
 
 
-def test_an_sft_job_that_asks_to_share_a_base_is_refused(tmp_path):
+@pytest.mark.parametrize("overrides,kind", [
+    ({"adapter": {"kind": "full"}}, "full"),
+    ({"model": {"name": "tiny-random", "init_from": "file:///tmp/x"}}, "init_from"),
+    ({"training": {"gradient_checkpointing": True}}, "checkpointing"),
+])
+def test_an_sft_job_that_cannot_share_a_base_is_refused_with_the_reason(tmp_path, overrides, kind):
     from opentinker.sft.spec import parse_sft_spec
 
-    with pytest.raises(SpecError, match=r"^<spec>: resources.share_base: an SFT job trains a model of its own"):
-        parse_sft_spec({"model": {"name": "tiny-random"}, "data": {"path": str(tmp_path / "d.jsonl")}, "resources": {"share_base": True}})
+    data = {"model": {"name": "tiny-random"}, "data": {"path": str(tmp_path / "d.jsonl")}, "resources": {"share_base": True}, **overrides}
+    with pytest.raises(SpecError, match=r"^<spec>: resources.share_base: only a LoRA job on a plain base \(no model.init_from\) "
+                                        r"without training.gradient_checkpointing trains as an adapter"):
+        parse_sft_spec(data)
+
+
+# -- SFT jobs on a shared base ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> str:
+    from opentinker.sft.game_chats import math_chats, write_jsonl
+
+    path = tmp_path_factory.mktemp("sft-data") / "math.jsonl"
+    write_jsonl(math_chats(16, seed=0, few_shot=0), str(path))
+    return str(path)
+
+
+def _sft_spec(tmp_path, data: str, share: bool = True, seed: int = 0):
+    from opentinker.sft.spec import parse_sft_spec
+
+    return parse_sft_spec({"model": {"name": "tiny-random"}, "adapter": {"kind": "lora", "r": 8, "alpha": 16},
+                           "data": {"path": data, "eval_fraction": 0.25},
+                           "training": {"epochs": 2, "lr": 2e-2, "batch_size": 4, "grad_accum": 2, "max_length": 256, "seed": seed},
+                           "storage": {"base_url": f"file://{tmp_path}/runs"}, "resources": {"share_base": share}})
+
+
+def _train(worker, key: str) -> list[dict]:
+    """The flow's calls of a hosted SFT job: begin, steps until done, finish; every answer."""
+    answers = [worker.job_call(key, "begin")]
+    while not answers[-1].get("done"):
+        answers.append(worker.job_call(key, "step"))
+    return [*answers, worker.job_call(key, "finish", 1.0)]
+
+
+def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints_as_peft(tmp_path, chats):
+    """Its loss before training is TRL's `evaluate` of the same examples (the adapter starts at zero,
+    so both read the base: same tokens trained, same loss per token, same averaging); it learns, takes
+    the steps an own job would, leaves the shared base as it was, and its checkpoint loads as a LoRA
+    policy whose outputs are the hosted adapter's."""
+    import math
+    import tempfile
+
+    from opentinker.model.policy import load_policy
+    from opentinker.orchestration.base_worker import BaseModelWorker
+    from opentinker.sft.job import SFTJob
+
+    own = SFTJob(_sft_spec(tmp_path, chats, share=False), job_id="own")
+    with tempfile.TemporaryDirectory() as out:
+        trainer, rows = own._trainer(out, None, [])
+        trl_before = own._measure(trainer, rows)
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    key = worker.host_sft(_sft_spec(tmp_path, chats), "sft-a", "tenant-a")["key"]
+    shared = worker.bases.base("tiny-random")
+    frozen = {n: p.detach().clone() for n, p in shared.multi.model.named_parameters() if "lora" not in n.lower()}
+    answers = _train(worker, key)
+    begin, steps, result = answers[0], answers[1:-1], answers[-1]
+    for name, value in trl_before.items():
+        assert begin[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    assert begin["sft/max_steps"] == own.max_steps == 4 == result["steps"] == len(steps)  # 12 examples, 4 a batch, 2 batches a step
+    assert [a["step"] for a in steps] == [1, 2, 3, 4] and all(math.isfinite(a["metrics"]["sft/loss"]) for a in steps)
+    assert steps[0]["metrics"]["sft/learning_rate"] == pytest.approx(2e-2)  # linear decay from the peak
+    assert steps[-1]["metrics"]["sft/learning_rate"] == pytest.approx(2e-2 / 4)
+    assert result["after"]["eval/loss"] < result["before"]["eval/loss"] - 0.1, result
+    assert result["after"]["train_set/loss"] < result["before"]["train_set/loss"] - 0.1, result
+    for name, tensor in shared.multi.model.named_parameters():  # the base every tenant reads is untouched
+        if name in frozen:
+            torch.testing.assert_close(tensor, frozen[name], rtol=0, atol=0)
+
+    policy, _, info = load_policy(result["checkpoint"])
+    assert info["adapter"]["kind"] == "lora" and info["init_from"] is None
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        hosted = worker.jobs[key].model(input_ids=ids).logits
+        torch.testing.assert_close(policy(input_ids=ids).logits, hosted, rtol=1e-4, atol=1e-4)
+    worker.drop_job(key)
+    assert key not in worker.bases.adapters().get("tiny-random", [])
+
+
+def test_an_sft_job_trains_the_same_whoever_shares_the_worker_and_a_rerun_reuses_its_checkpoint(tmp_path, chats):
+    """The same SFT job alone on a worker, and beside another tenant's SFT job whose steps interleave
+    with its own (two threads, as two flows call): the same losses and the same adapter. Running the
+    job id again with the same spec trains nothing and returns the saved result."""
+    from opentinker.orchestration.base_worker import BaseModelWorker
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    alone_key = worker.host_sft(_sft_spec(tmp_path / "alone", chats), "sft", "tenant-a")["key"]
+    alone = _train(worker, alone_key)
+    alone_weights = dict(worker.jobs[alone_key].model.named_parameters())
+    alone_weights = {n: p.detach().clone() for n, p in alone_weights.items()}
+    worker.drop_job(alone_key)
+
+    keys = {"twin": worker.host_sft(_sft_spec(tmp_path / "twin", chats), "sft", "tenant-a")["key"],
+            "other": worker.host_sft(_sft_spec(tmp_path / "other", chats, seed=5), "sft", "tenant-b")["key"]}
+    answers: dict[str, list] = {}
+    threads = [threading.Thread(target=lambda n=n: answers.__setitem__(n, _train(worker, keys[n]))) for n in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert set(answers) == {"twin", "other"}
+    twin = answers["twin"]
+    for mine, theirs in zip(twin[1:-1], alone[1:-1], strict=True):
+        assert mine["metrics"] == pytest.approx(theirs["metrics"], rel=1e-5), (mine, theirs)
+    assert twin[-1]["after"] == pytest.approx(alone[-1]["after"], rel=1e-5)
+    for name, tensor in worker.jobs[keys["twin"]].model.named_parameters():
+        torch.testing.assert_close(tensor, alone_weights[name], rtol=1e-5, atol=1e-6)
+    assert answers["other"][-1]["after"] != twin[-1]["after"]  # another seed: another order and init
+
+    for key in keys.values():
+        worker.drop_job(key)
+    again = worker.host_sft(_sft_spec(tmp_path / "alone", chats), "sft", "tenant-a")["key"]
+    reused = _train(worker, again)
+    assert reused[0] == {"reused": True, "done": True} and len(reused) == 2
+    assert reused[-1]["reused"] and reused[-1]["checkpoint"] == alone[-1]["checkpoint"]

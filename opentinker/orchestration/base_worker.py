@@ -18,7 +18,9 @@ It hosts native LoRA RL jobs too (`resources.share_base`): the job's policy and 
 in (`job_call`), its episodes sampled by the base's shared engine in batches with every other
 adapter's rows. Updates (a job's, or a pass of Tinker clients) take the base's training lock in
 turn: on a CPU a training pass's matmuls already fill every core, so joining them buys nothing,
-while a job's own pass keeps its shared-prefix saving (opentinker.backend.shared_prefix).
+while a job's own pass keeps its shared-prefix saving (opentinker.backend.shared_prefix). SFT LoRA
+jobs are hosted the same way (`host_sft`): one optimizer step a call (opentinker.sft.shared), under
+the same lock, so a long SFT run never holds the base between its steps.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ class Hosted:
     run: Any = None  # its MLflow run, opened at its first step
 
 
-JOB_CALLS = ("restore", "rollout", "update", "evaluate", "checkpoint")  # what a flow may call on a hosted job
+# What a flow may call on a hosted job: an RL job's step loop, an SFT job's (opentinker.sft.shared)
+JOB_CALLS = ("restore", "rollout", "update", "evaluate", "checkpoint", "begin", "step", "finish")
+TRAINING_CALLS = ("update", "step")  # they take the base's training lock, one pass at a time
 
 
 def return_freed_memory() -> None:
@@ -104,7 +108,7 @@ def adapter_name(job_id: str, tenant: str | None) -> str:
 
 @dataclass
 class HostedJob:
-    job: Any  # opentinker.rl.RLJob
+    job: Any  # opentinker.rl.RLJob, or opentinker.sft.shared.SharedSFT
     model: Any  # its AdapterModel
     shared: Any  # the SharedBase it is an adapter of
 
@@ -197,6 +201,21 @@ class BaseModelWorker:
         from opentinker.inference.engine_multi_lora import AdapterRollouts
         from opentinker.rl import RLJob
 
+        def rl_job(shared: Any, model: Any, key: str, closing: list) -> Any:
+            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key, spec.seed)
+            closing.append(rollouts.close)
+            return RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
+
+        return self._host(spec, job_id, tenant, spec.seed, rl_job)
+
+    def host_sft(self, spec: Any, job_id: str, tenant: str | None) -> dict[str, Any]:
+        """Host an SFT LoRA job (`resources.share_base`): its adapter on the base it names, trained by
+        the flow's `begin`, `step`… `finish` calls (opentinker.sft.shared). Returns where it is, as `host_job`."""
+        from opentinker.sft.shared import SharedSFT
+
+        return self._host(spec, job_id, tenant, spec.training.seed, lambda shared, model, key, closing: SharedSFT(spec, job_id, tenant, model))
+
+    def _host(self, spec: Any, job_id: str, tenant: str | None, seed: int, make: Any) -> dict[str, Any]:
         key = adapter_name(job_id, tenant)
         with self.lock:
             if self.closing:
@@ -204,17 +223,17 @@ class BaseModelWorker:
             if key in self.jobs:
                 raise ValueError(f"job {job_id} is hosted here already")
             self.jobs[key] = None  # taken while the base loads
-        shared = model = rollouts = None
+        shared = model = None
+        closing: list = []  # what to close if the job cannot start
         try:
             shared = self.bases.base(spec.model.name)
             lora = spec.adapter
-            model = shared.add_job(key, lora.r, lora.alpha, lora.target_modules, lora.dropout, spec.seed)
-            rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key, spec.seed)
+            model = shared.add_job(key, lora.r, lora.alpha, lora.target_modules, lora.dropout, seed)
             with model.using():
-                job = RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
+                job = make(shared, model, key, closing)
         except BaseException:
-            if rollouts is not None:
-                rollouts.close()
+            for close in closing:
+                close()
             if model is not None:
                 shared.multi.remove(key)
             self._forget_job(key)
@@ -228,17 +247,18 @@ class BaseModelWorker:
             raise ValueError(f"no such job call: {method}")
         hosted = self.jobs[key]
         try:
-            with hosted.model.using(), hosted.shared.training if method == "update" else nullcontext():
+            with hosted.model.using(), hosted.shared.training if method in TRAINING_CALLS else nullcontext():
                 return getattr(hosted.job, method)(*args)
         finally:
-            if method in ("rollout", "update", "evaluate"):
+            if method in ("rollout", "update", "evaluate", "begin", "finish"):
                 return_freed_memory()
 
     def drop_job(self, key: str) -> None:
         """The job leaves: its sampler stops using the engine, its adapter leaves the base."""
         hosted = self.jobs.get(key)
         if hosted is not None:
-            hosted.job.close()
+            if hasattr(hosted.job, "close"):  # an RL job's sampler
+                hosted.job.close()
             hosted.model.multi.remove(key)
         self._forget_job(key)
 
@@ -362,8 +382,9 @@ class JobOnBaseWorker:
     """A native LoRA job's actor side when it shares its base (`resources.share_base`): hosted on
     the pool's base-model worker; the step loop's calls go there (JobActors.call)."""
 
-    def __init__(self, spec: Any, job_id: str, tenant: str | None, idle_s: float):
-        self.worker, self.where = on_worker(spec.resources.num_gpus, idle_s, "host_job", spec, job_id, tenant)
+    def __init__(self, spec: Any, job_id: str, tenant: str | None, idle_s: float, host: str = "host_job"):
+        """`host`: the worker's method that hosts it (`host_job` for RL, `host_sft`)."""
+        self.worker, self.where = on_worker(spec.resources.num_gpus, idle_s, host, spec, job_id, tenant)
         self.key = self.where["key"]
 
     def line(self) -> str:

@@ -50,16 +50,16 @@ def _reuse(spec: SFTSpec, job_id: str, tenant: str | None) -> ckpt.Intact:
     return ckpt.newest_intact(spec.checkpoint.base_url, job_id, ckpt.Owner(job_id, tenant), earlier_result)
 
 
-def _to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any) -> Any:
     """Optimizer state with every tensor on the CPU (a GPU job's checkpoint loads anywhere)."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(to_cpu(v) for v in obj)
     return obj
 
 
@@ -70,8 +70,9 @@ class SFTJob:
     """Validates data, loads the model (from `model.init_from` when set), trains with SFTTrainer
     and writes the checkpoint. `model` stays available after `run` (for tests and notebooks)."""
 
-    def __init__(self, spec: SFTSpec, job_id: str | None = None, tenant: str | None = None):
-        """`tenant`: whose job it is (its checkpoint is signed as such; None: the operator's)."""
+    def __init__(self, spec: SFTSpec, job_id: str | None = None, tenant: str | None = None, model: Any = None):
+        """`tenant`: whose job it is (its checkpoint is signed as such; None: the operator's). `model`: an
+        adapter of a shared base to check and split the data for (opentinker.sft.shared), not loading one."""
         self.spec, self.tenant = spec, tenant
         self.job_id = job_id_for(spec, job_id)  # a bad id is refused before anything is read or written
         check_job_storage(spec)  # a wrong bucket or missing credentials: one line, before anything loads
@@ -92,6 +93,9 @@ class SFTJob:
         if spec.training.assistant_only_loss:
             self.tokenizer.chat_template = self._checked_template()
         self._check_lengths(chats)
+        if model is not None:
+            self.model = model
+            return
 
         import torch
 
@@ -201,7 +205,7 @@ class SFTJob:
             ref = ckpt.save_checkpoint(
                 self.spec.checkpoint.base_url, self.job_id, steps,
                 weights={n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad},
-                optimizer_state=_to_cpu(trainer.optimizer.state_dict()),
+                optimizer_state=to_cpu(trainer.optimizer.state_dict()),
                 state={"policy_version": steps, "kind": "sft", "result": result},
                 extra_files=extra, tenant=self.tenant,
             )

@@ -47,9 +47,10 @@ class SFTSpec(BaseJobSpec):
     training: SFTTrainingSpec = Field(default_factory=SFTTrainingSpec, description="the optimizer and the passes over the data")
 
     @model_validator(mode="after")
-    def _trains_its_own_model(self) -> "SFTSpec":
-        if self.resources.share_base:  # trl's trainer wants a model of its own (a peft model), not an adapter of a shared base
-            raise ValueError("resources.share_base: an SFT job trains a model of its own (RL LoRA jobs and Tinker sessions share bases)")
+    def _shares_a_plain_base(self) -> "SFTSpec":
+        if self.resources.share_base and (self.adapter.kind != "lora" or self.model.init_from or self.training.gradient_checkpointing):
+            raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from) without "
+                             "training.gradient_checkpointing trains as an adapter of a shared base-model worker")
         return self
 
 

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 
+from opentinker.core.polling import wait_for
 from opentinker.core.spec import SpecError
 from tests.conftest import tiny_spec
 
@@ -65,7 +66,7 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
     specs = {name: _spec(tmp_path, seed=seed) for name, seed in (("ann", 1), ("bob", 2))}
     keys = {name: worker.host_job(spec, name, "tenant-" + name)["key"] for name, spec in specs.items()}
     assert keys == {name: adapter_name(name, "tenant-" + name) for name in specs}
-    with pytest.raises(ValueError, match="job ann is hosted here already"):
+    with pytest.raises(ValueError, match=r"^job ann is hosted here already, and its run made a call in the last 60 s"):
         worker.host_job(specs["ann"], "ann", "tenant-ann")
     other = worker.host_job(specs["ann"], "ann", "tenant-bob")["key"]  # the same job id of another tenant is another job
     worker.drop_job(other)
@@ -110,7 +111,7 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
 
     worker.drop_job(keys["ann"])
     assert worker.info()["jobs"] == [keys["bob"]] and worker.info()["adapters"]["tiny-random"] == [keys["bob"]]
-    with pytest.raises(KeyError):
+    with pytest.raises(LookupError, match="^job ann is not hosted on this base-model worker"):
         worker.job_call(keys["ann"], "rollout", 3)
     with pytest.raises(ValueError, match="no such job call: close"):
         worker.job_call(keys["bob"], "close")
@@ -179,6 +180,32 @@ def test_a_hosted_job_whose_worker_died_fails_in_one_line_naming_the_worker_and_
     assert lost_cluster_line(ray.exceptions.ActorDiedError(), spec, "ann", "tenant-ann") == (
         "ActorDiedError: the base-model worker hosting it died (killed, out of memory, or its Ray node went away); "
         f"resubmit job ann to resume from step 2 ({ref.url})")
+
+
+def test_a_hosted_job_whose_flow_died_is_replaced_by_its_next_run_or_taken_off_when_silent(tmp_path, chats):
+    """A job's flow process that dies (OOM-killed, say) leaves its adapter on the worker with nobody to
+    take it off: the resubmitted job id was refused as "hosted here already" for ever, and the worker
+    never went idle. Now a new run of the job replaces a hosting whose last call is over a minute old,
+    and the worker's tick takes off a job silent for twice the heartbeat timeout; a call to it then
+    says what happened in one line."""
+    from opentinker.orchestration.base_worker import LEFTOVER_S, BaseModelWorker
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    spec = _sft_spec(tmp_path, chats)
+    key = worker.host_sft(spec, "sft", "tenant-a")["key"]
+    worker.job_call(key, "begin")
+    first = worker.jobs[key]
+    first.last_call -= LEFTOVER_S + 1  # its flow died a minute ago
+    assert worker.host_sft(spec, "sft", "tenant-a")["key"] == key  # the resubmission is hosted
+    assert worker.jobs[key] is not first and worker.bases.adapters()["tiny-random"].count(key) == 1
+    assert worker.job_call(key, "begin")["sft/max_steps"] == 4  # the new run trains from its own start
+
+    worker.jobs[key].last_call -= 2 * worker.settings.tinker_heartbeat_timeout_s + 1  # silent for too long
+    wait_for(lambda: key not in worker.jobs or None, interval=0.2, timeout=10, what="the tick taking it off")
+    assert key not in worker.bases.adapters().get("tiny-random", [])
+    with pytest.raises(LookupError, match=r"^job sft is not hosted on this base-model worker \(taken off after 240 s without a call, "
+                                          r"or by a new run of it\): resubmit it to resume from its last checkpoint$"):
+        worker.job_call(key, "step")
 
 
 @pytest.mark.parametrize("overrides", [

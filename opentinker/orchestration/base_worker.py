@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("opentinker.tinker")
@@ -106,11 +106,21 @@ def adapter_name(job_id: str, tenant: str | None) -> str:
     return f"job/{tenant or '-'}/{job_id}"
 
 
+# A hosted job whose flow made no call for this long is a leftover (its flow process died with no
+# one to take it off): a new run of the job id replaces it. A live flow calls step after step.
+LEFTOVER_S = 60.0
+
+
 @dataclass
 class HostedJob:
     job: Any  # opentinker.rl.RLJob, or opentinker.sft.shared.SharedSFT
     model: Any  # its AdapterModel
     shared: Any  # the SharedBase it is an adapter of
+    calls: int = 0  # in flight
+    last_call: float = field(default_factory=time.monotonic)  # when the last call ended (or the job was hosted)
+
+    def idle_seconds(self) -> float:
+        return 0.0 if self.calls else time.monotonic() - self.last_call
 
 
 class SessionRouter:
@@ -220,9 +230,14 @@ class BaseModelWorker:
         with self.lock:
             if self.closing:
                 raise WorkerClosing("this base-model worker is closing (idle): start another")
-            if key in self.jobs:
-                raise ValueError(f"job {job_id} is hosted here already")
+            earlier = self.jobs.get(key, False)
+            if earlier is not False and (earlier is None or earlier.idle_seconds() < LEFTOVER_S):
+                raise ValueError(f"job {job_id} is hosted here already, and its run made a call in the last {LEFTOVER_S:g} s: "
+                                 "is another run of it going on?")
             self.jobs[key] = None  # taken while the base loads
+        if earlier:
+            log.warning("job %s: a leftover of an earlier run (no call for %.0f s) replaced", key, earlier.idle_seconds())
+            self._drop_hosted(key, earlier)
         shared = model = None
         closing: list = []  # what to close if the job cannot start
         try:
@@ -245,11 +260,20 @@ class BaseModelWorker:
         """One of the step loop's calls of a hosted job, every forward in it through the job's adapter."""
         if method not in JOB_CALLS:
             raise ValueError(f"no such job call: {method}")
-        hosted = self.jobs[key]
+        with self.lock:
+            hosted = self.jobs.get(key)
+            if hosted is None:
+                raise LookupError(f"job {key.rsplit('/', 1)[-1]} is not hosted on this base-model worker (taken off after "
+                                  f"{2 * self.settings.tinker_heartbeat_timeout_s:g} s without a call, or by a new run of it): "
+                                  "resubmit it to resume from its last checkpoint")
+            hosted.calls += 1
         try:
             with hosted.model.using(), hosted.shared.training if method in TRAINING_CALLS else nullcontext():
                 return getattr(hosted.job, method)(*args)
         finally:
+            with self.lock:
+                hosted.calls -= 1
+                hosted.last_call = time.monotonic()
             if method in ("rollout", "update", "evaluate", "begin", "finish"):
                 return_freed_memory()
 
@@ -257,10 +281,13 @@ class BaseModelWorker:
         """The job leaves: its sampler stops using the engine, its adapter leaves the base."""
         hosted = self.jobs.get(key)
         if hosted is not None:
-            if hasattr(hosted.job, "close"):  # an RL job's sampler
-                hosted.job.close()
-            hosted.model.multi.remove(key)
+            self._drop_hosted(key, hosted)
         self._forget_job(key)
+
+    def _drop_hosted(self, key: str, hosted: HostedJob) -> None:
+        if hasattr(hosted.job, "close"):  # an RL job's sampler
+            hosted.job.close()
+        hosted.model.multi.remove(key)
 
     def _forget_job(self, key: str) -> None:
         with self.lock:
@@ -276,7 +303,8 @@ class BaseModelWorker:
     # -- background -------------------------------------------------------------------------
     def _tick(self) -> None:
         """Sessions' housekeeping; a session whose flow died without taking it off (its client quiet
-        twice the heartbeat timeout: the flow would have ended it) is dropped; an idle worker exits."""
+        twice the heartbeat timeout: the flow would have ended it) is dropped, and so is a hosted job
+        whose flow made no call for as long; an idle worker exits."""
         while True:
             time.sleep(1.0)
             for session_id, hosted in list(self.hosted.items()):
@@ -284,6 +312,10 @@ class BaseModelWorker:
                 if hosted.session.idle_seconds() > 2 * self.settings.tinker_heartbeat_timeout_s:
                     log.warning("session %s: no call for %.0f s and no flow took it off: dropped", session_id, hosted.session.idle_seconds())
                     self.drop(session_id)
+            for key, job in self._stale_jobs(2 * self.settings.tinker_heartbeat_timeout_s):  # flows that died
+                log.warning("job %s: no call for %.0f s: taken off", key, job.idle_seconds())
+                self._drop_hosted(key, job)
+                self._forget_job(key)
             with self.lock:
                 idle = not self.hosted and not self.jobs and time.monotonic() - self.empty_since > self.idle_s
                 if idle:
@@ -296,6 +328,14 @@ class BaseModelWorker:
 
                 ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
+
+    def _stale_jobs(self, idle_s: float) -> list[tuple[str, HostedJob]]:
+        """Hosted jobs with no call for `idle_s`, taken out of `jobs` (no call can start on them now)."""
+        with self.lock:
+            stale = [(key, job) for key, job in self.jobs.items() if job is not None and job.idle_seconds() > idle_s]
+            for key, _ in stale:
+                del self.jobs[key]
+        return stale
 
     def _log_steps(self) -> None:
         from opentinker.orchestration.tinker_actor import open_run, step_metrics

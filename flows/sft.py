@@ -44,7 +44,7 @@ def train_on_shared_base(spec: SFTSpec, job_id: str, tenant: str | None, log_met
     import ray
 
     from opentinker.core.settings import get_settings
-    from opentinker.orchestration.base_worker import JobOnBaseWorker
+    from opentinker.orchestration.on_base_worker import JobOnBaseWorker
 
     hosted = JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s, host="host_sft")
     try:

@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger, runtime
 from opentinker.core.settings import get_settings
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key
-from opentinker.orchestration.base_worker import OnBaseWorker
+from opentinker.orchestration.on_base_worker import OnBaseWorker
 from opentinker.orchestration.job import cluster_address, held_slots, ray_connection
 from opentinker.orchestration.tinker_actor import OwnActor
 from opentinker.tinker.spec import TinkerSessionSpec

@@ -74,7 +74,7 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
 
     if spec.resources.share_base:
         from opentinker.core.settings import get_settings
-        from opentinker.orchestration.base_worker import JobOnBaseWorker
+        from opentinker.orchestration.on_base_worker import JobOnBaseWorker
 
         return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
     if spec.resources.colocate:

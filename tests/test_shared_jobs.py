@@ -182,6 +182,40 @@ def test_a_hosted_job_whose_worker_died_fails_in_one_line_naming_the_worker_and_
         f"resubmit job ann to resume from step 2 ({ref.url})")
 
 
+def test_a_shared_sft_batch_runs_in_bounded_passes_with_the_same_result(tmp_path, chats, monkeypatch):
+    """A tenant's batch size must not decide how much of the shared base's memory one pass takes: a
+    batch runs as passes of at most SHARED_PASS_TOKENS padded tokens, gradients accumulated. With a
+    budget of ~two examples a pass, the job's losses and adapter are those of whole-batch passes;
+    an example longer than the budget is refused at submission."""
+    from opentinker.orchestration.base_worker import BaseModelWorker
+    from opentinker.sft import shared
+    from opentinker.sft.spec import SHARED_PASS_TOKENS, parse_sft_spec
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    whole_key = worker.host_sft(_sft_spec(tmp_path / "whole", chats), "sft", "tenant-a")["key"]
+    whole = _train(worker, whole_key)
+    whole_weights = {n: p.detach().clone() for n, p in worker.jobs[whole_key].model.named_parameters()}
+    worker.drop_job(whole_key)
+
+    longest = max(len(ids) for ids, _ in shared.SharedSFT(_sft_spec(tmp_path / "probe", chats), "probe", None,
+                                                          worker.bases.base("tiny-random").add_job("probe", 8, 16, ["q_proj"], 0.0, 0)).train_rows)
+    monkeypatch.setattr(shared, "SHARED_PASS_TOKENS", 2 * longest)
+    rows = [(list(range(n)), [1] * n) for n in (longest, longest, 3, longest)]
+    assert [len(p) for p in shared.SharedSFT.passes(rows)] == [2, 2]  # 2 rows x the longest fit; a third would not
+    split_key = worker.host_sft(_sft_spec(tmp_path / "split", chats), "sft", "tenant-a")["key"]
+    split = _train(worker, split_key)
+    assert split[0] == pytest.approx(whole[0], rel=1e-5)
+    for mine, theirs in zip(split[1:-1], whole[1:-1], strict=True):
+        assert mine["metrics"] == pytest.approx(theirs["metrics"], rel=1e-5)
+    for name, tensor in worker.jobs[split_key].model.named_parameters():
+        torch.testing.assert_close(tensor, whole_weights[name], rtol=1e-3, atol=1e-4)  # Adam turns float-order noise of near-zero gradients into lr-sized steps
+
+    data = {"model": {"name": "tiny-random"}, "data": {"path": chats}, "resources": {"share_base": True},
+            "training": {"max_length": SHARED_PASS_TOKENS + 1}}
+    with pytest.raises(SpecError, match=rf"^<spec>: training.max_length: {SHARED_PASS_TOKENS + 1} tokens; on a shared base"):
+        parse_sft_spec(data)
+
+
 def test_a_hosted_job_whose_flow_died_is_replaced_by_its_next_run_or_taken_off_when_silent(tmp_path, chats):
     """A job's flow process that dies (OOM-killed, say) leaves its adapter on the worker with nobody to
     take it off: the resubmitted job id was refused as "hosted here already" for ever, and the worker

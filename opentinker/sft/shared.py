@@ -13,6 +13,8 @@ mask and loss TRL uses:
 - loss: the summed negative log-likelihood of the trained tokens (shifted by one) over their count
   in the whole optimizer step (all its micro-batches), as TRL's `num_items_in_batch`;
 - AdamW (lr, weight decay), transformers' schedule over the run's steps, the global norm clipped;
+- a batch runs as passes of at most SHARED_PASS_TOKENS padded tokens, gradients accumulated (the same
+  sums), so no tenant's batch size decides how much of the shared base's memory one pass takes;
 - measured before and after as TRL's `evaluate` reports: per batch the token-mean loss, averaged
   over batches weighted by their examples; the token accuracy averaged over batches.
 The order of the examples differs from TRL's sampler (a seeded shuffle per epoch), so a hosted job
@@ -30,7 +32,7 @@ import torch
 
 from opentinker.model import POLICY_FILE, adapter_files, policy_info
 from opentinker.sft.job import SFTJob, to_cpu
-from opentinker.sft.spec import SFT_SPEC_FILE, dump_sft_spec
+from opentinker.sft.spec import SFT_SPEC_FILE, SHARED_PASS_TOKENS, dump_sft_spec
 from opentinker.storage import checkpoint as ckpt
 
 
@@ -91,8 +93,22 @@ class SharedSFT:
         device = self.model.device
         return ids.to(device), attention.to(device), trained.to(device)
 
+    @staticmethod
+    def passes(rows: list, budget: int | None = None) -> list[list]:
+        """`rows` cut, in order, into passes of at most `budget` padded tokens (rows x the longest;
+        SHARED_PASS_TOKENS): a batch's gradient is the sum of its passes', and the base's memory is
+        spent on one pass at a time."""
+        budget = budget or SHARED_PASS_TOKENS
+        out: list[list] = []
+        for row in rows:
+            if out and (len(out[-1]) + 1) * max(len(row[0]), *(len(r[0]) for r in out[-1])) <= budget:
+                out[-1].append(row)
+            else:
+                out.append([row])
+        return out
+
     def _nll(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(summed NLL of the trained tokens, their count, how many the model's top-1 guessed)."""
+        """(summed NLL of the trained tokens, their count, how many the model's top-1 guessed); rows of one pass."""
         ids, attention, trained = self._tensors(rows)
         logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         targets, mask = ids[:, 1:], trained[:, 1:].bool()
@@ -109,9 +125,10 @@ class SharedSFT:
             for name, rows in (("eval", self.eval_rows), ("train_set", self.train_rows)):
                 losses, weights, accuracies = [], [], []
                 for s in range(0, len(rows), size):
-                    nll, count, right = self._nll(rows[s:s + size])
+                    batch = rows[s:s + size]
+                    nll, count, right = (sum(t) for t in zip(*(self._nll(p) for p in self.passes(batch))))
                     losses.append(float(nll / count.clamp(min=1)))
-                    weights.append(len(rows[s:s + size]))
+                    weights.append(len(batch))
                     accuracies.append(float(right / count.clamp(min=1)))
                 if losses:
                     out[f"{name}/loss"] = sum(l * w for l, w in zip(losses, weights)) / sum(weights)
@@ -136,8 +153,8 @@ class SharedSFT:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
         nll_sum, right_sum = 0.0, 0
-        for batch in micro:
-            nll, _, right = self._nll(batch)
+        for part in (p for batch in micro for p in self.passes(batch)):
+            nll, _, right = self._nll(part)
             (nll / max(count, 1)).backward()
             nll_sum, right_sum = nll_sum + float(nll.detach()), right_sum + int(right)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.spec.training.grad_clip))

@@ -10,6 +10,11 @@ from pydantic import Field, field_validator, model_validator
 
 from opentinker.core.spec import BaseJobSpec, LearningRate, Section, SpecError, dump_spec, read_spec_yaml, storage_url, validate_spec
 
+SHARED_PASS_TOKENS = 2048
+"""Padded tokens one forward/backward of an SFT job on a shared base holds at most (its batches are
+cut into passes this size, gradients accumulated): one tenant's batch size never takes the
+memory of the base every tenant uses. An example longer than this cannot share a base."""
+
 SFT_SPEC_FILE = "sft_spec.yaml"
 """Written into an SFT checkpoint beside the RL files (an SFT run with the same job id and spec reuses it)."""
 
@@ -51,6 +56,9 @@ class SFTSpec(BaseJobSpec):
         if self.resources.share_base and (self.adapter.kind != "lora" or self.model.init_from or self.training.gradient_checkpointing):
             raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from) without "
                              "training.gradient_checkpointing trains as an adapter of a shared base-model worker")
+        if self.resources.share_base and self.training.max_length > SHARED_PASS_TOKENS:
+            raise ValueError(f"training.max_length: {self.training.max_length} tokens; on a shared base (resources.share_base) "
+                             f"a pass holds at most {SHARED_PASS_TOKENS} tokens, so an example may have at most that many")
         return self
 
 

@@ -112,12 +112,12 @@ def checked_rows(data: list[Any], loss_fn: str, vocab_size: int, context_length:
     return rows
 
 
-def micro_batches(lengths: list[int]) -> list[list[int]]:
-    """Indices grouped (shortest first) so that no group pads to more than MICRO_BATCH_TOKENS positions."""
+def micro_batches(lengths: list[int], budget: int = MICRO_BATCH_TOKENS) -> list[list[int]]:
+    """Indices grouped (shortest first) so that no group pads to more than `budget` positions."""
     batches, current, width = [], [], 0
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         n = lengths[i]
-        if current and max(width, n) * (len(current) + 1) > MICRO_BATCH_TOKENS:
+        if current and max(width, n) * (len(current) + 1) > budget:
             batches.append(current)
             current, width = [], 0
         current.append(i)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from opentinker.backend.primitives import micro_batches, padded
 from opentinker.model import POLICY_FILE, adapter_files, policy_info
 from opentinker.sft.job import SFTJob, to_cpu
 from opentinker.sft.spec import SFT_SPEC_FILE, SHARED_PASS_TOKENS, dump_sft_spec
@@ -83,35 +84,18 @@ class SharedSFT:
                 yield batches[s:s + t.grad_accum]
             self.epoch += 1
 
-    def _tensors(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ids, attention mask and trained-token mask, on the base's device."""
-        width, pad = max(len(ids) for ids, _ in rows), self.data.tokenizer.pad_token_id
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention, trained = torch.zeros_like(ids), torch.zeros_like(ids)
-        for i, (row, mask) in enumerate(rows):
-            ids[i, :len(row)], attention[i, :len(row)], trained[i, :len(row)] = torch.tensor(row), 1, torch.tensor(mask)
-        device = self.model.device
-        return ids.to(device), attention.to(device), trained.to(device)
-
     @staticmethod
-    def passes(rows: list, budget: int | None = None) -> list[list]:
-        """`rows` cut, in order, into passes of at most `budget` padded tokens (rows x the longest;
-        SHARED_PASS_TOKENS): a batch's gradient is the sum of its passes', and the base's memory is
-        spent on one pass at a time."""
-        budget = budget or SHARED_PASS_TOKENS
-        out: list[list] = []
-        for row in rows:
-            if out and (len(out[-1]) + 1) * max(len(row[0]), *(len(r[0]) for r in out[-1])) <= budget:
-                out[-1].append(row)
-            else:
-                out.append([row])
-        return out
+    def passes(rows: list) -> list[list]:
+        """`rows` grouped into passes of at most SHARED_PASS_TOKENS padded tokens (primitives.micro_batches):
+        a batch's gradient is the sum of its passes', and the base's memory is spent on one pass at a time."""
+        return [[rows[i] for i in group] for group in micro_batches([len(ids) for ids, _ in rows], SHARED_PASS_TOKENS)]
 
     def _nll(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(summed NLL of the trained tokens, their count, how many the model's top-1 guessed); rows of one pass."""
-        ids, attention, trained = self._tensors(rows)
-        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        targets, mask = ids[:, 1:], trained[:, 1:].bool()
+        batch, attention = padded([{"tokens": torch.tensor(ids), "trained": torch.tensor(mask)} for ids, mask in rows], self.model.device)
+        ids = batch["tokens"]
+        logits = self.model(input_ids=ids, attention_mask=attention.long()).logits[:, :-1].float()
+        targets, mask = ids[:, 1:], batch["trained"][:, 1:].bool()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         right = (logits.argmax(-1) == targets) & mask
         return -(logp * mask).sum(), mask.sum(), right.sum()

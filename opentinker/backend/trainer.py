@@ -17,7 +17,7 @@ import torch
 
 from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
 from opentinker.backend.adapter_model import AdapterModel
-from opentinker.backend.shared_prefix import Prefix, plan, run_prefix, selected_hidden, supports
+from opentinker.backend.shared_prefix import PACK_TOKENS, Prefix, plan, run_prefix, selected_hidden, supports
 from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
@@ -103,6 +103,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.version = 0
+        self.pack_tokens = PACK_TOKENS  # most tokens of a shared-prefix pass (bench/gpu_variants.py tries others)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
                                            lr=optim.lr, weight_decay=optim.weight_decay)
@@ -244,7 +245,7 @@ class PolicyTrainer:
         group's completions with the prefix's own backward once (opentinker.backend.shared_prefix)."""
         device = self.placement.device
         lm = self._causal_lm(self.model)
-        for work in plan([t.token_ids for t in trajs], [t.group_id for t in trajs], self.optim_spec.micro_batch_size):
+        for work in plan([t.token_ids for t in trajs], [t.group_id for t in trajs], self.optim_spec.micro_batch_size, self.pack_tokens):
             ids = [torch.tensor(trajs[g[0]].token_ids[:n], dtype=torch.long, device=device) for g, n in zip(work.groups, work.prefix_lengths)]
             with self.placement.autocast():
                 prefix = run_prefix(lm, ids)

@@ -80,7 +80,7 @@ def build(shape: str, device: torch.device, adapter: str):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     where = Placement(device, dtype)
     spec = LoraSpec(r=16, alpha=32) if adapter == "lora" else FullSpec()
-    trainer = PolicyTrainer(model, tokens, spec, AlgorithmSpec(), OptimizationSpec(lr=1e-6, micro_batch_size=ARGS.micro_batch), 1.0, where)
+    trainer = PolicyTrainer(model, tokens, spec, AlgorithmSpec(), OptimizationSpec(lr=1e-6, micro_batch_size=ARGS.micro_batch, compile=ARGS.compile), 1.0, where)
     engine = HFRolloutEngine(trainer.model, tokens, max_batch_size=ARGS.prompts * ARGS.group, prefix_cache_tokens=0, placement=where)
     return trainer, engine, config
 
@@ -180,7 +180,8 @@ def markdown(results: list[dict], setup: dict) -> str:
     lines = [f"# RL steps on {results[0]['device']} ({setup['adapter']}, {setup['precision']} compute, float32 trained weights and optimizer)", "",
              f"Random-weight models from a config; rollouts by transformers generation (HFRolloutEngine, no vLLM); "
              f"{setup['prompts']} prompts x {setup['group']} samples, {setup['prompt_len']} prompt tokens + {setup['new_tokens']} "
-             f"new tokens, micro-batch {setup['micro_batch']}; medians over steps 2..{setup['steps']} (step 1 is a warm-up). "
+             f"new tokens, micro-batch {setup['micro_batch']}, records scored whole (optimization.shared_prefix auto: off on a GPU)"
+             f"{', MLP and norms compiled (optimization.compile)' if setup.get('compile') else ''}; medians over steps 2..{setup['steps']} (step 1 is a warm-up). "
              f"torch {setup['torch']}, transformers {setup['transformers']}.", "",
              "| shape | parameters | generated tok/s | update tok/s | update MFU | peak memory |", "|---|---:|---:|---:|---:|---:|"]
     for r in results:
@@ -198,7 +199,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/gpu_step.py: no CUDA device here (a smoke run: --shapes tiny --device cpu)")
     results = [run_shape(shape, device) for shape in ARGS.shapes]
-    setup = {k: getattr(ARGS, k) for k in ("adapter", "prompts", "group", "prompt_len", "new_tokens", "micro_batch", "steps")}
+    setup = {k: getattr(ARGS, k) for k in ("adapter", "prompts", "group", "prompt_len", "new_tokens", "micro_batch", "steps", "compile")}
     setup |= {"torch": torch.__version__, "transformers": transformers.__version__,
               "precision": "bf16 autocast" if device.type == "cuda" else "float32"}
     out = Path(ARGS.out) if ARGS.out else (ROOT / "bench" / "results" if device.type == "cuda" else Path(tempfile.mkdtemp()))
@@ -221,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--compile", action="store_true", help="optimization.compile: the decoder layers' MLPs and norms compiled")
     parser.add_argument("--profile", action="store_true", help="print the top kernels of a rollout and an update per shape")
     parser.add_argument("--out", default=None, help="results folder (default: bench/results on a GPU, a temp folder on CPU)")
     return parser.parse_args(argv)

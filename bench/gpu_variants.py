@@ -46,17 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_step  # noqa: E402  (bench/gpu_step.py: the model, FLOP count and device peak)
 
-
-def compile_regions(model) -> int:
-    """torch.compile each decoder layer's MLP and RMS norms in place; returns how many modules.
-    The attention is left eager: it updates the KV cache, whose per-layer state makes a compiled
-    layer recompile for every layer (past torch's recompile limit)."""
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    regions = [getattr(layer, name) for layer in lm.get_decoder().layers
-               for name in ("mlp", "input_layernorm", "post_attention_layernorm")]
-    for module in regions:
-        module.compile(dynamic=True)
-    return len(regions)
+from opentinker.backend.regional_compile import compile_regions  # noqa: E402
 
 
 class Run:
@@ -70,7 +60,8 @@ class Run:
         self.rng = random.Random(0)
         self.trajs = None
         self.name, self.peak = gpu_step.peak_flops(self.device)
-        self.result = {"setup": {k: getattr(args, k) for k in ("shape", "adapter", "prompts", "group", "prompt_len", "new_tokens", "repeats")}
+        self.result = {"command": " ".join(["python", "bench/gpu_variants.py", *sys.argv[1:]]),
+                       "setup": {k: getattr(args, k) for k in ("shape", "adapter", "prompts", "group", "prompt_len", "new_tokens", "repeats")}
                        | {"device": self.name, "peak_bf16_flops": self.peak, "torch": torch.__version__,
                           "precision": "bf16 autocast" if self.device.type == "cuda" else "float32",
                           "parameters": sum(p.numel() for p in self.trainer.model.parameters())},

@@ -282,7 +282,8 @@ def _makefile_bench_commands() -> list[list[str]]:
 def _gpu_step_command(data: dict) -> str:
     s = data["setup"]
     return (f"python bench/gpu_step.py --adapter {s['adapter']} --prompts {s['prompts']} --group {s['group']} "
-            f"--micro-batch {s['micro_batch']}   # on a GPU machine: bash bench/gpu_run.sh")
+            f"--micro-batch {s['micro_batch']} --steps {s['steps']}{' --compile' if s.get('compile') else ''}"
+            "   # on a GPU machine: bash bench/gpu_run.sh")
 
 
 # Results whose JSON does not record its command and which `make bench` does not run as it is:

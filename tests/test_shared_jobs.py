@@ -254,6 +254,12 @@ def test_a_job_that_cannot_share_a_base_is_refused_with_the_reason(tmp_path, ove
         tiny_spec(tmp_path, **data)
 
 
+def test_a_job_on_a_shared_base_cannot_compile_its_modules(tmp_path):
+    with pytest.raises(SpecError, match=r"^<spec>: optimization.compile: a shared base's modules serve every tenant's adapter"):
+        tiny_spec(tmp_path, resources={"share_base": True}, optimization={"compile": True})
+    assert tiny_spec(tmp_path, optimization={"compile": True}).optimization.compile
+
+
 @pytest.mark.parametrize("overrides,kind", [
     ({"adapter": {"kind": "full"}}, "full"),
     ({"model": {"name": "tiny-random", "init_from": "file:///tmp/x"}}, "init_from"),

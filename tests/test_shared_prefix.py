@@ -205,3 +205,43 @@ def test_plan_packs_whole_groups_and_splits_only_large_ones():
     assert [(p.groups, p.rows) for p in packs] == [([[0, 2, 3]], [[0, 2], [3]]), ([[1, 4]], [[1, 4]]), ([[5]], [[5]])]
     # and a pack holds at most pack_tokens tokens (its prefixes once, completions); a large group's rows as many completion tokens
     assert [p.rows for p in plan(ids, [0, 1, 0, 0, 1, 2], micro_batch_size=8, pack_tokens=4)] == [[[0], [2, 3]], [[1, 4]], [[5]]]
+
+
+def test_auto_shares_prefixes_on_the_cpu_and_scores_records_whole_on_a_gpu(tiny):
+    """`shared_prefix: auto` (the default): on the CPU the saving wins; on a GPU whole records in
+    large micro-batches ran 1.8x faster (bench/results/gpu_variants_full.md). An explicit true or
+    false is kept on either device."""
+    from opentinker.backend.device import Placement
+
+    model, tok = tiny
+    assert OptimizationSpec().shared_prefix == "auto"
+    gpu = Placement(torch.device("cuda", 0), torch.bfloat16)  # only its device type is read
+    for flag, on_cpu, on_gpu in (("auto", True, False), (True, True, True), (False, False, False)):
+        trainer = PolicyTrainer(copy.deepcopy(model), tok, LoraSpec(r=4, alpha=8), AlgorithmSpec(), OptimizationSpec(shared_prefix=flag))
+        assert trainer.shares_prefixes() is on_cpu
+        trainer.placement = gpu
+        assert trainer.shares_prefixes() is on_gpu
+    with pytest.raises(ValueError, match="shared_prefix"):
+        OptimizationSpec(shared_prefix="sometimes")
+
+
+@pytest.mark.parametrize("adapter", [LoraSpec(r=4, alpha=8), FullSpec()], ids=["lora", "full"])
+def test_a_compiled_trainer_takes_the_eager_step(tiny, adapter):
+    """optimization.compile: each decoder layer's MLP and norms run compiled (inductor), the
+    update's loss, gradient norm and new weights those of the eager trainer."""
+    model, tok = tiny
+    trainers = [PolicyTrainer(copy.deepcopy(model), tok, adapter, AlgorithmSpec(), OptimizationSpec(lr=1e-3, compile=c))
+                for c in (False, True)]
+    gen = torch.Generator().manual_seed(0)  # the same weights for both (peft draws a fresh adapter per model), B non-zero
+    state = {k: torch.randn(v.shape, generator=gen) * 0.05 if "lora" in k else v for k, v in trainers[0].trainable_state().items()}
+    for t in trainers:
+        t.load_trainable_state(state)
+    layers = model.config.num_hidden_layers
+    assert sum(hasattr(m, "_compiled_call_impl") and m._compiled_call_impl is not None for m in trainers[1].model.modules()) == 3 * layers
+    trajs = single_turn(seed=9)
+    (ma, mb) = (t.update(trajs) for t in trainers)
+    assert mb["update/policy_loss"] == pytest.approx(ma["update/policy_loss"], rel=1e-4, abs=1e-6)
+    assert mb["update/grad_norm"] == pytest.approx(ma["update/grad_norm"], rel=1e-4)
+    a, b = (t.trainable_state() for t in trainers)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not all(torch.equal(a[k], state[k]) for k in a)  # the step moved the weights

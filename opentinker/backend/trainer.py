@@ -19,6 +19,7 @@ from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped
 from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.shared_prefix import PACK_TOKENS, Prefix, plan, run_prefix, selected_hidden, supports
 from opentinker.backend.device import Placement, cpu
+from opentinker.backend.regional_compile import compile_regions
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.model.adapters import wrap_model
@@ -94,6 +95,8 @@ class PolicyTrainer:
             if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
                 model = model.to(dtype=self.placement.weights_dtype(trained=False))
             self.model = wrap_model(model, adapter).to(self.placement.device)
+            if optim.compile:
+                compile_regions(self.model)
         for p in self.model.parameters():  # what trains is float32 (a VLM's vision tower may have come in the compute precision)
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
@@ -170,8 +173,14 @@ class PolicyTrainer:
             return run_prefix(self._causal_lm(model), ids)
 
     def shares_prefixes(self) -> bool:
-        """Does `update` score groups against their shared prefix (the flag on, a model that can)?"""
-        return self.optim_spec.shared_prefix and supports(self._causal_lm(self.model))
+        """Does `update` score groups against their shared prefix (the flag on, a model that can)?
+        `auto`: on the CPU only. On a GPU the packs of a shared-prefix pass (dense 4-D masks, a few
+        thousand tokens) keep the device far less busy than whole records in large micro-batches:
+        an H200 ran the 1.5B shape's update 1.8x faster per sequence (3.6x for LoRA)."""
+        flag = self.optim_spec.shared_prefix
+        if flag == "auto":
+            flag = self.placement.device.type == "cpu"
+        return flag and supports(self._causal_lm(self.model))
 
     # -- update ----------------------------------------------------------------------------
     def check_fresh(self, rollout_version: int) -> None:

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from opentinker.core.ids import JOB_ID_PATTERN
 from opentinker.core.model_names import folder_problem, is_resolvable
-from opentinker.core.spec_limits import MAX_ERROR_LINES, MAX_FIELD_CHARS, SpecError, control_problem, field_name, input_problem, read_spec_file
+from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, format_errors, input_problem, read_spec_file
 
 
 def storage_url(v: str) -> str:
@@ -177,9 +177,14 @@ class OptimizationSpec(Section):
     grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
-    shared_prefix: bool = Field(True, description="a group's common prompt (its records' longest common token prefix) runs "
-                                "once per update and the samples' completions against it, with the same loss and gradients; "
-                                "off: every record runs whole (vision-language models always do)")
+    shared_prefix: bool | Literal["auto"] = Field(
+        "auto", description="a group's common prompt (its records' longest common token prefix) runs once per update and the "
+        "samples' completions against it, with the same loss and gradients; false: every record runs whole (vision-language "
+        "models always do); auto: on the CPU, off on a GPU (whole records in large micro-batches ran 1.8x faster there: "
+        "bench/results/gpu_variants_full.md)")
+    compile: bool = Field(False, description="torch.compile each decoder layer's MLP and norms (opentinker/backend/regional_compile.py): "
+                          "for GPUs, where the update of the 1.5B shape ran 1.13x faster; the first update and rollout pay the "
+                          "compile (seconds); not with resources.share_base")
 
 
 class HealthSpec(Section):
@@ -367,6 +372,9 @@ class JobSpec(BaseJobSpec):
                                           or not self.resources.colocate or self.rollout.engine != "local"):
             raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
                              "rollout.engine 'local' and not self-play, trains as an adapter of a shared base-model worker")
+        if self.resources.share_base and self.optimization.compile:
+            raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
+                             "(resources.share_base) cannot compile them")
         return self
 
     @model_validator(mode="after")
@@ -375,19 +383,6 @@ class JobSpec(BaseJobSpec):
             raise ValueError(f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
                              f"so group_size must be at least 2 (got {self.rollout.group_size})")
         return self
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        path = field_name([p for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full"))])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"{path}: {' '.join(msg.split())}")
-    if len(lines) > MAX_ERROR_LINES:
-        lines = [*lines[:MAX_ERROR_LINES], f"<spec>: {len(lines) - MAX_ERROR_LINES} more problems"]
-    return "\n".join(lines)
 
 
 def validate_spec(model: type[_M], data: Any) -> _M:
@@ -400,7 +395,7 @@ def validate_spec(model: type[_M], data: Any) -> _M:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise SpecError(_format_errors(err)) from None
+        raise SpecError(format_errors(err)) from None
 
 
 read_spec_yaml = read_spec_file  # a spec file's YAML, read within the limits of core.spec_limits (SpecError in one line)

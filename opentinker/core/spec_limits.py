@@ -320,3 +320,17 @@ def read_spec_file(path: str | Path) -> Any:
     if len(raw) > MAX_SPEC_BYTES:
         raise SpecError(f"{path}: more than {LIMIT_TEXT}; give large data by path")
     return parse_spec_text(raw, str(path))
+
+
+def format_errors(err) -> str:
+    """A pydantic ValidationError as one `field.path: reason` line per problem (at most MAX_ERROR_LINES)."""
+    lines = []
+    for e in err.errors():
+        path = field_name([p for p in e["loc"] if not (isinstance(p, str) and p in ("lora", "full"))])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{path}: {' '.join(msg.split())}")
+    if len(lines) > MAX_ERROR_LINES:
+        lines = [*lines[:MAX_ERROR_LINES], f"<spec>: {len(lines) - MAX_ERROR_LINES} more problems"]
+    return "\n".join(lines)

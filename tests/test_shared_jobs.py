@@ -56,6 +56,76 @@ def test_an_update_on_a_shared_base_is_the_update_of_the_jobs_own_peft_model(tmp
         torch.testing.assert_close(tensor, after[name], rtol=1e-4, atol=1e-6)
 
 
+def test_a_hosted_update_runs_in_passes_of_bounded_tokens_and_takes_the_same_step(tmp_path):
+    """A job on a shared base: whatever its micro-batch size, each forward/backward of its update
+    holds at most SHARED_PASS_TOKENS padded tokens (the base's memory is every tenant's: a huge
+    micro-batch of one tenant would take it from all); the step is that of whole micro-batches."""
+    from opentinker.backend.shared_base import SharedBase
+    from opentinker.core.spec_limits import SHARED_PASS_TOKENS
+    from opentinker.model import load_model
+    from opentinker.rl import RLJob
+
+    optimization = {"lr": 1e-2, "steps": 4, "micro_batch_size": 64, "shared_prefix": False}
+    spec = _spec(tmp_path, optimization=optimization)
+    own = RLJob(tiny_spec(tmp_path, optimization=optimization), job_id="own")
+    own.rollout(1)
+    batch = own.sampler.batch(1)
+    records = [t for t in batch.trajectories if not t.failed and t.num_sampled]
+    base, tokenizer = load_model("tiny-random")
+    shared = SharedBase(base, tokenizer, "tiny-random")
+    lora = spec.adapter
+    jobs = {name: RLJob(spec, job_id=name, model=shared.add_job(f"job/-/{name}", lora.r, lora.alpha, lora.target_modules, lora.dropout,
+                                                                 spec.seed), tokenizer=tokenizer) for name in ("bounded", "whole")}
+    assert jobs["bounded"].policy.trainer.pass_tokens == SHARED_PASS_TOKENS and own.policy.trainer.pass_tokens is None
+    state = {k: torch.randn_like(v) * 0.05 for k, v in jobs["bounded"].policy.trainer.trainable_state().items()}
+    budget = 3 * max(len(t) for t in records)  # this test's records are short: a bound that cuts them into several passes
+    jobs["bounded"].policy.trainer.pass_tokens, jobs["whole"].policy.trainer.pass_tokens = budget, None
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    metrics = {}
+    for name, job in jobs.items():
+        trainer = job.policy.trainer
+        trainer.load_trainable_state(state)
+        loss, shapes[name] = trainer._loss, []
+        trainer._loss = lambda b, *a, _loss=loss, _seen=shapes[name], **k: (_seen.append(tuple(b.input_ids.shape)), _loss(b, *a, **k))[1]
+        with job.policy.model.using():
+            metrics[name] = job.policy.update(batch)
+    assert shapes["whole"] == [(len(records), max(len(t) for t in records))]
+    assert len(shapes["bounded"]) > 1 and sum(rows for rows, _ in shapes["bounded"]) == len(records)
+    assert all(rows * width <= budget for rows, width in shapes["bounded"])
+    for key in ("update/policy_loss", "update/grad_norm", "update/tokens"):
+        assert metrics["bounded"][key] == pytest.approx(metrics["whole"][key], rel=1e-4, abs=1e-6), key
+    after = jobs["whole"].policy.trainer.trainable_state()  # Adam's first step is about lr (1e-2) on every weight
+    for name, tensor in jobs["bounded"].policy.trainer.trainable_state().items():
+        torch.testing.assert_close(tensor, after[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_hosted_jobs_lora_dropout_applies_in_its_own_training_passes_only():
+    """The shared base stays in eval mode (it is every tenant's); a job's trainer puts its own
+    adapter in training mode, so the job's passes apply its LoRA dropout as a peft job's do, while
+    its sampling (eval) and every other tenant's passes stay exact."""
+    from opentinker.backend.shared_base import SharedBase
+    from opentinker.model import load_model
+
+    base, tokenizer = load_model("tiny-random")
+    shared = SharedBase(base, tokenizer, "tiny-random")
+    a, b = (shared.add_job(name, 8, 16, ["q_proj", "v_proj"], 0.5, seed) for name, seed in (("a", 1), ("b", 2)))
+    with torch.no_grad():
+        for p in [*a.parameters(), *b.parameters()]:
+            p.copy_(torch.randn_like(p) * 0.1)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    exact = {name: logits(model) for name, model in (("a", a), ("b", b))}
+    a.train()
+    assert not torch.allclose(logits(a), exact["a"])  # its dropout applies
+    assert torch.equal(logits(b), exact["b"]) and not shared.lm.training  # the neighbour and the base are untouched
+    a.eval()
+    assert torch.equal(logits(a), exact["a"])
+
+
 def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(tmp_path):
     from opentinker.backend.primitives import BadRequest
     from opentinker.backend.rollout import score_tokens

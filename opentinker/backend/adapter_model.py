@@ -11,7 +11,8 @@ that code asks of a peft model this gives, for the adapter only:
 - `save_pretrained(folder)`: a peft adapter folder (what serving and the registry read).
 
 The base is not a submodule (its parameters are the worker's, frozen, never this job's; it stays
-in eval mode for the other tenants). A forward through the base uses this adapter only inside
+in eval mode for the other tenants; `train()` puts this adapter alone in training mode, so that its
+LoRA dropout applies as in a peft job). A forward through the base uses this adapter only inside
 `using()` (per thread: the hosted job's calls run inside it) or through this module's own
 `forward`.
 """
@@ -38,6 +39,13 @@ class AdapterModel(nn.Module):
     def using(self) -> AbstractContextManager[None]:
         """Every forward through the base in this block (this thread) uses this adapter."""
         return self.multi.only(self.name)
+
+    def train(self, mode: bool = True) -> AdapterModel:
+        """Training mode for this adapter alone: its LoRA dropout applies in its passes (the
+        shared base stays in eval mode, which is every tenant's)."""
+        super().train(mode)
+        self.multi[self.name].training = mode
+        return self
 
     def disable_adapter(self) -> AbstractContextManager[None]:
         return self.multi.only(None)

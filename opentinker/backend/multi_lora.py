@@ -63,6 +63,9 @@ class Adapter:
     optimizer: torch.optim.Optimizer | None = None
     steps: int = 0
     rng: torch.Generator | None = field(default=None, repr=False)
+    # Its job is in a training pass: its dropout applies (the base's own train/eval mode is every
+    # tenant's, and the shared base stays in eval mode).
+    training: bool = False
 
     @property
     def scale(self) -> float:
@@ -176,7 +179,7 @@ class MultiLoraLinear(PackedLinear):
         """`scale * B (A x)` of `adapter` for the rows `xs` (dropout on its input while training)."""
         a, b = adapter.weights[self.path]
         xs = xs.to(a.dtype)
-        if adapter.dropout and self.training:
+        if adapter.dropout and (adapter.training or self.training):
             xs = adapter.drop(xs)
         return F.linear(F.linear(xs, a), b) * adapter.scale
 

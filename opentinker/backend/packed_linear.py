@@ -32,6 +32,7 @@ class PackedLinear(nn.Linear):
 
     def __init__(self, base: nn.Linear):
         nn.Module.__init__(self)
+        self.training = base.training  # the mode of the module it replaces (a model in eval mode stays so)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         self.packing = False

@@ -21,6 +21,7 @@ from opentinker.backend.shared_prefix import PACK_TOKENS, Prefix, plan, run_pref
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.regional_compile import compile_regions
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
+from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.core.trajectory import Trajectory
 from opentinker.model.adapters import wrap_model
 from opentinker.model.vision import hidden_states, pixel_batch
@@ -107,6 +108,8 @@ class PolicyTrainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.version = 0
         self.pack_tokens = PACK_TOKENS  # most tokens of a shared-prefix pass (bench/gpu_variants.py tries others)
+        # A job on a shared base: each pass at most this many padded tokens, whatever its micro-batch size
+        self.pass_tokens = SHARED_PASS_TOKENS if isinstance(model, AdapterModel) else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
                                            lr=optim.lr, weight_decay=optim.weight_decay)
@@ -225,15 +228,16 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed"), 0.0)
         shared = self.shares_prefixes()
-        if shared:
-            self._shared_prefix_pass(trajs, advantages, normalizer, sums)
-        else:
-            mb = self.optim_spec.micro_batch_size
-            for start in range(0, len(trajs), mb):
-                batch = pack(trajs[start : start + mb], self.pad_id).to(self.placement.device)
-                self._loss(batch, advantages[start : start + mb], normalizer, sums).backward()
-                sums["computed"] += batch.input_ids.numel()
-        self.model.eval()
+        try:
+            if shared:
+                self._shared_prefix_pass(trajs, advantages, normalizer, sums)
+            else:
+                for start, end in self._micro_batches(trajs):
+                    batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+                    self._loss(batch, advantages[start:end], normalizer, sums).backward()
+                    sums["computed"] += batch.input_ids.numel()
+        finally:  # sampling runs in eval mode (a hosted adapter's dropout is off again even when a pass raised)
+            self.model.eval()
         n_tokens = max(sums["tokens"], 1.0)
         return {
             "update/policy_loss": sums["pg_loss"],
@@ -247,6 +251,18 @@ class PolicyTrainer:
             "update/positions_trained": sums["tokens"],
             "update/shared_prefix": float(shared),
         }
+
+    def _micro_batches(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
+        """Consecutive (start, end) runs of at most `micro_batch_size` records and, with a pass
+        bound, at most `pass_tokens` padded positions (a longer record runs alone)."""
+        mb, budget, runs, start = self.optim_spec.micro_batch_size, self.pass_tokens, [], 0
+        while start < len(trajs):
+            end, width = start + 1, len(trajs[start])
+            while end < len(trajs) and end - start < mb and (budget is None or max(width, len(trajs[end])) * (end - start + 1) <= budget):
+                width, end = max(width, len(trajs[end])), end + 1
+            runs.append((start, end))
+            start = end
+        return runs
 
     def _shared_prefix_pass(self, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float, sums: dict[str, float]) -> None:
         """Each group's shared prefix runs once (with gradients), the completions of its records

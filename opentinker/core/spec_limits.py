@@ -32,6 +32,11 @@ MAX_FIELD_CHARS = 2048
 its strings are bounded by the spec's size only."""
 
 MAX_ERROR_LINES = 20
+
+SHARED_PASS_TOKENS = 2048
+"""Padded tokens one forward/backward of a job on a shared base holds at most (an RL update's
+micro-batches and an SFT job's batches are cut into passes this size, gradients accumulated), so
+one tenant's batch size never takes the memory of the base every tenant uses."""
 """Problems listed for one spec; the rest are counted."""
 
 FREE_FORM = (("env", "config"),)

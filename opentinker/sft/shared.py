@@ -137,10 +137,14 @@ class SharedSFT:
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
         nll_sum, right_sum = 0.0, 0
-        for part in (p for batch in micro for p in self.passes(batch)):
-            nll, _, right = self._nll(part)
-            (nll / max(count, 1)).backward()
-            nll_sum, right_sum = nll_sum + float(nll.detach()), right_sum + int(right)
+        self.model.train()  # this adapter's LoRA dropout, as TRL trains an own job's
+        try:
+            for part in (p for batch in micro for p in self.passes(batch)):
+                nll, _, right = self._nll(part)
+                (nll / max(count, 1)).backward()
+                nll_sum, right_sum = nll_sum + float(nll.detach()), right_sum + int(right)
+        finally:
+            self.model.eval()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.spec.training.grad_clip))
         self.optimizer.step()
         self.scheduler.step()

@@ -8,12 +8,9 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from opentinker.core.spec_limits import SHARED_PASS_TOKENS  # an example longer than this cannot share a base
 from opentinker.core.spec import BaseJobSpec, LearningRate, Section, SpecError, dump_spec, read_spec_yaml, storage_url, validate_spec
 
-SHARED_PASS_TOKENS = 2048
-"""Padded tokens one forward/backward of an SFT job on a shared base holds at most (its batches are
-cut into passes this size, gradients accumulated): one tenant's batch size never takes the
-memory of the base every tenant uses. An example longer than this cannot share a base."""
 
 SFT_SPEC_FILE = "sft_spec.yaml"
 """Written into an SFT checkpoint beside the RL files (an SFT run with the same job id and spec reuses it)."""

@@ -55,10 +55,9 @@ def run(way: str, seeds: list[int], model: str, warmup: int, steps: int, threads
         from opentinker.orchestration.base_worker import BaseModelWorker
 
         worker = BaseModelWorker(num_gpus=0, idle_s=3600)
-        for seed in seeds:
-            worker.host_job(_spec(model, seed, True), f"job{seed}", None)
-        call = lambda seed, method, *a: worker.job_call(f"job{seed}", method, *a)  # noqa: E731
-        batch = lambda seed, step: worker.jobs[f"job{seed}"].job.sampler.batch(step)  # noqa: E731
+        keys = {seed: worker.host_job(_spec(model, seed, True), f"job{seed}", None)["key"] for seed in seeds}
+        call = lambda seed, method, *a: worker.job_call(keys[seed], method, *a)  # noqa: E731
+        batch = lambda seed, step: worker.jobs[keys[seed]].job.sampler.batch(step)  # noqa: E731
     else:
         import torch
 

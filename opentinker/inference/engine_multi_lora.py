@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opentinker.backend import compute_thread
 from opentinker.backend.shared_base import SharedBase
 from opentinker.inference.engine_hf import HFEngine, Request, request_generators
 
@@ -79,8 +80,9 @@ class MultiLoraEngine(HFEngine):
             unknown = sorted({n for n in names if n is not None and n not in self.adapters})
             if unknown:
                 raise KeyError(f"unknown adapters: {unknown}")
-            with self._model_lock:
-                completions = self.rollout.generate(prompts, params, budgets, stop_rule=batch[0].stop_rule, adapters=names,
+            with self._model_lock:  # decoded on the worker's compute thread (opentinker.backend.compute_thread)
+                completions = compute_thread.run_on(self.shared.placement.device, self.rollout.generate, prompts, params, budgets,
+                                                    stop_rule=batch[0].stop_rule, adapters=names,
                                                     generators=request_generators(batch, self.shared.placement.device))
         except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
             for item in batch:

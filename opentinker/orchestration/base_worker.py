@@ -72,6 +72,9 @@ class Hosted:
 # What a flow may call on a hosted job: an RL job's step loop, an SFT job's (opentinker.sft.shared)
 JOB_CALLS = ("restore", "rollout", "update", "evaluate", "checkpoint", "begin", "step", "finish")
 TRAINING_CALLS = ("update", "step")  # they take the base's training lock, one pass at a time
+# Forward/backward passes with no sampling in them (a call that samples waits for the engine, which
+# decodes on the compute thread: it runs in its caller's thread)
+COMPUTE_CALLS = ("update", "step", "begin", "finish")
 
 
 def return_freed_memory() -> None:
@@ -265,6 +268,10 @@ class BaseModelWorker:
             hosted.calls += 1
         try:
             with hosted.model.using(), hosted.shared.training if method in TRAINING_CALLS else nullcontext():
+                if method in COMPUTE_CALLS:  # on the worker's compute thread, as its sampling (opentinker.backend.compute_thread)
+                    from opentinker.backend import compute_thread
+
+                    return compute_thread.run_on(self.placement.device, getattr(hosted.job, method), *args)
                 return getattr(hosted.job, method)(*args)
         finally:
             with self.lock:

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from opentinker.backend import compute_thread
+from opentinker.backend.device import cpu
 from opentinker.backend.shared_base import SharedAdapter, SharedBase
 from opentinker.inference.engine_multi_lora import MultiLoraEngine
 from opentinker.tinker.models import resolve_base
@@ -37,9 +39,11 @@ class SharedBases:
             if loader_name not in self.bases:
                 from opentinker.model import load_model
 
-                base, tokenizer = load_model(loader_name)
-                self.bases[loader_name] = SharedBase(base, tokenizer, base_name or loader_name, self.placement,
-                                                     memory_bytes=self.memory_bytes)
+                def load() -> SharedBase:  # on the compute thread: its arithmetic is this worker's (opentinker.backend.compute_thread)
+                    base, tokenizer = load_model(loader_name)
+                    return SharedBase(base, tokenizer, base_name or loader_name, self.placement, memory_bytes=self.memory_bytes)
+
+                self.bases[loader_name] = compute_thread.run_on((self.placement or cpu()).device, load)
             return self.bases[loader_name]
 
     def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:

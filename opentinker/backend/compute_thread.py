@@ -6,7 +6,12 @@ libgomp throttles its idle threads' spinning (100 spins, then sleep), so each pa
 waits for its threads to wake. A base-model worker sampled in its engine's thread and trained in
 its callers' threads: two teams on the 2-core machine, and a hosted job's update took 4.4 s
 instead of 3.1 s (its own process: 3.1 s; that process with one idle second team: 4.5 s). Its
-heavy calls run here instead, one thread, one team. On a GPU the device does the arithmetic, and
+heavy calls run here instead, one thread, one team: the engine's decode batches, the hosted native
+jobs' passes and the base's load. Tinker passes keep their runner thread: several sessions gain
+more from sampling beside each other's passes than the throttling costs (bench/shared_base.py at
+N = 4: 1.39x the tokens/s of a server each with the passes beside, 0.84x with them here, 1.22x
+before this thread), where native jobs gain from one thread (bench/shared_jobs.py at N = 4: 0.86x,
+was 0.73x). On a GPU the device does the arithmetic, and
 sampling beside training overlaps there: calls run where they are made.
 """
 

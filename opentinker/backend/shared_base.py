@@ -36,7 +36,6 @@ import torch
 from opentinker.algo.primitive_losses import loss_config, primitive_loss
 from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
-from opentinker.backend import compute_thread
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
 from opentinker.backend.primitives import (
@@ -210,8 +209,8 @@ class SharedBase:
         saved = {c.adapter: [None if p.grad is None else p.grad.clone() for p in self.multi[c.adapter].parameters()]
                  for c in calls if not c.forward_only}
         try:
-            with self.training:
-                results = compute_thread.run_on(self.placement.device, self._pass, calls)
+            with self.training:  # in this runner's thread, beside the engine's decoding (compute_thread says why)
+                results = self._pass(calls)
         except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
             if len(calls) == 1:
                 calls[0].future.set_exception(err)

@@ -77,11 +77,45 @@ def stack_env(stack):
     os.environ.update(env)
     with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
         yield settings, env
+        stop_leftover_runs()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def stop_leftover_runs(timeout: float = 120.0) -> None:
+    """Cancel every flow run a module left unfinished (a failed test's job or inference server)
+    and wait for the pools' slots to be free, so that one module's failure does not fill the
+    slots of the next one's (CI once lost three more tests to one inference server left serving)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled, Cancelling
+
+    from opentinker.control.scheduler import POOLS, slot_limit
+    from opentinker.core.polling import wait_for
+
+    pool_slots = {slot_limit(pool) for pool in POOLS}  # not the Tinker seats: sessions hold those, not runs
+    open_states = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=open_states))))
+        for run in runs:
+            running = run.state is not None and run.state.type == StateType.RUNNING
+            client.set_flow_run_state(run.id, Cancelling() if running else Cancelled(message="left over by a test module"), force=True)
+
+        def slots_free() -> bool | None:
+            held = [limit.name for limit in client.read_global_concurrency_limits(limit=200)
+                    if limit.name in pool_slots and limit.active_slots > 0]
+            return True if not held else None
+
+        if runs:
+            print(f"\nstack: cancelled {len(runs)} run(s) a test module left unfinished: {[r.name for r in runs]}")
+        try:
+            wait_for(slots_free, interval=1, timeout=timeout, what="the pools' slots free after the module")
+        except TimeoutError as err:
+            print(f"stack: {err}")
 
 
 def restart_gateway(settings, down_s: float = 0.0) -> None:

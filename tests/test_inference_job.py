@@ -8,6 +8,7 @@ job's own final evaluation; cancelling the job stops the server and frees the sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -29,6 +30,20 @@ def service(stack_env):
     settings, _ = stack_env
     deploy(settings)
     yield settings, TenantStore(settings.state_dir / "tenants.json").create("inferco", rotate=True)
+
+
+@pytest.fixture(autouse=True)
+def no_server_left(service):
+    """A failed test's inference job would keep serving and hold its slot for the tests after it."""
+    from opentinker.client import SchedulerClient
+
+    yield
+    settings, key = service
+    client = SchedulerClient(url=settings.gateway_url, api_key=key)
+    for job in client.list_jobs():
+        if job["state"] not in ("COMPLETED", "FAILED", "CANCELLED"):
+            with contextlib.suppress(Exception):
+                client.cancel_job(job["job_id"])
 
 
 def _slots() -> int:

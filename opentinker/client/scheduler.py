@@ -92,7 +92,7 @@ class InferenceSchedulerClient(SchedulerClient):
                 return status
             if status["state"] in TERMINAL:
                 raise JobFailed(status)
-            status = self.job_status(job_id)
+            status = through_blips(lambda: self.job_status(job_id), give_up_after_s=900.0)  # as wait()
             return None
 
         try:

@@ -79,6 +79,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/learning_tinker.py --steps 25 --every 5 --recompute-logprobs
 	$(PY) bench/shared_base.py
 	$(PY) bench/shared_jobs.py
+	$(PY) bench/joint_updates.py --device cpu --shape smollm2-135m --prompt-len 64 --new-tokens 16
 
 clean:
 	rm -rf $(VENV) runs .opentinker .pytest_cache

@@ -106,6 +106,19 @@ def test_the_gpu_benchmark_runs_with_only_the_core_libraries(tmp_path):
     assert "| tiny |" in (out / "gpu_step_full.md").read_text()
 
 
+def test_the_joint_updates_benchmark_runs_with_only_the_core_libraries(tmp_path):
+    """bench/joint_updates.py (hosted jobs' updates in turn and joint, for a GPU node) on the CPU, tiny."""
+    out = tmp_path / "results"
+    done = _core_only(tmp_path, str(REPO / "bench" / "joint_updates.py"), "--shape", "tiny", "--device", "cpu", "--jobs", "2",
+                      "--repeats", "1", "--prompts", "2", "--group", "2", "--prompt-len", "16", "--new-tokens", "8",
+                      "--micro-batch", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((out / "joint_updates_cpu.json").read_text())["rows"]
+    assert [r["way"] for r in rows] == ["in turn", "joint", "in turn, shared prefix"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert 0 <= rows[1]["joint_share"] <= 1 and rows[1]["ratio"] > 0  # (test_joint_updates checks that passes are shared)
+    assert "| joint |" in (out / "joint_updates_cpu.md").read_text()
+
+
 def test_the_benchmarks_flop_count_uses_the_models_true_size():
     """The decoder parameters in the MFU formula are those transformers builds for the shape."""
     import importlib.util

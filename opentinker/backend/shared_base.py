@@ -13,6 +13,13 @@ gradient of its own loss (an adapter only touches its own rows). Calls of one ad
 a pass (they run in the order they came). One runner thread owns the model, so passes never
 overlap.
 
+Hosted native jobs' updates (opentinker.orchestration.base_worker) join the same way where
+`joint_updates` is on (a GPU, by default): each micro-batch of a job's per-sequence update is a
+`_JobPass`, its rows and its loss from their logits; micro-batches of different jobs that arrive
+together run as one forward and one backward (the runner waits up to GATHER_S for every job in an
+update to send its next one). On a CPU a pass already fills every core and jobs keep their
+shared-prefix saving, so they take turns there (bench/joint_updates.py measures both).
+
 Isolation: a call's input is checked in the caller's thread (a bad datum fails that call alone,
 before it joins a batch); if a shared pass raises, every adapter's gradient is put back as it
 was and each call of the pass runs alone, so only the call that fails alone fails.
@@ -28,16 +35,18 @@ import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from opentinker.algo.primitive_losses import loss_config, primitive_loss
 from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
+from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.backend.primitives import (
     ATTENTION,
     LORA_ALPHA,
@@ -59,6 +68,7 @@ from opentinker.model.vision import hidden_states
 log = logging.getLogger(__name__)
 ADAPTER_BYTES_PER_PARAMETER = 20  # float32 weights, gradients, two AdamW moments, the stacked copy while sampling
 GATHER_S = 0.05  # after the first call of a pass, how long other tenants' calls may join it (only while there are others)
+JOINT_PASS_TOKENS = 4 * SHARED_PASS_TOKENS  # most padded positions of one joint pass of hosted jobs' micro-batches
 
 
 @dataclass
@@ -69,6 +79,29 @@ class _Call:
     config: dict[str, float]
     forward_only: bool
     future: Future = field(default_factory=Future)
+
+    @property
+    def kind(self) -> str:
+        return "forward" if self.forward_only else "train"
+
+
+@dataclass
+class _JobPass:
+    """One micro-batch of a hosted job's update (opentinker.backend.trainer): right-padded rows and
+    `loss(logits) -> (loss, statistics)`, `logits` its rows' head outputs at their loss positions
+    in row-major order (as the trainer selects them)."""
+
+    adapter: str
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+    future: Future = field(default_factory=Future)
+    forward_only = False
+    kind = "job"
+
+    def positions(self) -> int:
+        return int(self.input_ids.numel())
 
 
 @dataclass
@@ -103,6 +136,9 @@ class SharedBase:
         # each takes every core; two at once would only fight over them (sampling runs beside, as ever).
         self.training = threading.Lock()
         self.tenants: set[str] = set()  # the training adapters attached
+        # Hosted jobs' micro-batches share passes (on a CPU they take turns: the module's docstring says why)
+        self.joint_updates = self.placement.device.type != "cpu"
+        self.updating: set[str] = set()  # hosted jobs in the middle of a joint update
         self._calls: queue.Queue[_Call | None] = queue.Queue()
         self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
         self._runner.start()
@@ -163,15 +199,46 @@ class SharedBase:
         self._calls.put(call)
         return call.future.result()
 
+    # -- hosted jobs' joint updates ----------------------------------------------------------------
+    @contextmanager
+    def joint_update(self, name: str) -> Iterator[Callable[..., tuple[int, dict[str, float]]]]:
+        """Within the block adapter `name` is in an update: other jobs' passes wait (up to GATHER_S)
+        for its next micro-batch. Yields `run(input_ids, attention_mask, loss_mask, loss)`: that
+        micro-batch's forward and backward, in a pass with other jobs' when they come together;
+        returns (how many adapters the pass held, the statistics `loss` gave)."""
+        def run(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, loss: Callable) -> tuple[int, dict[str, float]]:
+            return self.submit(_JobPass(name, input_ids, attention_mask, loss_mask, loss))
+
+        self.updating.add(name)
+        try:
+            yield run
+        finally:
+            self.updating.discard(name)
+
+    def _await_updates(self, pending: list[Any]) -> None:
+        """Let every job in an update send its next micro-batch (up to `gather_s`) before a joint pass."""
+        deadline = time.monotonic() + self.gather_s
+        while (self.updating - {c.adapter for c in pending}) and (left := deadline - time.monotonic()) > 0:
+            try:
+                call = self._calls.get(timeout=left)
+            except queue.Empty:
+                return
+            if call is None:
+                self._calls.put(None)
+                return
+            pending.append(call)
+
     def _serve(self) -> None:
-        waiting: list[_Call] = []
+        waiting: list[Any] = []
         while True:
             first = waiting.pop(0) if waiting else self._calls.get()
             if first is None:
                 return
             pending = [first, *waiting]
             waiting = []
-            if self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
+            if first.kind == "job":
+                self._await_updates(pending)
+            elif self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
                 time.sleep(self.gather_s)
             while True:
                 try:
@@ -182,14 +249,18 @@ class SharedBase:
                     self._calls.put(None)
                     break
                 pending.append(call)
-            batch, seen = [], set()
-            for call in pending:  # one call per adapter and one kind (training or forward only) per pass
+            batch, seen, rows, width = [], set(), 0, 0
+            for call in pending:  # one call per adapter and one kind (training, forward only, a job's) per pass
                 key = call.adapter
-                if key in seen or call.forward_only != pending[0].forward_only:
+                if call.kind == "job" and batch:  # a joint pass stays within its bound of padded positions
+                    grown = max(width, call.input_ids.shape[1]) * (rows + call.input_ids.shape[0])
+                if key in seen or call.kind != pending[0].kind or (call.kind == "job" and batch and grown > JOINT_PASS_TOKENS):
                     waiting.append(call)
                 else:
                     seen.add(key)
                     batch.append(call)
+                    if call.kind == "job":
+                        rows, width = rows + call.input_ids.shape[0], max(width, call.input_ids.shape[1])
             try:
                 self._run(batch)
             except Exception as err:  # noqa: BLE001 - the runner outlives anything a pass does
@@ -210,7 +281,7 @@ class SharedBase:
                  for c in calls if not c.forward_only}
         try:
             with self.training:  # in this runner's thread, beside the engine's decoding (compute_thread says why)
-                results = self._pass(calls)
+                results = self._job_pass(calls) if calls[0].kind == "job" else self._pass(calls)
         except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
             if len(calls) == 1:
                 calls[0].future.set_exception(err)
@@ -276,6 +347,29 @@ class SharedBase:
             for r, (c, i) in enumerate(members):
                 outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
         return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
+
+
+    def _job_pass(self, calls: list[_JobPass]) -> list[tuple[int, dict[str, float]]]:
+        """Hosted jobs' micro-batches as one batch, each row through its job's adapter (the head
+        too), each job's loss from its own rows' logits, one backward of their sum: every adapter
+        gets the gradient of its own loss. Per call: (adapters in the pass, its loss's statistics)."""
+        width = max(c.input_ids.shape[1] for c in calls)
+        ids = torch.cat([F.pad(c.input_ids, (0, width - c.input_ids.shape[1])) for c in calls])
+        attention = torch.cat([F.pad(c.attention_mask, (0, width - c.attention_mask.shape[1])) for c in calls])
+        graded = torch.cat([F.pad(c.loss_mask, (0, width - 1 - c.loss_mask.shape[1])) for c in calls]).bool()
+        names = [c.adapter for c in calls for _ in range(c.input_ids.shape[0])]
+        with self.multi.rows(names), torch.enable_grad(), self.placement.autocast():
+            hidden = hidden_states(self.lm, ids, attention)
+            selected = hidden[:, :-1][graded]
+        with self._per_position(names, graded), torch.enable_grad(), self.placement.autocast():
+            logits = self.lm.get_output_embeddings()(selected)
+        losses, results = [], []
+        for call, part in zip(calls, logits.split([int(c.loss_mask.bool().sum()) for c in calls])):
+            loss, stats = call.loss(part)
+            losses.append(loss)
+            results.append((len(calls), stats))
+        torch.stack(losses).sum().backward()
+        return results
 
 
 class SharedAdapter(LoraTrainer):

@@ -110,6 +110,9 @@ class PolicyTrainer:
         self.pack_tokens = PACK_TOKENS  # most tokens of a shared-prefix pass (bench/gpu_variants.py tries others)
         # A job on a shared base: each pass at most this many padded tokens, whatever its micro-batch size
         self.pass_tokens = SHARED_PASS_TOKENS if isinstance(model, AdapterModel) else None
+        # A hosted job whose per-sequence micro-batches join other jobs' passes: the base's
+        # `joint_update(name)` (opentinker.backend.shared_base), set by its worker; None: its own passes
+        self.joint = None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
                                            lr=optim.lr, weight_decay=optim.weight_decay)
@@ -143,7 +146,10 @@ class PolicyTrainer:
         return out
 
     def _logprobs(self, model, batch: PackedBatch, with_entropy: bool = False, prefix: AgainstPrefix | None = None):
-        logits = self._token_logits(model, batch, prefix)
+        return self._logprobs_of(self._token_logits(model, batch, prefix), batch, with_entropy)
+
+    def _logprobs_of(self, logits: torch.Tensor, batch: PackedBatch, with_entropy: bool = False):
+        """[B, L-1] logprobs of the targets (and the entropies) from the logits at the loss positions."""
         targets = batch.targets[batch.loss_mask.bool()]
         lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
@@ -226,11 +232,14 @@ class PolicyTrainer:
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed"), 0.0)
+        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint"), 0.0)
         shared = self.shares_prefixes()
+        joint = self.joint if self.joint is not None and not shared else None
         try:
             if shared:
                 self._shared_prefix_pass(trajs, advantages, normalizer, sums)
+            elif joint is not None:
+                self._joint_passes(joint, trajs, advantages, normalizer, sums)
             else:
                 for start, end in self._micro_batches(trajs):
                     batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
@@ -239,7 +248,8 @@ class PolicyTrainer:
         finally:  # sampling runs in eval mode (a hosted adapter's dropout is off again even when a pass raised)
             self.model.eval()
         n_tokens = max(sums["tokens"], 1.0)
-        return {
+        shares = {"update/joint_passes": sums["passes"], "update/joint_share": sums["joint"] / sums["passes"]} if sums["passes"] else {}
+        return shares | {
             "update/policy_loss": sums["pg_loss"],
             "update/kl": sums["kl"],
             "update/entropy": sums["entropy"] / n_tokens,
@@ -286,25 +296,48 @@ class PolicyTrainer:
             if feed is not prefix:
                 prefix.backward_from(feed)
 
+    def _joint_passes(self, joint, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float, sums: dict[str, float]) -> None:
+        """The per-sequence micro-batches, each run by the shared base's runner, in one pass with
+        other hosted jobs' micro-batches that come with it (the same loss and gradient as alone)."""
+        kl = self.algorithm.kl
+        with joint() as run:
+            for start, end in self._micro_batches(trajs):
+                batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+                ref = self._reference_logprobs(batch) if kl.coef > 0 else None  # the base alone, here
+
+                def loss(logits: torch.Tensor, batch=batch, part=advantages[start:end], ref=ref) -> tuple[torch.Tensor, dict[str, float]]:
+                    return self._loss_of(self._logprobs_of(logits.float() / self.temperature, batch, True), batch, part, normalizer, ref)
+
+                adapters, stats = run(batch.input_ids, batch.attention_mask, batch.loss_mask, loss)
+                for key, value in stats.items():
+                    sums[key] += value
+                sums["passes"] += 1
+                sums["joint"] += float(adapters > 1)
+                sums["computed"] += batch.input_ids.numel()
+
     def _loss(self, batch: PackedBatch, advantages: torch.Tensor, normalizer: float, sums: dict[str, float],
               prefix: AgainstPrefix | None = None, ref_prefix: AgainstPrefix | None = None) -> torch.Tensor:
         """The clipped policy loss (plus KL) of one micro-batch, its statistics added to `sums`."""
+        ref = self._reference_logprobs(batch, ref_prefix) if self.algorithm.kl.coef > 0 else None
+        loss, stats = self._loss_of(self._logprobs(self.model, batch, with_entropy=True, prefix=prefix), batch, advantages, normalizer, ref)
+        for key, value in stats.items():
+            sums[key] += value
+        return loss
+
+    def _loss_of(self, scored, batch: PackedBatch, advantages: torch.Tensor, normalizer: float,
+                 ref: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped policy loss (plus KL) of a micro-batch from its (logprobs, entropies), and its statistics."""
+        lp, entropy = scored
         kl = self.algorithm.kl
-        ref = self._reference_logprobs(batch, ref_prefix) if kl.coef > 0 else None
-        lp, entropy = self._logprobs(self.model, batch, with_entropy=True, prefix=prefix)
         out = ppo_clipped_loss(
             lp, batch.old_logprobs, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
             aggregation=self.algorithm.loss_aggregation, ref_logprobs=ref, kl_coef=kl.coef, kl_estimator=kl.estimator,
             normalizer=normalizer,
         )
         tokens = float(batch.loss_mask.sum())
-        sums["tokens"] += tokens
-        sums["pg_loss"] += float(out.pg_loss)
-        sums["kl"] += float(out.kl)
-        sums["clip_fraction"] += float(out.clip_fraction) * tokens
-        sums["ratio"] += float(out.ratio_mean) * tokens
-        sums["entropy"] += float(entropy.sum())
-        return out.loss
+        return out.loss, {"tokens": tokens, "pg_loss": float(out.pg_loss), "kl": float(out.kl),
+                          "clip_fraction": float(out.clip_fraction) * tokens, "ratio": float(out.ratio_mean) * tokens,
+                          "entropy": float(entropy.sum())}
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

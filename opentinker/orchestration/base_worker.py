@@ -16,9 +16,11 @@ next ones find it; `drop` takes a session (and its adapters) off; with no sessio
 It hosts native LoRA RL jobs too (`resources.share_base`): the job's policy and sampler
 (opentinker.rl.RLJob) over its adapter of the base (`host_job`), the flow's step tasks calling
 in (`job_call`), its episodes sampled by the base's shared engine in batches with every other
-adapter's rows. Updates (a job's, or a pass of Tinker clients) take the base's training lock in
-turn: on a CPU a training pass's matmuls already fill every core, so joining them buys nothing,
-while a job's own pass keeps its shared-prefix saving (opentinker.backend.shared_prefix). SFT LoRA
+adapter's rows. On a GPU (the base's `joint_updates`) the per-sequence micro-batches of jobs that
+update together run as joint passes, each row through its job's adapter (opentinker.backend.
+shared_base); on a CPU updates (a job's, or a pass of Tinker clients) take the base's training lock
+in turn: a training pass's matmuls already fill every core, so joining them buys nothing, while a
+job's own pass keeps its shared-prefix saving (opentinker.backend.shared_prefix). SFT LoRA
 jobs are hosted the same way (`host_sft`): one optimizer step a call (opentinker.sft.shared), under
 the same lock, so a long SFT run never holds the base between its steps.
 """
@@ -121,6 +123,12 @@ class HostedJob:
     def idle_seconds(self) -> float:
         return 0.0 if self.calls else time.monotonic() - self.last_call
 
+    def locks_base(self, method: str) -> bool:
+        """Does the call hold the base's training lock throughout? Not a joint update: the base's
+        runner takes the lock for each of its passes."""
+        trainer = getattr(getattr(self.job, "policy", None), "trainer", None)
+        return method in TRAINING_CALLS and not (method == "update" and getattr(trainer, "joint", None) is not None)
+
 
 class SessionRouter:
     """ASGI: `/s/<session_id>/<rest>` goes to that session's own app (as `/<rest>`); anything else is 404."""
@@ -213,7 +221,10 @@ class BaseModelWorker:
         def rl_job(shared: Any, model: Any, key: str, closing: list) -> Any:
             rollouts = AdapterRollouts(self.bases.engines.engine(spec.model.name), key, spec.seed)
             closing.append(rollouts.close)
-            return RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
+            job = RLJob(spec, job_id, tenant=tenant, model=model, tokenizer=shared.tokenizer, rollout_engine=rollouts)
+            if shared.joint_updates:  # its micro-batches join other jobs' passes (the runner takes the lock per pass)
+                job.policy.trainer.joint = functools.partial(shared.joint_update, key)
+            return job
 
         return self._host(spec, job_id, tenant, spec.seed, rl_job)
 
@@ -267,7 +278,7 @@ class BaseModelWorker:
                                   "resubmit it to resume from its last checkpoint")
             hosted.calls += 1
         try:
-            with hosted.model.using(), hosted.shared.training if method in TRAINING_CALLS else nullcontext():
+            with hosted.model.using(), hosted.shared.training if hosted.locks_base(method) else nullcontext():
                 if method in COMPUTE_CALLS:  # on the worker's compute thread, as its sampling (opentinker.backend.compute_thread)
                     from opentinker.backend import compute_thread
 

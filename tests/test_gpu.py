@@ -9,6 +9,7 @@ is spent. What they hold, on the device:
 - shared-prefix updates against the per-sequence path in bfloat16: gradients within 2% of the
   gradient norm (bf16 rounds activations to 8 bits of mantissa, and the two paths batch and pad
   differently, so their roundings differ), losses within 1e-2;
+- two hosted jobs' updates in joint passes against each alone in bfloat16 (the same tolerance);
 - recomputed against sampled log-probabilities in bfloat16 within 3e-2 (device.py's tolerance);
 - decode early stop: finished rows leave the batch and the samples stay those of `generate`;
 - a LoRA RL job of SmolLM2-135M's shape (random weights) end to end: rollouts, updates, a
@@ -114,6 +115,57 @@ def test_shared_prefix_gradients_agree_with_per_sequence_in_bf16(tiny, adapter, 
     assert norm > 0 and worst <= GRADIENT_TOLERANCE * norm, f"largest gradient difference {worst:.3g} (norm {norm:.3g})"
     assert ma["update/policy_loss"] == pytest.approx(mb["update/policy_loss"], abs=1e-2)
     assert ma["update/shared_prefix"] == 1.0 and mb["update/shared_prefix"] == 0.0
+
+
+# --- hosted jobs' updates in joint passes, bf16 --------------------------------------------------
+
+def test_joint_passes_of_two_hosted_jobs_give_each_its_own_gradient_in_bf16(tiny):
+    """Two adapters of one shared base on the device: their per-sequence micro-batches in joint
+    passes (the base's runner) give each job the gradient of its own passes, within bf16's
+    tolerance (the joint batch pads the rows wider), and the passes were shared."""
+    import functools
+    import threading
+
+    from opentinker.backend.shared_base import SharedBase
+
+    model, tok = tiny
+    shared = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=0.5)
+    optim = OptimizationSpec(lr=1e-3, micro_batch_size=4, shared_prefix=False)
+    lora = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+    gen = torch.Generator().manual_seed(0)
+    trainers, data = {}, {}
+    for i, name in enumerate(("a", "b")):
+        adapter = shared.add_job(name, lora.r, lora.alpha, lora.target_modules, 0.0, seed=i)
+        trainers[name] = PolicyTrainer(adapter, tok, lora, AlgorithmSpec(), optim, placement=shared.placement)
+        trainers[name].load_trainable_state({k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in trainers[name].trainable_state().items()})
+        data[name] = shared_prefix.single_turn(seed=i)
+
+    def gradients(name):
+        with trainers[name].model.using():
+            return shared_prefix._gradients(trainers[name], data[name])
+
+    alone = {name: gradients(name) for name in trainers}
+    joint, barrier = {}, threading.Barrier(2)
+    for name in trainers:
+        trainers[name].joint = functools.partial(shared.joint_update, name)
+
+    def run(name):
+        barrier.wait()
+        joint[name] = gradients(name)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for name in trainers:
+        (ga, ma), (gb, mb) = joint[name], alone[name]
+        assert ga.keys() == gb.keys() and {g.device.type for g in ga.values()} == {DEVICE.type}
+        norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in gb.values())))
+        worst = max(float((ga[k] - gb[k]).abs().max()) for k in ga)
+        assert norm > 0 and worst <= GRADIENT_TOLERANCE * norm, f"{name}: largest gradient difference {worst:.3g} (norm {norm:.3g})"
+        assert ma["update/policy_loss"] == pytest.approx(mb["update/policy_loss"], abs=1e-2)
+        assert ma["update/joint_share"] > 0 and "update/joint_share" not in mb, (name, ma, shared.stats)
 
 
 # --- recomputed against sampled log-probabilities, bf16 ----------------------------------------

@@ -106,6 +106,31 @@ def test_a_mixed_batch_runs_its_adapters_as_batched_matmuls_when_padding_is_smal
     assert grouped_rows(((multi["x"], rows(0)), (multi["wet"], rows(1))), 2) is None
 
 
+def test_a_mixed_batch_of_a_bfloat16_base_runs_forward_and_backward_as_each_adapter_alone(base, tokens):
+    """A GPU's base computes in bfloat16 while adapters train in float32: ROWS' groups of unequal
+    size take the batched path with its padding mask (which once turned the delta float32, so that
+    every such pass on a GPU failed: Tinker passes then fell back to one tenant at a time)."""
+    multi = _multi(base)
+    multi.model.to(torch.bfloat16)
+    mixed_ids = tokens[:, :5]
+    mixed = multi(ROWS, input_ids=mixed_ids).logits.float()
+    assert mixed.dtype == torch.float32 and torch.isfinite(mixed).all()
+    _loss(mixed, mixed_ids).backward()
+    grads = {n: [p.grad.clone() for p in multi[n].parameters()] for n in RANKS}
+    for n in RANKS:
+        for p in multi[n].parameters():
+            p.grad = None
+    for i, name in enumerate(ROWS):
+        alone = multi([name], input_ids=mixed_ids[i:i + 1]).logits.float()
+        torch.testing.assert_close(mixed[i:i + 1], alone, rtol=0, atol=0.1, msg=f"row {i} ({name})")  # bf16 rounding
+        if name is not None:
+            _loss(alone, mixed_ids[i:i + 1]).backward()
+    for n in RANKS:
+        for g, p in zip(grads[n], multi[n].parameters()):
+            assert g.dtype == torch.float32
+            torch.testing.assert_close(g, p.grad, rtol=0.05, atol=0.05 * float(p.grad.abs().max()))
+
+
 def test_a_batch_in_adapter_order_with_kept_stacks_gives_each_row_its_adapter(base, tokens):
     """Rows already grouped by adapter (viewed, not gathered) and, without grad, the adapters'
     stacked weights kept between passes: still each row's own adapter, also after an adapter

@@ -190,12 +190,12 @@ class MultiLoraLinear(PackedLinear):
         n, inner = len(grouped.adapters), x.shape[-1]
         xs = x if grouped.in_order else x.index_select(0, grouped.index)
         delta = torch.bmm(torch.bmm(xs.to(a_stack.dtype).reshape(n, -1, inner), a_stack.transpose(1, 2)), b_stack.transpose(1, 2))
-        delta = delta.reshape(n * grouped.width, *x.shape[1:-1], -1).to(out.dtype)
+        delta = delta.reshape(n * grouped.width, *x.shape[1:-1], -1)
         if grouped.in_order:
-            return out + delta
-        if grouped.keep is not None:
-            delta = delta * grouped.keep.reshape(-1, *([1] * (x.dim() - 1)))
-        return out.index_add(0, grouped.index, delta)
+            return out + delta.to(out.dtype)
+        if grouped.keep is not None:  # (the float32 mask after the cast made a bf16 base's index_add fail)
+            delta = delta * grouped.keep.reshape(-1, *([1] * (x.dim() - 1))).to(delta.dtype)
+        return out.index_add(0, grouped.index, delta.to(out.dtype))
 
     def _stacks(self, adapters: tuple[Adapter, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The adapters' A [N, r, in] and scale * B [N, out, r] for this linear (smaller ranks

@@ -106,11 +106,14 @@ class _JobPass:
 
 @dataclass
 class PassStats:
-    """What the runner did: passes run, calls in them, and how many passes held two adapters or more."""
+    """What the runner did: passes run, calls in them, how many passes held two adapters or more,
+    and how many shared passes failed and ran as each call alone (a count above 0 where every
+    call then succeeded is the runtime's fault, not a tenant's: a bf16 base once failed them all)."""
 
     passes: int = 0
     calls: int = 0
     shared: int = 0
+    split: int = 0
 
     def share(self) -> float:
         return self.shared / self.passes if self.passes else 0.0
@@ -286,7 +289,9 @@ class SharedBase:
             if len(calls) == 1:
                 calls[0].future.set_exception(err)
                 return
-            log.warning("a shared pass of %d calls failed (%s); running each alone", len(calls), err)
+            log.warning("a shared pass of %d calls failed (%s); running each alone", len(calls), err, exc_info=True)
+            self.stats.shared -= 1
+            self.stats.split += 1
             self._restore(saved)
             for call in calls:
                 self._run([call])

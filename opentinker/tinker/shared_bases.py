@@ -58,7 +58,7 @@ class SharedBases:
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {name: {"adapters": len(shared.multi.adapters), "passes": shared.stats.passes, "calls": shared.stats.calls,
-                       "batch_share": shared.stats.share()} for name, shared in self.bases.items()}
+                       "batch_share": shared.stats.share(), "split_passes": shared.stats.split} for name, shared in self.bases.items()}
 
     def sampling_stats(self) -> dict[str, dict[str, int]]:
         """Per base, the sampling batches run and how many held rows of two adapters or more."""

@@ -9,7 +9,8 @@ is spent. What they hold, on the device:
 - shared-prefix updates against the per-sequence path in bfloat16: gradients within 2% of the
   gradient norm (bf16 rounds activations to 8 bits of mantissa, and the two paths batch and pad
   differently, so their roundings differ), losses within 1e-2;
-- two hosted jobs' updates in joint passes against each alone in bfloat16 (the same tolerance);
+- two hosted jobs' updates in joint passes against each alone in bfloat16 (the same tolerance), and
+  three Tinker clients' calls in one pass (shared, not split; log-probabilities within 5e-2);
 - recomputed against sampled log-probabilities in bfloat16 within 3e-2 (device.py's tolerance);
 - decode early stop: finished rows leave the batch and the samples stay those of `generate`;
 - a LoRA RL job of SmolLM2-135M's shape (random weights) end to end: rollouts, updates, a
@@ -166,6 +167,44 @@ def test_joint_passes_of_two_hosted_jobs_give_each_its_own_gradient_in_bf16(tiny
         assert norm > 0 and worst <= GRADIENT_TOLERANCE * norm, f"{name}: largest gradient difference {worst:.3g} (norm {norm:.3g})"
         assert ma["update/policy_loss"] == pytest.approx(mb["update/policy_loss"], abs=1e-2)
         assert ma["update/joint_share"] > 0 and "update/joint_share" not in mb, (name, ma, shared.stats)
+
+
+def test_tinker_tenants_share_one_pass_on_a_bf16_base(tiny):
+    """Three Tinker clients' forward_backward calls (different ranks, losses and lengths) in one
+    pass on the device in bf16: shared, not split into one call at a time, and each call's
+    log-probabilities those of its call alone (bf16's tolerance)."""
+    import threading
+
+    import numpy as np
+
+    from opentinker.backend.shared_base import SharedBase
+    from tests import test_shared_base as tenants
+
+    model, tok = tiny
+    results = {}
+    for gather in (0.0, 0.5):
+        sb = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=gather)
+        adapters, start = tenants._tenants(sb), threading.Barrier(len(tenants.TENANTS))
+
+        def call(name: str, adapters=adapters, start=start, gather=gather) -> None:
+            _, loss_fn, data = tenants.TENANTS[name]
+            if gather:
+                start.wait()
+            results[gather, name] = adapters[name].forward_backward(data, loss_fn, {})
+
+        if gather:
+            threads = [threading.Thread(target=call, args=(name,)) for name in tenants.TENANTS]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert sb.stats.shared == 1 and sb.stats.split == 0, sb.stats
+        else:
+            for name in tenants.TENANTS:
+                call(name)
+    for name in tenants.TENANTS:
+        for a, b in zip(results[0.5, name][0], results[0.0, name][0]):
+            assert np.isfinite(a["logprobs"]).all() and np.allclose(a["logprobs"], b["logprobs"], atol=5e-2)
 
 
 # --- recomputed against sampled log-probabilities, bf16 ----------------------------------------

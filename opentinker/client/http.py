@@ -49,12 +49,21 @@ def default_url() -> str:
     return os.environ.get("OPENTINKER_GATEWAY_URL") or get_settings().gateway_url
 
 
+# How long a call waits for the gateway's answer. The gateway answers after its calls to Prefect
+# and MLflow, and a busy stack's Prefect on SQLite can hold its database for up to a minute (its
+# busy timeout is 60 s): at 30 s a cancel and a status read failed in CI while the job was fine.
+# A gateway that is down still fails at once (connecting takes at most CONNECT_TIMEOUT_S).
+TIMEOUT_S = 180.0
+CONNECT_TIMEOUT_S = 10.0
+
+
 class Gateway:
-    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0):
+    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = TIMEOUT_S):
         self.url = (url or default_url()).rstrip("/")
         key = self.api_key = api_key or os.environ.get("OPENTINKER_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, trust_env=False)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)),
+                                  trust_env=False)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from opentinker.client.http import Gateway, InvalidJob, JobFailed
+from opentinker.client.http import TIMEOUT_S, Gateway, InvalidJob, JobFailed
 from opentinker.core.credentials import remember
 from opentinker.core.polling import through_blips, wait_for
 from opentinker.core.spec_input import config_to_dict
@@ -15,7 +15,7 @@ from opentinker.core.states import TERMINAL
 class SchedulerClient:
     """`SchedulerClient(url=…).submit_job(config=…, num_gpus=…)` as in the reference design."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = 30.0):
+    def __init__(self, url: str | None = None, api_key: str | None = None, timeout: float = TIMEOUT_S):
         self._gateway = Gateway(url, api_key, timeout=timeout)
         self.url = self._gateway.url
 

@@ -222,14 +222,20 @@ class SharedBase:
         """Let every job in an update send its next micro-batch (up to `gather_s`) before a joint pass."""
         deadline = time.monotonic() + self.gather_s
         while (self.updating - {c.adapter for c in pending}) and (left := deadline - time.monotonic()) > 0:
-            try:
-                call = self._calls.get(timeout=left)
-            except queue.Empty:
-                return
-            if call is None:
-                self._calls.put(None)
+            if (call := self._next_call(left)) is None:
                 return
             pending.append(call)
+
+    def _next_call(self, timeout: float = 0.0) -> Any:
+        """The next queued call, waiting up to `timeout` (0: only one already queued); None when
+        none came or the runner is closing (its close stays queued for the loop)."""
+        try:
+            call = self._calls.get(timeout=timeout) if timeout > 0 else self._calls.get_nowait()
+        except queue.Empty:
+            return None
+        if call is None:
+            self._calls.put(None)
+        return call
 
     def _serve(self) -> None:
         waiting: list[Any] = []
@@ -243,14 +249,7 @@ class SharedBase:
                 self._await_updates(pending)
             elif self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
                 time.sleep(self.gather_s)
-            while True:
-                try:
-                    call = self._calls.get_nowait()
-                except queue.Empty:
-                    break
-                if call is None:
-                    self._calls.put(None)
-                    break
+            while (call := self._next_call()) is not None:
                 pending.append(call)
             batch, seen, rows, width = [], set(), 0, 0
             for call in pending:  # one call per adapter and one kind (training, forward only, a job's) per pass

@@ -108,7 +108,7 @@ def stop_leftover_runs(timeout: float = 120.0) -> None:
         def slots_free() -> bool | None:
             held = [limit.name for limit in client.read_global_concurrency_limits(limit=200)
                     if limit.name in pool_slots and limit.active_slots > 0]
-            return True if not held else None
+            return (not held) or None
 
         if runs:
             print(f"\nstack: cancelled {len(runs)} run(s) a test module left unfinished: {[r.name for r in runs]}")

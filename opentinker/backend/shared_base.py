@@ -46,7 +46,6 @@ from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
-from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.backend.primitives import (
     ATTENTION,
     LORA_ALPHA,
@@ -63,6 +62,7 @@ from opentinker.backend.primitives import (
     padded,
     target_logprobs,
 )
+from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.model.vision import hidden_states
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,14 @@ class _JobPass:
     forward_only = False
     kind = "job"
 
-    def positions(self) -> int:
-        return int(self.input_ids.numel())
+
+def _overfills(batch: list[Any], call: Any) -> bool:
+    """Would `call` take a joint pass of hosted jobs' micro-batches past JOINT_PASS_TOKENS padded
+    positions? (A pass's first call always runs.)"""
+    if call.kind != "job" or not batch:
+        return False
+    parts = [*batch, call]
+    return max(c.input_ids.shape[1] for c in parts) * sum(c.input_ids.shape[0] for c in parts) > JOINT_PASS_TOKENS
 
 
 @dataclass
@@ -251,18 +257,14 @@ class SharedBase:
                 time.sleep(self.gather_s)
             while (call := self._next_call()) is not None:
                 pending.append(call)
-            batch, seen, rows, width = [], set(), 0, 0
+            batch, seen = [], set()
             for call in pending:  # one call per adapter and one kind (training, forward only, a job's) per pass
                 key = call.adapter
-                if call.kind == "job" and batch:  # a joint pass stays within its bound of padded positions
-                    grown = max(width, call.input_ids.shape[1]) * (rows + call.input_ids.shape[0])
-                if key in seen or call.kind != pending[0].kind or (call.kind == "job" and batch and grown > JOINT_PASS_TOKENS):
+                if key in seen or call.kind != pending[0].kind or _overfills(batch, call):
                     waiting.append(call)
                 else:
                     seen.add(key)
                     batch.append(call)
-                    if call.kind == "job":
-                        rows, width = rows + call.input_ids.shape[0], max(width, call.input_ids.shape[1])
             try:
                 self._run(batch)
             except Exception as err:  # noqa: BLE001 - the runner outlives anything a pass does
@@ -351,7 +353,6 @@ class SharedBase:
             for r, (c, i) in enumerate(members):
                 outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
         return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
-
 
     def _job_pass(self, calls: list[_JobPass]) -> list[tuple[int, dict[str, float]]]:
         """Hosted jobs' micro-batches as one batch, each row through its job's adapter (the head

@@ -21,7 +21,8 @@ first, then shared).
 
     python bench/shared_base.py                         # N = 1, 2, 4, 8
     python bench/shared_base.py --tenants 1 2 --steps 2 --model tiny-random   # smoke run
-writes bench/results/shared_base.{json,md}
+    python bench/shared_base.py --tenants 4 --steps 2 --samples 32 --name shared_base_demo_size   # the demo's 32 episodes a step
+writes bench/results/shared_base.{json,md} (NAME.{json,md} with --name)
 """
 
 from __future__ import annotations
@@ -204,11 +205,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--name", default="shared_base", help="the results' name: bench/results/NAME.{json,md}")
     args = parser.parse_args()
     if args.serve:
         return serve(args.serve[1:], args.serve[0] == "shared")
     rows = [compared(n, one_way(n, False, args), one_way(n, True, args)) for n in args.tenants]  # separate first, then shared
-    write_results("shared_base", rows, args.model, {
+    write_results(args.name, rows, args.model, {
         "steps": args.steps, "warmup": args.warmup, "samples": args.samples, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
         "lora_rank": 16}, f"N tenants on one base vs. N separate servers ({args.model})",
         f"Each tenant: {args.steps} measured RL steps after {args.warmup} warm-up (sample {args.samples} x {args.new_tokens} tokens "
@@ -216,14 +218,15 @@ def main() -> None:
         "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant.", "tenants")
 
 
-def write_results(name: str, rows: list[dict], model: str, work: dict, title: str, what: str, first: str) -> None:
-    """bench/results/NAME.{json,md}: the rows, the goals at N = 4 and whether they were met, the machine and the command."""
+def write_results(name: str, rows: list[dict], model: str, work: dict, title: str, what: str, first: str, more: list[str] = ()) -> None:
+    """bench/results/NAME.{json,md}: the rows, the goals at N = 4 and whether they were met, the
+    machine and the command; `more`: markdown lines after the goals."""
     import torch
 
     met = met_at_4(rows)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
     result = {"rows": rows, "goals_at_4": GOALS, "met_at_4": met, "model": model, "machine": machine, "work": work,
-              "command": f"python bench/{name}.py " + " ".join(sys.argv[1:])}
+              "command": f"python bench/{Path(sys.argv[0]).name} " + " ".join(sys.argv[1:])}
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -231,7 +234,7 @@ def write_results(name: str, rows: list[dict], model: str, work: dict, title: st
     if met:
         lines += ["", "Goals at N = 4: memory <= 0.4x, throughput >= 1.3x, p95 step latency <= 1.0x: "
                   + ", ".join(f"{k} {'met' if v else 'not met'}" for k, v in met.items()) + "."]
-    lines += ["", f"Made with `{result['command']}`"]
+    lines += [*more, "", f"Made with `{result['command']}`"]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

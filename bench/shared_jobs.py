@@ -15,6 +15,9 @@ Measured as bench/shared_base.py measures Tinker tenants: the peak summed RSS of
 (sampled every 0.5 s), aggregate tokens/s (generated tokens plus the tokens of the trajectories
 trained on, over the measured span, which starts when every tenant has finished its warm-up),
 each tenant's step latency (rollout + update) p50/p95. The two ways alternate per N (separate first).
+With N > 1 the shared way first plays the jobs' rollouts one after another, then all at once (their
+episodes in one decode batch), and reports the generated tokens/s of each: what joining the jobs'
+rows saves on this machine (on a 2-core CPU, nothing: a demo step's decode is compute-bound).
 
     python bench/shared_jobs.py                    # N = 1, 2, 4
     python bench/shared_jobs.py --tenants 2 --steps 1 --model tiny-random   # smoke run
@@ -68,8 +71,34 @@ def run(way: str, seeds: list[int], model: str, warmup: int, steps: int, threads
         jobs = {seed: RLJob(_spec(model, seed, False), f"job{seed}") for seed in seeds}
         call = lambda seed, method, *a: getattr(jobs[seed], method)(*a)  # noqa: E731
         batch = lambda seed, step: jobs[seed].sampler.batch(step)  # noqa: E731
-    warm = threading.Barrier(len(seeds), action=lambda: (print("ready", flush=True), sys.stdin.readline()))  # then every tenant starts
-    out: dict = {"latencies": [], "tokens": 0, "spans": []}
+    out: dict = {"latencies": [], "rollouts": [], "updates": [], "tokens": 0, "spans": []}
+
+    def batching() -> None:
+        """Shared, N > 1: the jobs' rollouts one after another, then all at once (one decode batch),
+        as generated tokens/s each way: what joining the jobs' episodes saves on this machine."""
+        probe = warmup + 1  # played again by the measured steps (a rollout keeps only its newest batch)
+        t0 = time.perf_counter()
+        alone = sum(call(seed, "rollout", probe)["rollout/generated_tokens"] for seed in seeds)
+        engine = worker.jobs[keys[seeds[0]]].job.sampler.engine.engine  # the base's MultiLoraEngine
+        before = (engine.batches, engine.mixed)
+        t1 = time.perf_counter()
+        together = [0.0] * len(seeds)
+        threads = [threading.Thread(target=lambda i, s: together.__setitem__(i, call(s, "rollout", probe)["rollout/generated_tokens"]),
+                                    args=(i, seed)) for i, seed in enumerate(seeds)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        out["batching"] = {"in_turn_tokens_per_s": alone / (t1 - t0), "one_batch_tokens_per_s": sum(together) / (time.perf_counter() - t1),
+                           "batches": engine.batches - before[0], "mixed_batches": engine.mixed - before[1]}
+
+    def ready() -> None:
+        if way == "shared" and len(seeds) > 1:
+            batching()
+        print("ready", flush=True)
+        sys.stdin.readline()
+
+    warm = threading.Barrier(len(seeds), action=ready)  # then every tenant starts
 
     def tenant(seed: int) -> None:
         started = None
@@ -79,10 +108,13 @@ def run(way: str, seeds: list[int], model: str, warmup: int, steps: int, threads
                 started = time.perf_counter()
             t0 = time.perf_counter()
             played = call(seed, "rollout", step)
+            t1 = time.perf_counter()
             trained = sum(len(t.token_ids) for t in batch(seed, step).trajectories)
             call(seed, "update", step)
             if started is not None:
                 out["latencies"].append(time.perf_counter() - t0)
+                out["rollouts"].append(t1 - t0)
+                out["updates"].append(time.perf_counter() - t1)
                 out["tokens"] += played["rollout/generated_tokens"] + trained
         out["spans"].append((started, time.perf_counter()))
 
@@ -117,10 +149,27 @@ def one_way(n: int, shared: bool, args) -> dict:
     peak = memory.done()
     spans = [s for r in results for s in r["spans"]]
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
-    lat = sorted(x for r in results for x in r["latencies"])
-    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
-    return {"rss_mb": peak / 2**20, "tokens_per_s": sum(r["tokens"] for r in results) / wall, "p50_s": pick(0.5),
-            "p95_s": pick(0.95), "wall_s": wall}
+    def pick(key: str, q: float) -> float:
+        values = sorted(x for r in results for x in r[key])
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return {"rss_mb": peak / 2**20, "tokens_per_s": sum(r["tokens"] for r in results) / wall, "p50_s": pick("latencies", 0.5),
+            "p95_s": pick("latencies", 0.95), "rollout_p50_s": pick("rollouts", 0.5), "update_p50_s": pick("updates", 0.5), "wall_s": wall,
+            **({"batching": results[0]["batching"]} if "batching" in results[0] else {})}
+
+
+def where_the_time_goes(rows: list[dict]) -> list[str]:
+    """A step's two halves per N (p50), and what one decode batch of the N jobs' episodes gains
+    over their rollouts in turn on this machine: the arithmetic that sharing can save here."""
+    lines = ["", "A step's halves (p50 s, shared / separate), and the shared worker's generated tokens/s with the jobs' "
+             "rollouts in one decode batch against in turn (measured before the steps):", "",
+             "| jobs | rollout | update | one batch / in turn (tok/s) | ratio | decode batches of several jobs |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s, p, b = r["shared"], r["separate"], r["shared"].get("batching")
+        gain = (f"{b['one_batch_tokens_per_s']:.0f} / {b['in_turn_tokens_per_s']:.0f} | **{b['one_batch_tokens_per_s'] / b['in_turn_tokens_per_s']:.2f}** | "
+                f"{b['mixed_batches']} of {b['batches']}") if b else "- | - | -"
+        lines.append(f"| {r['tenants']} | {s['rollout_p50_s']:.2f} / {p['rollout_p50_s']:.2f} | {s['update_p50_s']:.2f} / {p['update_p50_s']:.2f} | {gain} |")
+    return lines
 
 
 def main() -> None:
@@ -140,7 +189,7 @@ def main() -> None:
                   f"N native LoRA RL jobs on one base-model worker vs. a model per job ({args.model})",
                   f"Each job: the demo's spec (examples/math_grpo.yaml, its own seed), {args.steps} measured steps (rollout + update) "
                   f"after {args.warmup} warm-up. Shared: one process, the jobs hosted on a BaseModelWorker (`resources.share_base: "
-                  "true`); separate: one process per job, torch threads = cores // N each.", "jobs")
+                  "true`); separate: one process per job, torch threads = cores // N each.", "jobs", where_the_time_goes(rows))
 
 if __name__ == "__main__":
     main()

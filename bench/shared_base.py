@@ -21,7 +21,7 @@ first, then shared).
 
     python bench/shared_base.py                         # N = 1, 2, 4, 8
     python bench/shared_base.py --tenants 1 2 --steps 2 --model tiny-random   # smoke run
-    python bench/shared_base.py --tenants 4 --steps 2 --samples 32 --name shared_base_demo_size   # the demo's 32 episodes a step
+    python bench/shared_base.py --tenants 2 --samples 32 --name shared_base_32   # 32 samples a step, results apart
 writes bench/results/shared_base.{json,md} (NAME.{json,md} with --name)
 """
 

@@ -238,6 +238,37 @@ def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_
     worker.bases.close()
 
 
+def test_a_hosted_job_with_lora_dropout_resumes_drawing_the_masks_it_would_have_drawn(tmp_path):
+    """A hosted adapter draws its LoRA dropout masks from a generator of its own (not the process's,
+    which every tenant draws from): its checkpoints keep that generator beside the sampling one, so
+    a job resumed on the worker takes the update it would have taken uninterrupted (with the
+    generator reseeded on resume, its masks, and so its weights, would differ)."""
+    from opentinker.orchestration.base_worker import BaseModelWorker
+
+    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    spec = _spec(tmp_path, adapter={"kind": "lora", "r": 8, "alpha": 16, "dropout": 0.3}, rollout={"temperature": 1.0})
+    adapter = lambda key: {n: p.detach().clone() for n, p in worker.jobs[key].model.named_parameters()}  # noqa: E731
+
+    key = worker.host_job(spec, "ann", "tenant-ann")["key"]
+    worker.job_call(key, "restore")
+    for step in (1, 2):
+        worker.job_call(key, "rollout", step)
+        worker.job_call(key, "update", step)
+        if step == 1:
+            worker.job_call(key, "checkpoint", 1)
+    uninterrupted = adapter(key)
+    worker.drop_job(key)
+
+    key = worker.host_job(spec, "ann", "tenant-ann")["key"]  # resumed: a new adapter, seeded as at the start
+    assert worker.job_call(key, "restore").step == 1
+    worker.job_call(key, "rollout", 2)
+    worker.job_call(key, "update", 2)
+    resumed = adapter(key)
+    assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+    worker.server.stop()
+    worker.bases.close()
+
+
 def test_a_hosted_job_whose_worker_died_fails_in_one_line_naming_the_worker_and_where_it_resumes(tmp_path):
     import ray
 

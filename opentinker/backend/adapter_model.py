@@ -47,6 +47,12 @@ class AdapterModel(nn.Module):
         self.multi[self.name].training = mode
         return self
 
+    @property
+    def dropout_generator(self) -> torch.Generator | None:
+        """Where this adapter's LoRA dropout masks are drawn from (its own, not the process's:
+        the job's checkpoints keep it, opentinker.rl.policy)."""
+        return self.multi[self.name].rng
+
     def disable_adapter(self) -> AbstractContextManager[None]:
         return self.multi.only(None)
 

@@ -53,19 +53,22 @@ class Policy:
     """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
     `<checkpoint.base_url>/<job_id>/`, signed as `tenant`'s (None: the operator's). Loads its
     model unless one is given. `own_rng`: a hosted job's own generator (its sampling draws), which
-    its checkpoints keep and restore instead of the process's generators (other jobs draw from those)."""
+    its checkpoints keep and restore instead of the process's generators (other jobs draw from
+    those), with its adapter's LoRA dropout generator (the model's `dropout_generator`)."""
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None, tenant: str | None = None,
                  own_rng: torch.Generator | None = None):
         if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
             check_folder_name(job_id, "job id")
-        self.spec, self.job_id, self.tenant, self.own_rng = spec, job_id, tenant, own_rng
+        self.spec, self.job_id, self.tenant = spec, job_id, tenant
         self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
         self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
                                      placement(spec.resources.num_gpus, spec.model.dtype))
+        dropout = getattr(model, "dropout_generator", None)  # a hosted adapter's (opentinker.backend.adapter_model)
+        self.own_rngs = None if own_rng is None else {"own": own_rng} | ({"dropout": dropout} if dropout is not None else {})
 
     @property
     def model(self):
@@ -103,7 +106,7 @@ class Policy:
             extra_files=extra,
             keep_last=self.spec.checkpoint.keep_last,
             tenant=self.tenant,
-            rng=self.own_rng,
+            rng=self.own_rngs,
         )
 
     @property
@@ -128,5 +131,5 @@ class Policy:
         self.trainer.load_trainable_state(loaded.weights)
         self.trainer.optimizer.load_state_dict(loaded.optimizer_state)
         self.trainer.version = int(loaded.state["policy_version"])
-        ckpt.set_rng_state(loaded.rng, self.own_rng)
+        ckpt.set_rng_state(loaded.rng, self.own_rngs)
         return loaded

@@ -52,13 +52,13 @@ def job_url(base_url: str, job_id: str) -> str:
     return join_url(base_url, check_folder_name(job_id, "job id"))
 
 
-def rng_state(own: torch.Generator | None = None) -> dict[str, Any]:
+def rng_state(own: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
     """Torch's, Python's and numpy's generator states as plain JSON (no pickle in a checkpoint).
-    `own`: a job's own generator instead, for a job hosted beside others (a shared base), whose
-    process-wide generators are every job's: only its state is recorded."""
+    `own`: a job's own generators instead, by name, for a job hosted beside others (a shared base),
+    whose process-wide generators are every job's: only their states are recorded."""
     encode = lambda t: base64.b64encode(t.numpy().tobytes()).decode()  # noqa: E731
     if own is not None:
-        return {"own": encode(own.get_state())}
+        return {name: encode(gen.get_state()) for name, gen in own.items()}
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": encode(torch.get_rng_state()), "python": [version, list(internal), gauss],
@@ -68,14 +68,16 @@ def rng_state(own: torch.Generator | None = None) -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any], own: torch.Generator | None = None) -> None:
-    """Put back what rng_state recorded: into `own` (a hosted job's generator; the process's stay
-    as they are), else into the process's generators. A state of the other kind is left out (a job
-    that moved onto or off a shared base keeps drawing from where it is)."""
+def set_rng_state(state: dict[str, Any], own: dict[str, torch.Generator] | None = None) -> None:
+    """Put back what rng_state recorded: into `own` (a hosted job's generators, by name; the
+    process's stay as they are), else into the process's generators. A state of the other kind,
+    or a generator the checkpoint does not name, is left out (a job that moved onto or off a shared
+    base keeps drawing from where it is)."""
     decode = lambda s: torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)  # noqa: E731
     if own is not None:
-        if "own" in state:
-            own.set_state(decode(state["own"]))
+        for name, gen in own.items():
+            if isinstance(state.get(name), str):
+                gen.set_state(decode(state[name]))
         return
     if "torch" not in state:  # a hosted job's state (or a shared session's {}): nothing of the process's
         return
@@ -98,11 +100,11 @@ def save_checkpoint(
     extra_files: dict[str, bytes] | None = None,
     keep_last: int | None = None,
     tenant: str | None = None,
-    rng: torch.Generator | None = None,
+    rng: dict[str, torch.Generator] | None = None,
 ) -> CheckpointRef:
     """Write one checkpoint and commit it, signed as `tenant`'s job `job_id` at `step`; then prune
-    the job's older checkpoints beyond `keep_last`. `rng`: a hosted job's own generator, recorded
-    instead of the process's (see rng_state)."""
+    the job's older checkpoints beyond `keep_last`. `rng`: a hosted job's own generators, by name,
+    recorded instead of the process's (see rng_state)."""
     url = join_url(job_url(base_url, job_id), f"step-{step:08d}")
     owner = Owner(job_id, tenant)
     opt_buf = io.BytesIO()

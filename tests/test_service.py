@@ -16,6 +16,11 @@ import pytest
 
 from tests.conftest import tiny_spec
 
+# How long a scheduling step may take on the loaded 2-core test stack: its Prefect on SQLite stalls
+# for up to a minute at a time under load (`database is locked` in its log, Prefect's busy timeout
+# is 60 s), and one worker poll can meet two such stalls (a fresh clone's run waited 120 s once).
+SCHEDULING_S = 300
+
 
 @pytest.fixture(scope="module")
 def service(stack_env):
@@ -248,7 +253,7 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
             assert acme.cancel_job(job_id)["state"] == "CANCELLED"  # the first cancel
 
         other = submit(globex, _args(tmp_path / "globex", steps=2, with_env=True))
-        wait_for(lambda: _active("waiting-cpu-globex") == 1 or None, interval=1, timeout=120, what="globex's job waiting for a slot")
+        wait_for(lambda: _active("waiting-cpu-globex") == 1 or None, interval=1, timeout=SCHEDULING_S, what="globex's job waiting for a slot")
         assert states(globex, [other])[other] == "QUEUED" and _active("waiting-cpu-acme") == 2
         with get_client(sync_client=True) as prefect:  # acme behind globex in line, as if it had got slots last
             line = {q.name: q for q in prefect.read_work_queues(work_pool_name="cpu")}
@@ -257,12 +262,12 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
 
         wait_for(lambda: all(acme.job_status(j)["step"] >= 1 for j in running) or None, interval=1, timeout=180, what="a first step")
         acme.cancel_job(running[0])  # frees a slot, and a process: acme's next job starts (Pending while its process loads)
-        wait_for(lambda: prefect_state(unstarted[0]) != "SCHEDULED" or None, interval=0.1, timeout=120, what="acme's next job starting")
+        wait_for(lambda: prefect_state(unstarted[0]) != "SCHEDULED" or None, interval=0.1, timeout=SCHEDULING_S, what="acme's next job starting")
         assert prefect_state(unstarted[0]) == "PENDING"
         assert acme.cancel_job(unstarted[0])["state"] == "CANCELLED"
         queued_cancels[unstarted[0]] = "PENDING"
         # the slot goes to globex (holding none), not to acme's jobs waiting beside it (acme holds one)
-        wait_for(lambda: states(globex, [other])[other] == "RUNNING" or None, interval=0.5, timeout=120, what="globex's job running")
+        wait_for(lambda: states(globex, [other])[other] == "RUNNING" or None, interval=0.5, timeout=SCHEDULING_S, what="globex's job running")
         assert states(acme, [running[1], *waiting_a]) == {running[1]: "RUNNING", **{j: "QUEUED" for j in waiting_a}}
         # round robin: the tenant that got slots last starts last (globex, which was ahead of acme). The job
         # moves its queue just after it takes its slots (and reads RUNNING), so the move is waited for: a

@@ -237,7 +237,8 @@ def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(se
         return job_id
 
     try:
-        backlog = [submit(acme, _args(tmp_path / str(i), steps=40, with_env=True)) for i in range(6)]
+        # long enough that none ends while the test runs, however slow the stack (40 steps: two ended once)
+        backlog = [submit(acme, _args(tmp_path / str(i), steps=400, with_env=True)) for i in range(6)]
         wait_for(lambda: list(states(acme, backlog).values()).count("RUNNING") == 2 or None, interval=1, timeout=240,
                  what="two of acme's jobs running")
         parked = submit(acme, _args(tmp_path / "parked", steps=1))

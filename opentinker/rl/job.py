@@ -41,7 +41,9 @@ class RLJob:
         if model is None:
             seed_everything(spec.seed)
         own_rng = getattr(rollout_engine, "generator", None)  # a hosted job's own sampling stream (AdapterRollouts)
-        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rng=own_rng)
+        # a hosted job's checkpoints keep its own generators: its sampling stream and its adapter's dropout
+        own_rngs = None if own_rng is None else {"own": own_rng, "dropout": model.dropout_generator}
+        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rngs=own_rngs)
         self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
                                start_server=start_server, engine=rollout_engine)
 

@@ -52,23 +52,21 @@ def pinned_init_from(spec: JobSpec, job_id: str | None, tenant: str | None = Non
 class Policy:
     """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
     `<checkpoint.base_url>/<job_id>/`, signed as `tenant`'s (None: the operator's). Loads its
-    model unless one is given. `own_rng`: a hosted job's own generator (its sampling draws), which
-    its checkpoints keep and restore instead of the process's generators (other jobs draw from
-    those), with its adapter's LoRA dropout generator (the model's `dropout_generator`)."""
+    model unless one is given. `own_rngs`: a hosted job's own generators by name (its sampling
+    draws, its adapter's LoRA dropout), which its checkpoints keep and restore instead of the
+    process's generators (other jobs draw from those)."""
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, model=None, tokenizer=None, tenant: str | None = None,
-                 own_rng: torch.Generator | None = None):
+                 own_rngs: dict[str, torch.Generator] | None = None):
         if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
             check_folder_name(job_id, "job id")
-        self.spec, self.job_id, self.tenant = spec, job_id, tenant
+        self.spec, self.job_id, self.tenant, self.own_rngs = spec, job_id, tenant, own_rngs
         self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
         self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
                                      placement(spec.resources.num_gpus, spec.model.dtype))
-        dropout = getattr(model, "dropout_generator", None)  # a hosted adapter's (opentinker.backend.adapter_model)
-        self.own_rngs = None if own_rng is None else {"own": own_rng} | ({"dropout": dropout} if dropout is not None else {})
 
     @property
     def model(self):

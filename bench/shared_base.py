@@ -10,7 +10,9 @@ sequences, advantages +1/-1) and `optim_step`. A LoRA of rank 16 per tenant on S
               calls that arrive together (forward_backward; samples, unseeded) run as one batch
               across adapters.
     separate: one server process per tenant (LocalSessions as a session actor has it): a base
-              for its trainer and one for its sampler each.
+              for its trainer and one for its sampler each, and torch threads = cores // N (a
+              session actor holds one CPU; with every core each, N processes' thread pools fight
+              over the cores, as bench/shared_jobs.py measured).
 
 Both are real processes (this script with `--serve`), started fresh for each N, the clients in
 threads of this process. Measured: resident memory of the server processes (the sum of their RSS,
@@ -55,8 +57,8 @@ def serve(tenants: list[str], shared: bool) -> None:
     sessions.close()
 
 
-def _start(tenants: list[str], shared: bool) -> tuple[subprocess.Popen, dict]:
-    env = os.environ | {"TINKER_TELEMETRY": "0", "TOKENIZERS_PARALLELISM": "false"}
+def _start(tenants: list[str], shared: bool, threads: int) -> tuple[subprocess.Popen, dict]:
+    env = os.environ | {"TINKER_TELEMETRY": "0", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen([sys.executable, __file__, "--serve", "shared" if shared else "own", *tenants], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     return proc, json.loads(proc.stdout.readline())
@@ -156,7 +158,8 @@ def tenant_loop(url: str, key: str, args, seed: int, out: dict) -> None:
 
 def one_way(n: int, shared: bool, args) -> dict:
     tenants = [f"t{i}" for i in range(n)]
-    servers = [_start(tenants, True)] if shared else [_start([t], False) for t in tenants]
+    cores = os.cpu_count() or 1
+    servers = [_start(tenants, True, cores)] if shared else [_start([t], False, max(1, cores // n)) for t in tenants]
     memory = Memory([proc.pid for proc, _ in servers])
     keys = {t: (info["url"], info["keys"][t]) for _, info in servers for t in info["keys"]}
     out = {"latencies": [], "tokens": 0, "spans": [], "ready": _Gate(n)}
@@ -215,7 +218,7 @@ def main() -> None:
         "lora_rank": 16}, f"N tenants on one base vs. N separate servers ({args.model})",
         f"Each tenant: {args.steps} measured RL steps after {args.warmup} warm-up (sample {args.samples} x {args.new_tokens} tokens "
         f"from a {args.prompt_len}-token prompt, then importance_sampling forward_backward + optim_step, LoRA r16), through the "
-        "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant.", "tenants")
+        "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant, torch threads = cores // N each.", "tenants")
 
 
 def write_results(name: str, rows: list[dict], model: str, work: dict, title: str, what: str, first: str, more: list[str] = ()) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GOALS = {"memory_ratio": 0.4, "throughput_ratio": 1.3, "p95_latency_ratio": 1.0}  # at N = 4
+CALLS = ("save_weights", "sample", "forward_backward", "optim_step")  # a tenant's RL step, timed call by call
 
 
 def serve(tenants: list[str], shared: bool) -> None:
@@ -128,15 +129,23 @@ def tenant_loop(url: str, key: str, args, seed: int, out: dict) -> None:
     trainer = service.create_lora_training_client(base_model=args.model, rank=16, seed=seed).result()
     rng = np.random.default_rng(seed)
     prompt = [int(t) for t in rng.integers(100, 5000, args.prompt_len)]
-    latencies, tokens, started = [], 0, None
+    latencies, tokens, started, calls = [], 0, None, {name: [] for name in CALLS}
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             out["ready"].wait()  # every tenant measured over the same span
             started = time.perf_counter()
-        t0 = time.perf_counter()
+        clock = [time.perf_counter()]
+
+        def lap(name: str) -> None:
+            clock.append(time.perf_counter())
+            if step >= args.warmup:
+                calls[name].append(clock[-1] - clock[-2])
+
         sampler = trainer.save_weights_and_get_sampling_client().result()
+        lap("save_weights")
         result = sampler.sample(types.ModelInput.from_ints(prompt), args.samples,
                                 types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop=[])).result()
+        lap("sample")
         data = []
         for i, seq in enumerate(result.sequences):
             full = prompt + list(seq.tokens)
@@ -145,11 +154,16 @@ def tenant_loop(url: str, key: str, args, seed: int, out: dict) -> None:
             data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={
                 "target_tokens": full[1:], "logprobs": [0.0] * (n - gen) + list(seq.logprobs),
                 "advantages": [0.0] * (n - gen) + [1.0 if i % 2 == 0 else -1.0] * gen}))
+        clock.append(time.perf_counter())
         trainer.forward_backward(data, "importance_sampling").result()
+        lap("forward_backward")
         trainer.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+        lap("optim_step")
         if step >= args.warmup:
-            latencies.append(time.perf_counter() - t0)
+            latencies.append(time.perf_counter() - clock[0])
             tokens += sum(len(s.tokens) for s in result.sequences) + sum(len(d.model_input.to_ints()) for d in data)
+    for name, took in calls.items():
+        out["calls"][name].extend(took)
     out["latencies"].extend(latencies)
     out["tokens"] += tokens
     out["spans"].append((started, time.perf_counter()))
@@ -162,7 +176,7 @@ def one_way(n: int, shared: bool, args) -> dict:
     servers = [_start(tenants, True, cores)] if shared else [_start([t], False, max(1, cores // n)) for t in tenants]
     memory = Memory([proc.pid for proc, _ in servers])
     keys = {t: (info["url"], info["keys"][t]) for _, info in servers for t in info["keys"]}
-    out = {"latencies": [], "tokens": 0, "spans": [], "ready": _Gate(n)}
+    out = {"latencies": [], "tokens": 0, "spans": [], "ready": _Gate(n), "calls": {name: [] for name in CALLS}}
     threads = [threading.Thread(target=_guarded, args=(tenant_loop, *keys[t], args, i, out)) for i, t in enumerate(tenants)]
     for t in threads:
         t.start()
@@ -175,9 +189,23 @@ def one_way(n: int, shared: bool, args) -> dict:
     if out.get("error"):
         raise RuntimeError(out["error"])
     wall = max(e for _, e in out["spans"]) - min(s for s, _ in out["spans"])
-    lat = sorted(out["latencies"])
-    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]  # noqa: E731
-    return {"rss_mb": peak / 2**20, "tokens_per_s": out["tokens"] / wall, "p50_s": pick(0.5), "p95_s": pick(0.95), "wall_s": wall}
+    return {"rss_mb": peak / 2**20, "tokens_per_s": out["tokens"] / wall, "p50_s": quantile(out["latencies"], 0.5),
+            "p95_s": quantile(out["latencies"], 0.95), "wall_s": wall, "calls_p50_s": {k: quantile(v, 0.5) for k, v in out["calls"].items()}}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def where_the_time_goes(rows: list[dict]) -> list[str]:
+    """A tenant's step by its calls (p50 each, shared / separate): which of them sharing speeds up or slows down."""
+    lines = ["", "A tenant's step by its calls (p50 s, shared / separate):", "", "| tenants | " + " | ".join(CALLS) + " |",
+             "|---:|" + "---:|" * len(CALLS)]
+    for r in rows:
+        s, p = r["shared"]["calls_p50_s"], r["separate"]["calls_p50_s"]
+        lines.append(f"| {r['tenants']} | " + " | ".join(f"{s[c]:.2f} / {p[c]:.2f}" for c in CALLS) + " |")
+    return lines
 
 
 class _Gate:
@@ -218,7 +246,8 @@ def main() -> None:
         "lora_rank": 16}, f"N tenants on one base vs. N separate servers ({args.model})",
         f"Each tenant: {args.steps} measured RL steps after {args.warmup} warm-up (sample {args.samples} x {args.new_tokens} tokens "
         f"from a {args.prompt_len}-token prompt, then importance_sampling forward_backward + optim_step, LoRA r16), through the "
-        "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant, torch threads = cores // N each.", "tenants")
+        "tinker SDK. Shared: one server process, one base for all; separate: one process per tenant, torch threads = cores // N each.", "tenants",
+        where_the_time_goes(rows))
 
 
 def write_results(name: str, rows: list[dict], model: str, work: dict, title: str, what: str, first: str, more: list[str] = ()) -> None:

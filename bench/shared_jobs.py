@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.shared_base import Memory, compared, write_results  # noqa: E402
+from bench.shared_base import Memory, compared, quantile, write_results  # noqa: E402
 
 
 def _spec(model: str, seed: int, shared: bool):
@@ -150,8 +150,7 @@ def one_way(n: int, shared: bool, args) -> dict:
     spans = [s for r in results for s in r["spans"]]
     wall = max(e for _, e in spans) - min(s for s, _ in spans)
     def pick(key: str, q: float) -> float:
-        values = sorted(x for r in results for x in r[key])
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return quantile([x for r in results for x in r[key]], q)
 
     return {"rss_mb": peak / 2**20, "tokens_per_s": sum(r["tokens"] for r in results) / wall, "p50_s": pick("latencies", 0.5),
             "p95_s": pick("latencies", 0.95), "rollout_p50_s": pick("rollouts", 0.5), "update_p50_s": pick("updates", 0.5), "wall_s": wall,

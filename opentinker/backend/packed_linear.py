@@ -15,6 +15,8 @@ in-place change (its version counter) is noticed; an owner that rewrites a weigh
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,15 @@ from torch import nn
 def available() -> bool:
     """Whether this torch has oneDNN's packed linear (CPU builds for x86 and ARM do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` pack on this CPU: float32 always; bfloat16 only where oneDNN has
+    a bf16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2 CPU refuses the reorder)."""
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Linear):
@@ -42,7 +53,7 @@ class PackedLinear(nn.Linear):
     def base_output(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (not self.packing or torch.is_grad_enabled() or x.device.type != "cpu"
-                or x.dtype != w.dtype or w.dtype not in (torch.float32, torch.bfloat16)):
+                or x.dtype != w.dtype or not packs(w.dtype)):
             return F.linear(x, w, self.bias)
         key = (w.data_ptr(), w._version)
         packed = self._packed

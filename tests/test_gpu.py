@@ -130,7 +130,7 @@ def test_joint_passes_of_two_hosted_jobs_give_each_its_own_gradient_in_bf16(tiny
     from opentinker.backend.shared_base import SharedBase
 
     model, tok = tiny
-    shared = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=0.5)
+    shared = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=0.5, joint=True)
     optim = OptimizationSpec(lr=1e-3, micro_batch_size=4, shared_prefix=False)
     lora = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
     gen = torch.Generator().manual_seed(0)
@@ -183,7 +183,7 @@ def test_tinker_tenants_share_one_pass_on_a_bf16_base(tiny):
     model, tok = tiny
     results = {}
     for gather in (0.0, 0.5):
-        sb = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=gather)
+        sb = SharedBase(copy.deepcopy(model), tok, "tiny", placement=Placement(DEVICE, BF16), gather_s=gather, joint=True)
         adapters, start = tenants._tenants(sb), threading.Barrier(len(tenants.TENANTS))
 
         def call(name: str, adapters=adapters, start=start, gather=gather) -> None:

@@ -157,13 +157,13 @@ def test_a_joint_pass_stays_within_its_bound_of_padded_positions():
     """Micro-batches join a pass while rows x widest row stays within JOINT_PASS_TOKENS; the first always runs."""
     from types import SimpleNamespace
 
-    from opentinker.backend.shared_base import JOINT_PASS_TOKENS, _overfills
+    from opentinker.backend.shared_calls import JOINT_PASS_TOKENS, overfills
 
     def job(rows: int, width: int):
         return SimpleNamespace(kind="job", input_ids=torch.zeros(rows, width))
 
     half = job(4, JOINT_PASS_TOKENS // 8)  # half the bound
-    assert not _overfills([], job(64, JOINT_PASS_TOKENS))  # alone: runs, whatever its size
-    assert not _overfills([half], half)  # exactly the bound
-    assert _overfills([half], job(1, JOINT_PASS_TOKENS // 4))  # wider: every row pads to it
-    assert not _overfills([half], SimpleNamespace(kind="train"))  # Tinker calls have their own micro-batches
+    assert not overfills([], job(64, JOINT_PASS_TOKENS))  # alone: runs, whatever its size
+    assert not overfills([half], half)  # exactly the bound
+    assert overfills([half], job(1, JOINT_PASS_TOKENS // 4))  # wider: every row pads to it
+    assert not overfills([half], SimpleNamespace(kind="train"))  # Tinker calls have their own micro-batches

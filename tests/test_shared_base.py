@@ -36,9 +36,11 @@ TENANTS = {"ann": (LoraShape(rank=4, seed=1), "cross_entropy", CE),
            "cyd": (LoraShape(rank=2, seed=3, train_attn=False), "ppo", PPO)}
 
 
-def shared(gather_s: float = 0.0) -> SharedBase:
+def shared(gather_s: float = 0.0, joint: bool = True) -> SharedBase:
+    """A base whose passes are joint (a GPU's default; on a CPU tenants take turns: joint=False),
+    so that tenants' calls share passes here."""
     base, tok = load_model("tiny-random")
-    return SharedBase(base, tok, "tiny-random", gather_s=gather_s)
+    return SharedBase(base, tok, "tiny-random", gather_s=gather_s, joint=joint)
 
 
 def with_random_b(adapter, seed: int) -> None:
@@ -205,12 +207,12 @@ def test_a_pass_that_raises_is_run_call_by_call_so_only_the_failing_call_fails()
     those of a pass without it (the failed pass's gradients were put back)."""
     from concurrent.futures import Future
 
-    from opentinker.backend.shared_base import _Call
+    from opentinker.backend.shared_calls import TinkerCall
 
     sb = shared(gather_s=0.5)
     adapters = _tenants(sb)
     rows = [{"tokens": torch.tensor([1, 2, 3]), "target_tokens": torch.tensor([2, 3, 10**6]), "weights": torch.ones(3)}]
-    broken = _Call("bob", rows, "cross_entropy", {}, False, Future())
+    broken = TinkerCall("bob", rows, "cross_entropy", {}, False, Future())
     results = {}
 
     def good() -> None:
@@ -289,3 +291,131 @@ def test_samplers_of_several_adapters_share_a_batch_and_each_gets_what_it_gets_a
     engine.unload_adapter("bob:sample:0")
     assert "bob:sample:0" not in sb.multi and "bob" in sb.multi  # the snapshot leaves, the training adapter stays
     engine.close()
+
+
+def _long_call(n_rows: int, start: int = 100) -> list:
+    return [datum([start + 7 * r + i for i in range(6)], weights=[1.0] * 6) for r in range(n_rows)]
+
+
+def test_a_call_in_pieces_computes_what_it_computes_in_one_pass():
+    """A call longer than a pass runs in pieces (here a row each); its outputs, metrics and
+    gradient are those of one pass over every row."""
+    data = _long_call(5) + CE
+    whole = shared()
+    alone = _tenants(whole)["ann"]
+    want_out, want_metrics = alone.forward_backward(data, "cross_entropy", {})
+    sb = shared()
+    sb.pass_tokens = 6  # every row a piece of its own
+    mine = _tenants(sb)["ann"]
+    passes = sb.stats.passes
+    got_out, got_metrics = mine.forward_backward(data, "cross_entropy", {})
+    assert sb.stats.passes - passes == len(data)
+    assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(got_out, want_out))
+    assert all(got_metrics[k] == pytest.approx(want_metrics[k], rel=1e-5, abs=1e-6) for k in want_metrics)
+    assert all(same(a, b) for a, b in zip(grads_of(mine), grads_of(alone)))
+
+
+def test_tenants_take_turns_so_a_small_call_waits_for_one_piece_of_a_large_one():
+    """A neighbour's large call does not hold the base: passes alternate between the tenants with
+    work queued, so a small call that arrives meanwhile runs after at most one of the neighbour's pieces
+    (a CPU's passes: one tenant's piece each)."""
+    sb = shared(joint=False)
+    sb.pass_tokens = 6
+    adapters = _tenants(sb)
+    ran: list[list[str]] = []
+    original = sb._pass
+
+    def recording(pieces):
+        ran.append([call.adapter for call, _ in pieces])
+        time.sleep(0.02)  # a pass that takes a while, so the small call arrives mid-call
+        return original(pieces)
+
+    sb._pass = recording
+    big = threading.Thread(target=adapters["bob"].forward_backward, args=(_long_call(40), "cross_entropy", {}))
+    big.start()
+    while len(ran) < 3:
+        time.sleep(0.005)
+    adapters["ann"].forward_backward(CE, "cross_entropy", {})  # two rows: two pieces
+    mine = [i for i, adapters_in in enumerate(ran) if adapters_in == ["ann"]]
+    big.join()
+    assert len(mine) == 2 and mine[1] - mine[0] == 2 and ran[mine[0] - 1] == ["bob"]  # ann, bob, ann: turns, one piece each
+    assert len(ran) == 42 and ran.count(["bob"]) == 40
+
+
+def test_a_call_whose_model_closes_is_abandoned_at_its_next_pass_boundary():
+    """A session that ends (closed, or expired because its client is gone) takes its adapter off:
+    its running call stops at the next pass boundary instead of running to its end."""
+    sb = shared()
+    sb.pass_tokens = 6
+    adapters = _tenants(sb)
+    passes: list[str] = []
+    original = sb._pass
+
+    def recording(pieces):
+        passes.append(pieces[0][0].adapter)
+        time.sleep(0.02)
+        return original(pieces)
+
+    sb._pass = recording
+    errors = []
+
+    def call() -> None:
+        try:
+            adapters["bob"].forward_backward(_long_call(200), "cross_entropy", {})
+        except BadRequest as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while len(passes) < 3:
+        time.sleep(0.005)
+    adapters["bob"].close()
+    closed_at = len(passes)
+    thread.join(timeout=30)
+    assert errors == ["model 'bob' was closed while its call ran"]
+    assert len(passes) <= closed_at + 1  # the pass running when it closed, none after
+
+
+def test_a_call_that_fails_in_a_later_piece_takes_back_what_its_earlier_pieces_added():
+    """A call fails as a whole: a bad row in its third piece (a target past the vocabulary, which
+    the adapter's own check would have refused) leaves the adapter's gradient as it was before the call."""
+    from concurrent.futures import Future
+
+    from opentinker.backend.shared_calls import TinkerCall
+
+    sb = shared()
+    sb.pass_tokens = 6
+    adapters = _tenants(sb)
+    adapters["ann"].forward_backward(CE, "cross_entropy", {})
+    before = grads_of(adapters["ann"])
+    rows = [{"tokens": torch.tensor([1, 2, 3]), "target_tokens": torch.tensor([2, 3, 4]), "weights": torch.ones(3)},
+            {"tokens": torch.tensor([1, 2, 3, 4]), "target_tokens": torch.tensor([2, 3, 4, 5]), "weights": torch.ones(4)},
+            {"tokens": torch.tensor([1, 2, 3, 4, 5]), "target_tokens": torch.tensor([2, 3, 4, 5, 10**6]), "weights": torch.ones(5)}]
+    broken = TinkerCall("ann", rows, "cross_entropy", {}, False, Future())
+    with pytest.raises(RuntimeError, match="index"):
+        sb.submit(broken)
+    assert sb.stats.passes >= 4  # ran a piece at a time: two good pieces, then the failing one
+    assert all(same(a, b) for a, b in zip(grads_of(adapters["ann"]), before))
+
+
+def test_a_training_client_on_a_base_of_its_own_stops_its_call_at_the_next_micro_batch_once_closed():
+    """The same rule without a shared base (a session's own actor): closed mid-call, the running
+    call raises before its next micro-batch."""
+    base, tok = load_model("tiny-random")
+    model = PrimitiveModel(base, tok, "tiny-random", LoraShape(rank=4, seed=0))
+    batches = []
+    original = model._target_logprobs
+
+    def recording(*args, **kwargs):
+        batches.append(1)
+        if len(batches) == 2:
+            model.close()  # its session ends while the call runs
+        return original(*args, **kwargs)
+
+    model._target_logprobs = recording
+    rows = [datum([100 + 7 * r + i for i in range(8)], weights=[1.0] * 8) for r in range(6)]
+    with pytest.MonkeyPatch.context() as mp:  # a micro-batch a row
+        mp.setattr("opentinker.backend.primitives.micro_batches", lambda lengths: [[i] for i in range(len(lengths))])
+        with pytest.raises(BadRequest, match="the model was closed while its call ran"):
+            model.forward_backward(rows, "cross_entropy", {})
+    assert len(batches) == 2

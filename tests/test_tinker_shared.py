@@ -56,12 +56,13 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
     alice = clients["alice"].create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
     bob = clients["bob"].create_lora_training_client(base_model=BASE, rank=8, seed=2, train_unembed=False).result()
     assert len(sessions.bases.bases) == 1 and len(sessions.bases.adapters()["tiny-random"]) == 3  # one base, three clients
-    base.gather_s, window = 1.0, base.gather_s  # the two calls below travel separately: give them a second to meet in one pass
+    # the two calls below travel separately: give them a second to meet in one pass (joint, as a GPU's passes are; a CPU takes turns)
+    base.gather_s, window, base.joint_updates = 1.0, base.gather_s, True
     try:
         futures = alice.forward_backward(ALICE, "cross_entropy"), bob.forward_backward(BOB, "importance_sampling")
         got, bobs = (f.result() for f in futures)
     finally:
-        base.gather_s = window
+        base.gather_s, base.joint_updates = window, False
     assert base.stats.passes == passes + 1 and base.stats.shared >= 1  # both tenants' rows went through one pass
     assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(got), lps(want)))

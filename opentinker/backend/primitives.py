@@ -296,6 +296,11 @@ class PrimitiveModel(LoraTrainer):
         self.steps = 0
         self.pending_tokens = 0  # trained tokens since the last optimizer step
         self.arch = type(self.model.get_base_model()).__name__
+        self.closed = False
+
+    def close(self) -> None:
+        """Its session ended (closed, or expired: its client is gone): a call running stops at its next micro-batch."""
+        self.closed = True
 
     def _check(self, data: list[Any], loss_fn: str) -> list[dict[str, torch.Tensor]]:
         return checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
@@ -323,6 +328,9 @@ class PrimitiveModel(LoraTrainer):
         tokens_total = 0.0
         self.model.train(not forward_only)
         for batch in micro_batches([len(r["tokens"]) for r in rows]):
+            if self.closed:
+                self.model.eval()
+                raise BadRequest("the model was closed while its call ran")
             inputs, mask = padded([rows[i] for i in batch], self.placement.device)
             lp = self._target_logprobs(inputs, mask, graded_positions(inputs, mask, loss_fn, config, forward_only), forward_only)
             with torch.set_grad_enabled(not forward_only):

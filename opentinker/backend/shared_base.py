@@ -5,24 +5,34 @@ Why: a LoRA tenant needs its adapter and its optimizer state, not a copy of the 
 `SharedAdapter`s, each a drop-in for a training client's `PrimitiveModel` (same calls, same
 checkpoint files), with its own weights, AdamW state, step count and seed.
 
-Batching: `forward_backward` calls of different adapters that arrive together (within GATHER_S of
-the first, a window kept only while several tenants are attached) run as one pass: their rows form one batch in which each row goes through its
-own adapter (segmented LoRA matmuls, the unembedding's LoRA included), each call's loss is its
-own loss function on its own rows, and one backward of their sum gives every adapter exactly the
-gradient of its own loss (an adapter only touches its own rows). Calls of one adapter never share
-a pass (they run in the order they came). One runner thread owns the model, so passes never
-overlap.
+Passes, fairly: a tenant's call runs in pieces of at most `pass_tokens` tokens (its rows shortest
+first; a row longer than that runs alone), and the runner's passes take turns between the tenants
+that have work queued (round-robin; a tenant's own calls run in the order they came), each of them
+getting an equal share of a pass's tokens. So a tenant waits for at most one piece of a
+neighbour's work before its own next piece, however large the neighbour's calls
+(bench/tinker_fairness.py measures a step beside maximal calls). Where passes are joint
+(`joint_updates`, a GPU by default) the pass also takes a piece of every other tenant whose first
+call is of the same kind: their rows form one batch
+in which each row goes through its own adapter (segmented LoRA matmuls, the unembedding's LoRA
+included), each call's loss is its own loss function on its own rows, and one backward of their
+sum gives every adapter exactly the gradient of its own loss (an adapter only touches its own
+rows). A fresh call waits up to GATHER_S for others to join, a window kept only while several
+tenants are attached. On a CPU joining saves no arithmetic (bench/shared_base.py measured a
+forward-backward beside three others 3.99 s shared against 3.92 s apart), so tenants take turns
+there. One runner thread owns the model, so passes never overlap. A call whose adapter leaves
+(its session closed or expired: its client is gone) is abandoned at its next pass boundary.
 
 Hosted native jobs' updates (opentinker.orchestration.base_worker) join the same way where
 `joint_updates` is on (a GPU, by default): each micro-batch of a job's per-sequence update is a
-`_JobPass`, its rows and its loss from their logits; micro-batches of different jobs that arrive
+`JobPass` (opentinker.backend.shared_calls), its rows and its loss from their logits; micro-batches of different jobs that arrive
 together run as one forward and one backward (the runner waits up to GATHER_S for every job in an
 update to send its next one). On a CPU a pass already fills every core and jobs keep their
 shared-prefix saving, so they take turns there (bench/joint_updates.py measures both).
 
 Isolation: a call's input is checked in the caller's thread (a bad datum fails that call alone,
 before it joins a batch); if a shared pass raises, every adapter's gradient is put back as it
-was and each call of the pass runs alone, so only the call that fails alone fails.
+was and each piece of the pass runs alone, so only the call that fails alone fails (and the
+gradient its earlier pieces added is taken back).
 """
 
 from __future__ import annotations
@@ -32,9 +42,7 @@ import queue
 import secrets
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -46,6 +54,7 @@ from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
+from opentinker.backend.shared_calls import JOINT_PASS_TOKENS, JobPass, PassStats, Piece, TinkerCall, Turns, overfills
 from opentinker.backend.primitives import (
     ATTENTION,
     LORA_ALPHA,
@@ -68,70 +77,16 @@ from opentinker.model.vision import hidden_states
 log = logging.getLogger(__name__)
 ADAPTER_BYTES_PER_PARAMETER = 20  # float32 weights, gradients, two AdamW moments, the stacked copy while sampling
 GATHER_S = 0.05  # after the first call of a pass, how long other tenants' calls may join it (only while there are others)
-JOINT_PASS_TOKENS = 4 * SHARED_PASS_TOKENS  # most padded positions of one joint pass of hosted jobs' micro-batches
-
-
-@dataclass
-class _Call:
-    adapter: str
-    rows: list[dict[str, torch.Tensor]]
-    loss_fn: str
-    config: dict[str, float]
-    forward_only: bool
-    future: Future = field(default_factory=Future)
-
-    @property
-    def kind(self) -> str:
-        return "forward" if self.forward_only else "train"
-
-
-@dataclass
-class _JobPass:
-    """One micro-batch of a hosted job's update (opentinker.backend.trainer): right-padded rows and
-    `loss(logits) -> (loss, statistics)`, `logits` its rows' head outputs at their loss positions
-    in row-major order (as the trainer selects them)."""
-
-    adapter: str
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    loss: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-    future: Future = field(default_factory=Future)
-    forward_only = False
-    kind = "job"
-
-
-def _overfills(batch: list[Any], call: Any) -> bool:
-    """Would `call` take a joint pass of hosted jobs' micro-batches past JOINT_PASS_TOKENS padded
-    positions? (A pass's first call always runs.)"""
-    if call.kind != "job" or not batch:
-        return False
-    parts = [*batch, call]
-    return max(c.input_ids.shape[1] for c in parts) * sum(c.input_ids.shape[0] for c in parts) > JOINT_PASS_TOKENS
-
-
-@dataclass
-class PassStats:
-    """What the runner did: passes run, calls in them, how many passes held two adapters or more,
-    and how many shared passes failed and ran as each call alone (a count above 0 where every
-    call then succeeded is the runtime's fault, not a tenant's: a bf16 base once failed them all)."""
-
-    passes: int = 0
-    calls: int = 0
-    shared: int = 0
-    split: int = 0
-
-    def share(self) -> float:
-        return self.shared / self.passes if self.passes else 0.0
 
 
 class SharedBase:
     """A frozen base (`base`, a causal LM) that LoRA adapters of many tenants train on."""
 
     def __init__(self, base: Any, tokenizer: Any, base_name: str, placement: Placement | None = None, gather_s: float = GATHER_S,
-                 memory_bytes: float | None = None):
+                 memory_bytes: float | None = None, joint: bool | None = None):
         """`memory_bytes`: what the base and its adapters' training state may fill (None: no bound);
-        an adapter that would not fit is refused, with the numbers, before anything is allocated."""
+        an adapter that would not fit is refused, with the numbers, before anything is allocated.
+        `joint`: several tenants' pieces share a pass (None: on a GPU; a CPU takes turns, see the module)."""
         self.placement, self.memory_bytes = placement or cpu(), memory_bytes
         self.base_name, self.tokenizer, self.gather_s = base_name, tokenizer, gather_s
         self.lm = base.to(dtype=self.placement.weights_dtype(trained=False)).to(self.placement.device)
@@ -145,19 +100,23 @@ class SharedBase:
         # each takes every core; two at once would only fight over them (sampling runs beside, as ever).
         self.training = threading.Lock()
         self.tenants: set[str] = set()  # the training adapters attached
-        # Hosted jobs' micro-batches share passes (on a CPU they take turns: the module's docstring says why)
-        self.joint_updates = self.placement.device.type != "cpu"
+        # Pieces of several adapters share passes (hosted jobs' micro-batches too) where that saves
+        # arithmetic: a GPU. On a CPU a pass already fills every core: tenants take turns.
+        self.joint_updates = self.placement.device.type != "cpu" if joint is None else joint
+        # The most tokens of one pass, every tenant's pieces together (a row longer than that runs alone)
+        self.pass_tokens = JOINT_PASS_TOKENS if self.placement.device.type != "cpu" else SHARED_PASS_TOKENS
         self.updating: set[str] = set()  # hosted jobs in the middle of a joint update
-        self._calls: queue.Queue[_Call | None] = queue.Queue()
+        self.turns = Turns(base_name)  # per tenant its calls in order, the tenants in turn
+        self._calls: queue.Queue[Any] = queue.Queue()
         self._runner = threading.Thread(target=self._serve, name=f"shared-base-{base_name}", daemon=True)
         self._runner.start()
 
     # -- tenants ----------------------------------------------------------------------------
-    def attach(self, name: str, shape: LoraShape) -> SharedAdapter:
-        """A new adapter `name` (a training client's model) on this base; BadRequest when the
-        memory bound cannot hold its training state beside what is there."""
+    def attach(self, name: str, shape: LoraShape, tenant: str | None = None) -> SharedAdapter:
+        """A new adapter `name` (a training client's model, of `tenant`) on this base; BadRequest
+        when the memory bound cannot hold its training state beside what is there."""
         self._check_room(shape.rank, shape.spec().target_modules, "lora_config.rank", "this client's", "another session")
-        adapter = SharedAdapter(self, name, shape)
+        adapter = SharedAdapter(self, name, shape, tenant)
         self.tenants.add(name)
         return adapter
 
@@ -195,16 +154,20 @@ class SharedBase:
         return params + (sum(lin.weight.numel() * lin.weight.element_size() for lin in self.multi.linears.values()) if packs else 0)
 
     def detach(self, name: str) -> None:
+        """The adapter leaves: a call of it still queued or running fails at its next pass boundary."""
         self.tenants.discard(name)
         if name in self.multi:
             self.multi.remove(name)
 
     def close(self) -> None:
+        """Calls queued fail; the runner ends after the piece it is running (a process may exit then)."""
         self._calls.put(None)
+        if threading.current_thread() is not self._runner:
+            self._runner.join(timeout=120)
 
     # -- passes -----------------------------------------------------------------------------
-    def submit(self, call: _Call) -> Any:
-        """Queue a call for the next pass and wait for its (outputs, metrics)."""
+    def submit(self, call: Any) -> Any:
+        """Queue a call for the runner and wait for its (outputs, metrics)."""
         self._calls.put(call)
         return call.future.result()
 
@@ -216,7 +179,7 @@ class SharedBase:
         micro-batch's forward and backward, in a pass with other jobs' when they come together;
         returns (how many adapters the pass held, the statistics `loss` gave)."""
         def run(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, loss: Callable) -> tuple[int, dict[str, float]]:
-            return self.submit(_JobPass(name, input_ids, attention_mask, loss_mask, loss))
+            return self.submit(JobPass(name, input_ids, attention_mask, loss_mask, loss))
 
         self.updating.add(name)
         try:
@@ -224,86 +187,109 @@ class SharedBase:
         finally:
             self.updating.discard(name)
 
-    def _await_updates(self, pending: list[Any]) -> None:
-        """Let every job in an update send its next micro-batch (up to `gather_s`) before a joint pass."""
-        deadline = time.monotonic() + self.gather_s
-        while (self.updating - {c.adapter for c in pending}) and (left := deadline - time.monotonic()) > 0:
-            if (call := self._next_call(left)) is None:
-                return
-            pending.append(call)
-
-    def _next_call(self, timeout: float = 0.0) -> Any:
-        """The next queued call, waiting up to `timeout` (0: only one already queued); None when
-        none came or the runner is closing (its close stays queued for the loop)."""
-        try:
-            call = self._calls.get(timeout=timeout) if timeout > 0 else self._calls.get_nowait()
-        except queue.Empty:
-            return None
-        if call is None:
-            self._calls.put(None)
-        return call
-
+    # -- the runner: passes in turn between tenants ---------------------------------------------------
     def _serve(self) -> None:
-        waiting: list[Any] = []
-        while True:
-            first = waiting.pop(0) if waiting else self._calls.get()
-            if first is None:
-                return
-            pending = [first, *waiting]
-            waiting = []
-            if first.kind == "job":
-                self._await_updates(pending)
-            elif self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
-                time.sleep(self.gather_s)
-            while (call := self._next_call()) is not None:
-                pending.append(call)
-            batch, seen = [], set()
-            for call in pending:  # one call per adapter and one kind (training, forward only, a job's) per pass
-                key = call.adapter
-                if key in seen or call.kind != pending[0].kind or _overfills(batch, call):
-                    waiting.append(call)
-                else:
-                    seen.add(key)
-                    batch.append(call)
+        while (leader := self.turns.next(self._calls)) is not None:
             try:
-                self._run(batch)
+                self._run(self._job_batch(leader) if leader.kind == "job" else self._piece_batch(leader))
             except Exception as err:  # noqa: BLE001 - the runner outlives anything a pass does
-                for call in batch:
-                    if not call.future.done():
-                        call.future.set_exception(err)
+                log.exception("the runner of %s failed a pass", self.base_name)
+                self._fail(leader, err)
 
-    def _run(self, calls: list[_Call]) -> None:
-        for call in [c for c in calls if c.adapter not in self.multi]:  # its model was closed while the call waited
-            call.future.set_exception(BadRequest(f"model {call.adapter!r} was closed while its call waited"))
-        calls = [c for c in calls if c.adapter in self.multi]
-        if not calls:
+    def _piece_batch(self, leader: TinkerCall) -> list[Piece]:
+        """The leader's next piece and, where passes are joint, a piece of every other tenant whose
+        first call is of the same kind (a fresh call first waits up to `gather_s` for others to come,
+        while several tenants are attached). A pass's tokens go in equal shares to the tenants with
+        work queued, so a tenant waits for at most its share of a neighbour's work."""
+        members, sharing = [leader], len(self.turns.heads())
+        if self.joint_updates:
+            if not leader.started and self.gather_s and len(self.tenants) > 1:  # tenants fall into step: their calls then share passes
+                time.sleep(self.gather_s)
+                self.turns.admit(self._calls)
+            for head in self.turns.heads():
+                if head is not leader and head.kind == leader.kind and head.adapter not in {m.adapter for m in members}:
+                    members.append(head)
+        share = max(1, self.pass_tokens // max(sharing, len(members)))
+        return [(call, call.take(share)) for call in members]
+
+    def _job_batch(self, leader: JobPass) -> list[Piece]:
+        """Hosted jobs' micro-batches of one joint pass: every job in an update gets up to `gather_s`
+        to send its next one; at most JOINT_PASS_TOKENS padded positions."""
+        deadline = time.monotonic() + self.gather_s
+        while (self.updating - {h.adapter for h in self.turns.heads() if h.kind == "job"}) and (left := deadline - time.monotonic()) > 0:
+            if not self.turns.admit(self._calls, timeout=left):
+                return []
+        batch: list[Any] = [leader]
+        for head in self.turns.heads():
+            if head is not leader and head.kind == "job" and head.adapter not in {c.adapter for c in batch} and not overfills(batch, head):
+                batch.append(head)
+        return [(call, []) for call in batch]
+
+    def _fail(self, call: Any, err: BaseException) -> None:
+        """The call fails; whatever gradient its earlier pieces added is taken back."""
+        if getattr(call, "before", None) is not None and call.adapter in self.multi:
+            self._restore({call.adapter: call.before})
+        if not call.future.done():
+            call.future.set_exception(err)
+        self.turns.done(call)
+
+    def _closed(self, call: Any, rows: list[int]) -> None:
+        ran = call.kind != "job" and len(call.todo) + len(rows) < len(call.rows)  # pieces of it ran before this one
+        self._fail(call, BadRequest(f"model {call.adapter!r} was closed while its call {'ran' if ran else 'waited'}"))
+
+    def _run(self, pieces: list[Piece]) -> None:
+        live = []
+        for call, rows in pieces:
+            if call.adapter in self.multi:
+                live.append((call, rows))
+            else:  # its model was closed (its session ended or expired) while it waited or ran: abandoned here
+                self._closed(call, rows)
+        if not live:
             return
         self.stats.passes += 1
-        self.stats.calls += len(calls)
-        self.stats.shared += len(calls) > 1
+        self.stats.calls += len(live)
+        self.stats.shared += len(live) > 1
         saved = {c.adapter: [None if p.grad is None else p.grad.clone() for p in self.multi[c.adapter].parameters()]
-                 for c in calls if not c.forward_only}
+                 for c, _ in live if not c.forward_only}
+        for call, _ in live:
+            if call.kind == "train" and call.before is None:
+                call.before = saved[call.adapter]
         try:
             with self.training:  # in this runner's thread, beside the engine's decoding (compute_thread says why)
-                results = self._job_pass(calls) if calls[0].kind == "job" else self._pass(calls)
-        except Exception as err:  # noqa: BLE001 - one call of the pass failed it: each runs alone, so only that one fails
-            if len(calls) == 1:
-                calls[0].future.set_exception(err)
+                results = self._job_pass([c for c, _ in live]) if live[0][0].kind == "job" else self._pass(live)
+        except Exception as err:  # noqa: BLE001 - one piece of the pass failed it: each runs alone, so only that call fails
+            if len(live) == 1 and live[0][0].adapter not in self.multi:  # it closed mid-pass
+                self._closed(*live[0])
                 return
-            log.warning("a shared pass of %d calls failed (%s); running each alone", len(calls), err, exc_info=True)
+            if len(live) == 1:
+                self._fail(live[0][0], err)
+                return
+            log.warning("a shared pass of %d calls failed (%s); running each alone", len(live), err, exc_info=True)
             self.stats.shared -= 1
             self.stats.split += 1
             self._restore(saved)
-            for call in calls:
-                self._run([call])
+            for piece in live:
+                self._run([piece])
             return
-        for call, result in zip(calls, results):
-            call.future.set_result(result)
+        for (call, rows), result in zip(live, results):
+            if call.kind == "job":
+                call.future.set_result(result)
+                self.turns.done(call)
+                continue
+            outputs, sums, tokens = result
+            for i in rows:
+                call.outputs[i] = outputs[i]
+            for key, value in sums.items():
+                call.sums[key] = call.sums.get(key, 0.0) + value
+            call.tokens += tokens
+            if not call.todo:
+                call.future.set_result((call.outputs, averaged(call.sums, call.tokens)))
+                self.turns.done(call)
 
     def _restore(self, saved: dict[str, list[torch.Tensor | None]]) -> None:
         for name, grads in saved.items():
             for p, g in zip(self.multi[name].parameters(), grads):
-                p.grad = g
+                p.grad = None if g is None else g.clone()
 
     @contextmanager
     def _per_position(self, names: list[str], where: torch.Tensor) -> Iterator[None]:
@@ -311,14 +297,16 @@ class SharedBase:
         with self.multi.rows([names[r] for r in rows]):
             yield
 
-    def _pass(self, calls: list[_Call]) -> list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]:
-        """One pass over every call's rows, each row through its call's adapter. The model stays in
-        eval mode (no dropout: LoRA dropout 0, as Tinker's), so sampling may run beside a pass."""
-        forward_only = calls[0].forward_only
-        items = [(c, i) for c, call in enumerate(calls) for i in range(len(call.rows))]
-        outputs: list[list[dict[str, np.ndarray]]] = [[{} for _ in call.rows] for call in calls]
-        sums: list[dict[str, float]] = [{} for _ in calls]
-        tokens = [0.0] * len(calls)
+    def _pass(self, pieces: list[Piece]) -> list[tuple[dict[int, dict[str, np.ndarray]], dict[str, float], float]]:
+        """One pass over the pieces' rows, each row through its call's adapter. The model stays in
+        eval mode (no dropout: LoRA dropout 0, as Tinker's), so sampling may run beside a pass.
+        Per piece: (its rows' outputs, its metric sums, its tokens); the caller adds them to its call."""
+        forward_only = pieces[0][0].forward_only
+        calls = [call for call, _ in pieces]
+        items = [(c, i) for c, (_, rows) in enumerate(pieces) for i in rows]
+        outputs: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in pieces]
+        sums: list[dict[str, float]] = [{} for _ in pieces]
+        tokens = [0.0] * len(pieces)
         for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items]):
             members = [items[k] for k in batch]
             names = [calls[c].adapter for c, _ in members]
@@ -352,9 +340,9 @@ class SharedBase:
             values = lp.detach().cpu().numpy()
             for r, (c, i) in enumerate(members):
                 outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
-        return [(outputs[c], averaged(sums[c], tokens[c])) for c in range(len(calls))]
+        return [(outputs[c], sums[c], tokens[c]) for c in range(len(pieces))]
 
-    def _job_pass(self, calls: list[_JobPass]) -> list[tuple[int, dict[str, float]]]:
+    def _job_pass(self, calls: list[JobPass]) -> list[tuple[int, dict[str, float]]]:
         """Hosted jobs' micro-batches as one batch, each row through its job's adapter (the head
         too), each job's loss from its own rows' logits, one backward of their sum: every adapter
         gets the gradient of its own loss. Per call: (adapters in the pass, its loss's statistics)."""
@@ -380,8 +368,8 @@ class SharedBase:
 class SharedAdapter(LoraTrainer):
     """One training client's LoRA on a SharedBase: the calls and checkpoint files of a PrimitiveModel."""
 
-    def __init__(self, shared: SharedBase, name: str, shape: LoraShape):
-        self.shared, self.name, self.shape = shared, name, shape
+    def __init__(self, shared: SharedBase, name: str, shape: LoraShape, tenant: str | None = None):
+        self.shared, self.name, self.shape, self.tenant = shared, name, shape, tenant or name
         self.base_name, self.tokenizer = shared.base_name, shared.tokenizer
         self.vocab_size, self.context_length = shared.vocab_size, shared.context_length
         self.arch = type(shared.lm).__name__
@@ -400,7 +388,7 @@ class SharedAdapter(LoraTrainer):
                          ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         config = loss_config(loss_fn, config)
         rows = checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
-        outputs, metrics = self.shared.submit(_Call(self.name, rows, loss_fn, config, forward_only))
+        outputs, metrics = self.shared.submit(TinkerCall(self.name, rows, loss_fn, config, forward_only, tenant=self.tenant))
         if not forward_only:
             self.pending_tokens += sum(len(r["tokens"]) for r in rows)
         return outputs, metrics

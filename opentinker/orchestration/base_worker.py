@@ -1,6 +1,7 @@
 """A base-model worker: one Ray actor per pool that hosts many Tinker sessions, of any tenants,
 whose training clients share one copy of each base model (opentinker.tinker.shared_bases): their
-calls that arrive together run as one batch, each row through its own adapter.
+calls run in passes that take turns between tenants (on a GPU, joined into one batch, each row
+through its own adapter).
 
 Why: a LoRA tenant needs its adapter and optimizer state, not a base of its own; eight small
 sessions on one worker hold one base, not eight.
@@ -186,7 +187,7 @@ class BaseModelWorker:
                 raise WorkerClosing("this base-model worker is closing (idle): start another")
             session = TinkerSession(session_id, tenant, storage_url, self.settings.models_folder, self.placement,
                                     on_step=lambda model_id, step, m: self.metrics.put((session_id, model_id, step, m)),
-                                    trainers=self.bases, engines=self.bases.engines)
+                                    trainers=self.bases, engines=self.bases.engines, max_call_tokens=self.settings.tinker_max_call_tokens)
             self.hosted[session_id] = Hosted(session, create_app(session, token), mlflow)
             self.router.apps[session_id] = self.hosted[session_id].app
         return {"url": f"{self.url}/s/{session_id}"}

@@ -46,9 +46,10 @@ class SharedBases:
                 self.bases[loader_name] = compute_thread.run_on((self.placement or cpu()).device, load)
             return self.bases[loader_name]
 
-    def __call__(self, model_id: str, base_name: str, shape: Any) -> SharedAdapter:
+    def __call__(self, model_id: str, base_name: str, shape: Any, tenant: str | None = None) -> SharedAdapter:
+        """The training client `model_id` of `tenant` as an adapter of its base (passes take turns by tenant)."""
         shared = self.base(resolve_base(self.models_folder, base_name), base_name)  # UnknownModel for a name not served here
-        adapter = shared.attach(model_id, shape)
+        adapter = shared.attach(model_id, shape, tenant)
         adapter.base_name = base_name  # as this client named it (an alias and the operator's name share one base)
         return adapter
 

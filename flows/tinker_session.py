@@ -3,7 +3,8 @@
     hold a seat of the pool's base-model worker (or, unshared, a slot) → open the MLflow run →
     host the session on the worker (or start an actor of its own) on Ray → publish its server
     (artifact `endpoint-<session>`) → live until the client finishes, goes quiet past
-    `tinker_heartbeat_timeout_s`, or the run is cancelled → take it off the worker, free the seat
+    `tinker_heartbeat_timeout_s` (then the run ends Completed named "Expired"), or the run is
+    cancelled → take it off the worker, free the seat
 
 The client's calls never pass through Prefect: the gateway relays them to the actor's server,
 so a call costs little more than its computation. Prefect sees the session (its state, its
@@ -16,7 +17,9 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger, runtime
+from prefect.states import Completed
 
+from opentinker.control.scheduler import EXPIRED
 from opentinker.core.settings import get_settings
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key
@@ -73,7 +76,8 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
                     ended = f"finished by its client ({status['finished']})"
                     break
                 if status["idle_s"] > timeout_s:
-                    ended = f"expired: no call or heartbeat for {status['idle_s']:.0f} s"
+                    ended = (f"expired: no call or heartbeat for {status['idle_s']:.0f} s "
+                             f"(OPENTINKER_TINKER_HEARTBEAT_TIMEOUT_S: {timeout_s:g} s)")
                     break
                 if time.monotonic() - last_report > 60:
                     logger.info(f"{status['models']} model(s), {status['steps']} optimizer steps so far{status.get('worker', '')}")
@@ -88,8 +92,11 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
             tracker.finish(status_end)
         logger.info(f"session {session_id} {ended}")
         registered = _register_newest_sampler(session_id, tenant, spec, tracker, logger)
-    return {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id,
-            "registered_model": registered}
+    result = {"session_id": session_id, "ended": ended, "optimizer_steps": final["steps"], "mlflow_run_id": tracker.run_id,
+              "registered_model": registered}
+    if ended.startswith("expired"):  # not a close(): Prefect shows it apart, and the gateway tells its client how to go on
+        return Completed(name=EXPIRED, message=ended, data=result)
+    return result
 
 
 def _register_newest_sampler(session_id: str, tenant: str, spec: TinkerSessionSpec, tracker: JobTracker, logger) -> dict | None:

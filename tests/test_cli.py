@@ -51,3 +51,14 @@ def test_port_in_use_is_one_line(tmp_path):
     assert out.returncode == 1
     assert f"prefect port {port} on 127.0.0.1 is in use by another program" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_a_port_in_rays_worker_range_is_one_line_at_up(tmp_path):
+    """`opentinker up` with the Ray client port inside Ray's worker ports fails at once in one line
+    naming the setting (it used to fail after 42 s with Ray's traceback), nothing started."""
+    ports = dict(zip(("OPENTINKER_PREFECT_PORT", "OPENTINKER_MLFLOW_PORT", "OPENTINKER_GATEWAY_PORT"), map(str, free_ports(3))))
+    out = _cli("up", env={**ports, "OPENTINKER_RAY_CLIENT_PORT": "12000", "OPENTINKER_STATE_DIR": str(tmp_path), "COLUMNS": "200"})
+    assert out.returncode == 1
+    assert "stack: OPENTINKER_RAY_CLIENT_PORT=12000 is inside Ray's worker port range 10002-19999: choose a port outside it" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "pids").exists() or not list((tmp_path / "pids").iterdir())

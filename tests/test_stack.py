@@ -130,6 +130,23 @@ def test_port_held_by_another_program_is_refused_before_starting(tmp_path, servi
     assert not list((tmp_path / "pids").iterdir())  # nothing was started
 
 
+@pytest.mark.parametrize("ports, line", [
+    ({"ray_client_port": 12000}, "OPENTINKER_RAY_CLIENT_PORT=12000 is inside Ray's worker port range 10002-19999: choose a port outside it"),
+    ({"prefect_port": 19999}, "OPENTINKER_PREFECT_PORT=19999 is inside Ray's worker port range 10002-19999: choose a port outside it"),
+    ({"mlflow_port": 5555, "gateway_port": 5555}, "OPENTINKER_GATEWAY_PORT=5555 is also OPENTINKER_MLFLOW_PORT: each service needs a port of its own"),
+])
+def test_ports_in_rays_worker_range_or_shared_are_refused_at_once(tmp_path, ports, line):
+    """A port of the stack inside Ray's worker port range (a Ray worker may take it first; `ray start`
+    refused a client port there only after 42 s, with its traceback) or one that two services share is
+    refused in one line naming the setting, before anything starts."""
+    started = time.monotonic()
+    with pytest.raises(StackError) as error:
+        Stack(local_settings(tmp_path, **ports)).up(timeout=30)
+    assert str(error.value) == line
+    assert time.monotonic() - started < 2
+    assert not (tmp_path / "pids").exists() or not list((tmp_path / "pids").iterdir())  # nothing was started
+
+
 def test_our_server_from_another_state_dir_is_not_adopted(stack, tmp_path):
     settings, _ = stack
     other = local_settings(tmp_path, prefect_port=settings.prefect_port)

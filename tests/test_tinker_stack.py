@@ -84,6 +84,12 @@ def _worker_info(settings) -> dict | None:
         ray.shutdown()
 
 
+def _passes(settings) -> int | None:
+    """Passes the worker's bases have run (None: no worker)."""
+    info = _worker_info(settings)
+    return None if info is None else sum(base["passes"] for base in info["bases"].values())
+
+
 def test_two_tenants_sessions_share_one_base_model_worker(tenant, tmp_path):
     """Two tenants' sessions are two flow runs, each holding a seat, hosted on one worker actor:
     one base, both clients adapters of it, each session's door under the worker's server. Same
@@ -227,6 +233,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
     from opentinker.storage.registry import resolve_model_uri
 
     assert resolve_model_uri("models:/tinkerer-tinker@champion").endswith(f"{session_id}:train:0/sampler_weights/final")
+    _a_registered_checkpoint_is_not_deleted(settings, key, f"tinker://{session_id}:train:0/sampler_weights/final")
 
     from opentinker.control.stack import Stack
 
@@ -241,27 +248,183 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
     _wait_final(resumed.model_id.split(":")[0], timeout=60)
 
 
-def test_a_quiet_session_expires_and_frees_its_slot(tenant):
-    """A session whose client sends nothing past its heartbeat timeout ends on its own (COMPLETED,
-    slot released), and its client's next call is told the session ended."""
-    from opentinker.control.gateway.tinker_sessions import PrefectSessions
-    from opentinker.tinker.paths import SessionGone, SessionStarting
+def _a_registered_checkpoint_is_not_deleted(settings, key: str, path: str) -> None:
+    """Deleting the sampler checkpoint that `champion` names is refused (400) with the model, version and
+    aliases, and the checkpoint stays; once an operator deletes that version (`opentinker models
+    delete`), the checkpoint deletes."""
+    from typer.testing import CliRunner
 
-    settings, _ = tenant
-    sessions = PrefectSessions(settings.model_copy(update={"tinker_heartbeat_timeout_s": 5.0}))
-    session_id = sessions.create("tinkerer", {})
-    deadline = time.monotonic() + 120
-    while True:  # it starts serving, then nobody calls
-        try:
-            sessions.endpoint("tinkerer", session_id)
-            break
-        except SessionStarting:
-            assert time.monotonic() < deadline, "the session never started"
+    from opentinker.cli.main import app
+    from opentinker.storage.registry import get_version, registry_client
+
+    champion = get_version(registry_client(), "tinkerer-tinker", alias="champion").version
+    rest = tinker.RestClient(base_url=settings.gateway_url, api_key=key)
+    with pytest.raises(tinker.BadRequestError, match=rf"version {champion} of registered model 'tinkerer-tinker' "
+                                                     rf"\(aliases: challenger, champion\) uses it.*opentinker models delete tinkerer-tinker {champion}"):
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    def listed() -> list[str]:
+        return [c.tinker_path for c in rest.list_checkpoints(path.split("/")[2]).result().checkpoints]
+
+    assert path in listed()
+    result = CliRunner().invoke(app, ["models", "delete", "tinkerer-tinker", champion], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and f"version {champion} and its aliases (challenger, champion) deleted" in result.output, result.output
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert path not in listed()
+
+
+def _mlflow_status(settings, session_id: str) -> str:
+    """The status of the session's MLflow run (RUNNING, FINISHED, FAILED)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    (run,) = client.search_runs([client.get_experiment_by_name("tinkerer").experiment_id],
+                                filter_string=f"tags.`opentinker.job_id` = '{session_id}'")
+    return run.info.status
+
+
+def _a_live_session(settings, key: str):
+    """(service, trainer, session id, data) of a new session that has trained once."""
+    service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+    trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+    tokens = list(range(400, 412))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+    trainer.forward_backward(data, "cross_entropy").result()
+    return service, trainer, trainer.model_id.split(":")[0], data
+
+
+GO_ON = ("start a new session and resume from your last save_state with create_training_client_from_state_with_optimizer "
+         "(create_training_client_from_state for the weights alone)")
+
+
+PAUSED_CLIENT = """
+import sys, tinker
+from tinker import types
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+tokens = list(range(400, 412))
+data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 11})]
+trainer.forward_backward(data, "cross_entropy").result()
+path = trainer.save_state("before-the-pause").result().path
+long = [types.Datum(model_input=types.ModelInput.from_ints([100 + (i * 7 + j) % 3000 for j in range(1023)]),
+                    loss_fn_inputs={"target_tokens": [100 + (i * 7 + j + 1) % 3000 for j in range(1023)], "weights": [1.0] * 1023})
+        for i in range(200)]
+running = trainer.forward_backward(long, "cross_entropy")  # minutes of passes: running when the client pauses
+print(trainer.model_id.split(":")[0], path, flush=True)
+sys.stdin.readline()  # the test pauses this process (SIGSTOP) meanwhile: no heartbeat, no poll leaves it
+try:
+    running.result()
+except tinker.TinkerError as err:
+    print(err, flush=True)
+"""
+
+
+def test_a_quiet_session_expires_and_its_client_is_told_how_to_go_on(tenant):
+    """A client paused (SIGSTOP, as a laptop closed) sends no heartbeat: past the timeout (20 s here)
+    its session ends on its own, apart from a close() in Prefect (a Completed state named Expired,
+    saying why), its seat freed and its MLflow run ended; resumed, the client is told the session
+    expired, after how long, the setting, and how to go on from its saved state. The client paused
+    in the middle of a call that takes minutes of passes: the session still expires on time, and
+    the call stops at its next pass boundary (the worker runs no pass of it once the session ended)."""
+    import re
+    import subprocess
+    import sys
+
+    from opentinker.control.scheduler import job_state
+
+    settings, key = tenant
+    restart_gateway(settings.model_copy(update={"tinker_heartbeat_timeout_s": 20.0}))  # the gateway gives its sessions 20 s
+    client = subprocess.Popen([sys.executable, "-c", PAUSED_CLIENT, settings.gateway_url, key], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=os.environ | {"TINKER_TELEMETRY": "0"})
+    try:
+        session_id, _ = client.stdout.readline().split()
+        passes = _passes(settings)
+        while _passes(settings) == passes:  # its long call is in the worker's passes
             time.sleep(0.5)
-    ended = _wait_final(session_id, timeout=60)
-    assert ended.state.is_completed()
-    with pytest.raises(SessionGone, match="ended"):
-        sessions.forget(session_id) or sessions.endpoint("tinkerer", session_id)
+        os.kill(client.pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        ended = _wait_final(session_id, timeout=90)
+        expired_after = time.monotonic() - paused
+        after = _passes(settings)
+        time.sleep(3)
+        still = _passes(settings)
+        os.kill(client.pid, signal.SIGCONT)
+        told = client.communicate("go\n", timeout=120)[0].strip()
+    finally:
+        client.kill()
+        restart_gateway(settings)
+    assert ended.state.is_completed() and ended.state.name == "Expired", ended.state
+    assert expired_after < 20 + 40, expired_after  # the timeout, a poll held when it paused (30 s at most), the flow's look
+    assert still is None or still == after  # no pass after the session ended (or its worker, idle, exited)
+    state, reason = job_state(ended)
+    why = r"expired: no call or heartbeat for \d+ s \(OPENTINKER_TINKER_HEARTBEAT_TIMEOUT_S: 20 s\)"
+    assert state == "COMPLETED" and re.fullmatch(why, reason), reason
+    assert re.search(rf"session {session_id} {why}; {re.escape(GO_ON)}", told), told
+    assert _mlflow_status(settings, session_id) == "FINISHED"
+    deadline = time.monotonic() + 30
+    while _slots() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _slots() == 0
+
+
+@pytest.mark.slow  # a whole stack down and up (a minute); the quiet-session test covers the lines in the default run
+def test_a_live_session_across_a_stack_restart_is_told_at_once_how_to_go_on(tenant, stack):
+    """The whole stack stopped under a live client and started again: its session's flow run recorded
+    its end as `down` stopped it (Crashed, its MLflow run ended), so the client's next call is told
+    within seconds that the session's process died and how to go on from its saved state (it used to
+    wait 126 s for the stack's automation to mark the run, then read "resubmit job <session>")."""
+    import re
+
+    from opentinker.control.stack import Stack
+
+    settings, key = tenant
+    service, trainer, session_id, data = _a_live_session(settings, key)
+    services = Stack(settings)
+    services.down()
+    stack[1].update(services.up(timeout=180))
+    started = time.monotonic()
+    with pytest.raises(tinker.TinkerError, match=rf"session {session_id} has ended \(failed: its process died \(.+\): killed, out of "
+                                                 rf"memory, the stack stopped, or its Ray node or head went away; {re.escape(GO_ON)}\)") as error:
+        trainer.forward_backward(data, "cross_entropy").result()
+    told_s = time.monotonic() - started
+    assert told_s < 10 and "resubmit" not in str(error.value), told_s
+    assert _run(session_id).state.is_crashed()
+    assert _mlflow_status(settings, session_id) == "FAILED"
+    service.close("success")
+
+
+@pytest.mark.slow  # kills the stack's worker processes (40 s); the default run keeps the 30-minute budget
+def test_a_session_whose_machine_went_away_is_told_within_seconds(tenant):
+    """What a lost host does: the Prefect worker, the session's flow process and the base-model worker
+    all SIGKILLed, so nothing records the run's end (the stack's automation would, `lost_run_after_s`
+    (150 s) after its last heartbeat). The gateway, finding the session's server silent and its run
+    with no end for a few seconds, marks it Crashed, ends its MLflow run and tells the client how to go on."""
+    import re
+
+    import psutil
+
+    from opentinker.control.gateway.tinker_sessions import LOST_MESSAGE
+    from opentinker.control.stack import Stack
+
+    settings, key = tenant
+    service, trainer, session_id, data = _a_live_session(settings, key)
+    services = Stack(settings)
+    worker = psutil.Process(services.pid("worker"))
+    for proc in [worker, *worker.children(recursive=True), psutil.Process(_worker_info(settings)["pid"])]:
+        proc.kill()
+    started = time.monotonic()
+    try:
+        with pytest.raises(tinker.TinkerError, match=rf"session {session_id} has ended \(failed: its process died \({re.escape(LOST_MESSAGE)}\): "
+                                                     rf".*; {re.escape(GO_ON)}\)"):
+            trainer.forward_backward(data, "cross_entropy").result()
+        told_s = time.monotonic() - started
+    finally:
+        services.start("worker")
+    assert told_s < 20, told_s
+    run = _run(session_id)
+    assert run.state.is_crashed() and run.state.message == LOST_MESSAGE
+    assert _mlflow_status(settings, session_id) == "FAILED"
+    service.close("success")
 
 
 def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
@@ -294,7 +457,10 @@ def test_a_session_cancelled_in_prefect_ends_and_its_client_is_told(tenant):
     while _slots() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _slots() == 0
-    assert httpx.get(f"{server_url}/health", timeout=5).status_code == 404  # its door on the worker is closed
+    try:  # its door on the worker is closed (or the worker, idle without it, has exited: tinker_worker_idle_s is 5 s here)
+        assert httpx.get(f"{server_url}/health", timeout=5).status_code == 404
+    except httpx.ConnectError:
+        pass
     started = time.monotonic()
     with pytest.raises(tinker.TinkerError, match=rf"session {session_id} has ended \(cancelled"):
         trainer.forward_backward(data, "cross_entropy").result()

@@ -50,6 +50,8 @@ QUEUED_CANCEL = "cancelled while queued"
 _PARKED = timedelta(days=3650)
 LOST_RUNS = "opentinker: crash runs whose heartbeats stopped"
 LOST_RUN_MESSAGE = "it stopped sending heartbeats: its worker or machine went away"
+TINKER_TAG = "kind:tinker"  # a Tinker API session's run (opentinker/control/gateway/tinker_sessions.py)
+EXPIRED = "Expired"  # the Completed state of a session that ended for want of calls (flows/tinker_session.py)
 
 
 class SchedulingError(ValueError):
@@ -394,7 +396,7 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
     if kind == "CANCELLING":
         return "RUNNING", "cancelling"
     if kind == "COMPLETED":
-        return "COMPLETED", None
+        return "COMPLETED", message if name == EXPIRED else None
     if kind == "CANCELLED":
         return "CANCELLED", message
     if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
@@ -406,7 +408,12 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
 
 def crash_line(flow_run: Any, cause: str) -> str:
     """A run whose process died under it (Prefect: "Process exited with status code: 1") says what
-    that means and what to do: the job's checkpoints outlive its process."""
+    that means and what to do: the job's checkpoints outlive its process. A Tinker session is not
+    resubmitted: its client goes on in a new session from a state it saved."""
+    if TINKER_TAG in (flow_run.tags or []):
+        from opentinker.tinker.paths import RESUME
+
+        return f"its process died ({cause.rstrip('.')}): killed, out of memory, the stack stopped, or its Ray node or head went away; {RESUME}"
     job = next((tag.removeprefix("job:") for tag in flow_run.tags or [] if tag.startswith("job:")), None)
     again = f"; resubmit job {job} to resume from its last complete checkpoint" if job else ""
     return f"the job's process died ({cause.rstrip('.')}): killed, out of memory, or its Ray node or head went away{again}"

@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
 from opentinker.control.services import SPECS, is_stand_in, ray_temp_dir, services_for
 from opentinker.core.polling import wait_for
@@ -109,9 +111,10 @@ class Stack:
 
     def _up(self, deadline: float) -> dict[str, ServiceStatus]:
         s = self.settings
+        names = services_for(s)
+        _check_ports(s, names)
         for sub in ("pids", "logs", "prefect", "mlflow/artifacts"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
-        names = services_for(s)
         pids = {name: self.pid(name) for name in names}
         # A dead service may have left children holding its port: clear them and its pid file.
         self._stop([name for name, pid in pids.items() if pid is None], timeout=5.0)
@@ -227,12 +230,27 @@ class Stack:
 
     # shut-down
     def down(self, timeout: float = 15.0) -> None:
-        """Stop every service (worker first): SIGTERM its process group, wait up to
+        """Stop every service (the worker's flow runs first): SIGTERM its process group, wait up to
         `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
         with self._locked():
+            self._stop_runs(timeout)
             self._stop(["gateway", "worker", "ray", "prefect", "mlflow"], timeout)
             if is_stand_in(ray_temp_dir(self.settings)):
                 shutil.rmtree(ray_temp_dir(self.settings), ignore_errors=True)
+
+    def _stop_runs(self, timeout: float) -> None:
+        """SIGTERM the flow runs our worker started and wait for them: a run stopped so records its end
+        (Crashed; its MLflow run ended) while Prefect, MLflow and Ray still answer, where the worker's
+        own shutdown would kill it with no record (its job or Tinker session then read Running for
+        minutes after a restart)."""
+        pid = self.pid("worker")
+        try:
+            runs = [p for p in psutil.Process(pid).children(recursive=True) if "prefect.engine" in p.cmdline()] if pid else []
+        except psutil.Error:
+            return
+        for run in runs:
+            run.terminate()
+        psutil.wait_procs(runs, timeout=timeout)  # what is left, the worker's shutdown kills
 
     def _stop(self, names: list[str], timeout: float = 15.0) -> None:
         groups = {}
@@ -252,6 +270,25 @@ class Stack:
             if pid is not None:
                 reap(pid)  # an exited child of ours stays a zombie until reaped
             self.pid_file(name).unlink(missing_ok=True)
+
+
+RAY_WORKER_PORTS = (10002, 19999)  # Ray's default --min-worker-port/--max-worker-port: its workers listen in there
+
+
+def _check_ports(s: Settings, names: tuple[str, ...]) -> None:
+    """Every port the stack listens on is its own and outside Ray's worker ports, before anything
+    starts: a Ray worker may take such a port first, and `ray start` refuses a client server port in
+    there only after a long start, with a traceback."""
+    fields = ["prefect_port", "mlflow_port", "gateway_port", *(["ray_port", "ray_client_port"] if "ray" in names else [])]
+    low, high = RAY_WORKER_PORTS
+    seen: dict[int, str] = {}
+    for field in fields:
+        port, variable = getattr(s, field), f"OPENTINKER_{field.upper()}"
+        if low <= port <= high:
+            raise StackError(f"{variable}={port} is inside Ray's worker port range {low}-{high}: choose a port outside it")
+        if port in seen:
+            raise StackError(f"{variable}={port} is also {seen[port]}: each service needs a port of its own")
+        seen[port] = variable
 
 
 def _check_remote_storage(s: Settings) -> None:

@@ -29,30 +29,42 @@ async def _reply(send: Callable, status: int, detail: str, headers: Iterable[tup
 
 class BodyLimit:
     """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives: the
-    app then sees the client as gone, and whatever it still answers is dropped)."""
+    app then sees the client as gone, and whatever it still answers is dropped). `on_refused(scope,
+    head)`, awaited before the 413, is told of each refusal with the body's first bytes."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[Scope, bytes], Awaitable[None]] | None = None):
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    async def _refuse(self, scope: Scope, send: Callable, head: bytes, detail: str) -> None:
+        if self.on_refused is not None:
+            try:
+                await self.on_refused(scope, head)
+            except Exception:  # noqa: BLE001 - the 413 goes out whatever the hook does
+                logging.getLogger(__name__).warning("on_refused failed", exc_info=True)
+        await _reply(send, 413, detail)
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _reply(send, 413, f"request body of {int(length)} bytes is over the limit of {self.max_bytes}")
-        seen, refused, started = 0, False, False
+            first = await receive() if self.on_refused is not None else {}
+            return await self._refuse(scope, send, first.get("body", b""),
+                                      f"request body of {int(length)} bytes is over the limit of {self.max_bytes}")
+        seen, refused, started, head = 0, False, False, b""
 
         async def counted() -> dict:
-            nonlocal seen, refused
+            nonlocal seen, refused, head
             if refused:
                 return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
+                head = head or message.get("body", b"")
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     refused = True
                     if not started:
-                        await _reply(send, 413, f"request body is over the limit of {self.max_bytes} bytes")
+                        await self._refuse(scope, send, head, f"request body is over the limit of {self.max_bytes} bytes")
                     return {"type": "http.disconnect"}
             return message
 

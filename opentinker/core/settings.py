@@ -61,7 +61,8 @@ class Settings(BaseSettings):
     """Port of the head's GCS, the address other nodes join (`opentinker worker --join host:port`)."""
 
     ray_client_port: int = 10001
-    """Port of the head's Ray Client server (`ray://host:port`, for drivers that are not nodes)."""
+    """Port of the head's Ray Client server (`ray://host:port`, for drivers that are not nodes). Like
+    every port of the stack, outside Ray's worker ports 10002-19999 and no other's (`up` checks)."""
 
     ray_num_cpus: int | None = Field(None, ge=0)
     """Logical CPUs the head offers jobs (a reservation, not threads). None: this machine's cores
@@ -143,7 +144,7 @@ class Settings(BaseSettings):
 
     tinker_shared_bases: bool = True
     """Tinker sessions live on one base-model worker per pool, their LoRA training clients sharing one
-    copy of each base (calls that arrive together batched across adapters); false: each session
+    copy of each base (passes in turn between tenants; on a GPU batched across adapters); false: each session
     an actor and a base of its own."""
 
     tinker_worker_seats: int = Field(8, ge=1)
@@ -156,6 +157,10 @@ class Settings(BaseSettings):
 
     tinker_worker_idle_s: float = Field(300.0, gt=0)
     """A base-model worker with no session for this long exits (the next session starts a new one)."""
+
+    tinker_max_call_tokens: int = Field(1_048_576, ge=1)
+    """The most tokens (model inputs, all datums and chunks together) of one Tinker forward or
+    forward_backward call; a larger call fails at once with the numbers and nothing of it runs."""
 
     tinker_heartbeat_timeout_s: float = Field(120.0, gt=0)
     """A Tinker session whose client sent nothing (heartbeats included: the SDK sends one every 10 s)

@@ -46,7 +46,8 @@ class TinkerSessionActor:
         self.metrics: queue.Queue = queue.Queue()
         self.steps = 0
         self.session = TinkerSession(session_id, tenant, storage_url, settings.models_folder, placement(num_gpus),
-                                     on_step=lambda model_id, step, m: self.metrics.put((model_id, step, m)))
+                                     on_step=lambda model_id, step, m: self.metrics.put((model_id, step, m)),
+                                     max_call_tokens=settings.tinker_max_call_tokens)
         self.server = serve_in_thread(create_app(self.session, token), settings.listen_host, 0, model=session_id, engine="tinker")
         self.url = settings.advertised_url(self.server.url)
         self.mlflow = mlflow

@@ -11,7 +11,7 @@ from typing import Any
 
 from opentinker.inference.server import serve_in_thread
 from opentinker.storage.committed import join_url
-from opentinker.tinker.paths import SessionGone
+from opentinker.tinker.paths import SessionGone, SessionLimit
 from opentinker.tinker.server import create_app
 from opentinker.tinker.session import TinkerSession
 from opentinker.tinker.shared_bases import SharedBases
@@ -19,10 +19,17 @@ from opentinker.tinker.shared_bases import SharedBases
 
 class LocalSessions:
     def __init__(self, storage_root: Path | str, models_folder: Path, max_sessions: int = 4, placement: Any = None,
-                 shared_bases: bool = False):
+                 shared_bases: bool = False, registry_url: str | None = None, max_call_tokens: int | None = None):
         """`storage_root`: a folder, or a URL (s3://bucket/prefix) under which tenants' checkpoints live.
-        `shared_bases`: every session's training clients of a base share one copy of it (tinker.shared_bases)."""
+        `shared_bases`: every session's training clients of a base share one copy of it (tinker.shared_bases).
+        `registry_url`: an MLflow server whose registered versions a checkpoint delete must spare (None: these
+        sessions register nothing, so deletes ask no registry). `max_call_tokens`: the most tokens of one
+        forward(_backward) call (None: the settings')."""
+        from opentinker.core.settings import get_settings
+
         self.storage_root, self.models_folder, self.max_sessions = storage_root, models_folder, max_sessions
+        self.max_call_tokens = max_call_tokens or get_settings().tinker_max_call_tokens
+        self.registry_url = registry_url
         self.placement = placement
         self.bases = SharedBases(models_folder, placement) if shared_bases else None
         self.live: dict[str, tuple[TinkerSession, Any, str]] = {}
@@ -35,10 +42,10 @@ class LocalSessions:
     def create(self, tenant: str, body: dict[str, Any]) -> str:
         mine = [s for s in self.live if s.startswith(f"{tenant}-")]
         if len(mine) >= self.max_sessions:
-            raise ValueError(f"tenant {tenant} has {len(mine)} live Tinker sessions, the limit is {self.max_sessions}")
+            raise SessionLimit(tenant, len(mine), self.max_sessions)
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
         session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement, trainers=self.bases,
-                                engines=self.bases.engines if self.bases else None)
+                                engines=self.bases.engines if self.bases else None, max_call_tokens=self.max_call_tokens)
         token = secrets.token_hex(16)
         server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
         self.live[session_id] = (session, server, token)
@@ -54,6 +61,10 @@ class LocalSessions:
             self.end(session_id, f"finished by its client ({session.finished})")
             raise SessionGone(f"session {session_id} has ended ({self.ended[session_id]})")
         return server.url, token
+
+    def unanswered(self, tenant: str, session_id: str, url: str) -> None:
+        """Its server (a thread of this process) did not answer: SessionGone if the session ended."""
+        self.endpoint(tenant, session_id)
 
     def end(self, session_id: str, why: str) -> None:
         session, server, _ = self.live.pop(session_id)

@@ -51,6 +51,20 @@ class SessionStarting(RuntimeError):
     """The session's job has not started serving yet."""
 
 
+# What a client whose session ended without its close() does next: its saved states outlive the session.
+RESUME = ("start a new session and resume from your last save_state with create_training_client_from_state_with_optimizer "
+          "(create_training_client_from_state for the weights alone)")
+
+
+class SessionLimit(ValueError):
+    """A tenant at its limit of live sessions (HTTP 429, not to be retried: only an end frees a place)."""
+
+    def __init__(self, tenant: str, live: int, limit: int, expire_s: float | None = None):
+        idle = f" or wait for an idle one to expire ({expire_s:g} s without a heartbeat)" if expire_s else ""
+        super().__init__(f"tenant {tenant} has {live} live Tinker sessions, the limit is {limit} (OPENTINKER_TINKER_MAX_SESSIONS): "
+                         f"close one (ServiceClient.close() or a `with` block){idle}")
+
+
 def session_of(identifier: str) -> str | None:
     """The session an id belongs to (model, sampler, request or the session itself), or None."""
     if SESSION.match(identifier):
@@ -124,14 +138,7 @@ class TenantCheckpoints:
 
     @staticmethod
     def _manifest(url: str) -> dict[str, Any] | None:
-        """A checkpoint's commit record, or None when it has none or its TTL (`ttl_seconds` at save)
-        has passed: an expired checkpoint is deleted when next seen, and is gone for every route."""
-        manifest = committed_manifest(url)
-        expires = manifest.get("expires_at") if manifest else None
-        if expires and datetime.fromisoformat(expires) <= datetime.now(timezone.utc):
-            remove_committed(url)
-            return None
-        return manifest
+        return live_manifest(url)
 
     # -- training runs --------------------------------------------------------------------
     def write_run(self, model: str, record: dict[str, Any]) -> None:
@@ -248,6 +255,25 @@ class TenantCheckpoints:
         if not self.exists(path):
             raise NotFound(f"no checkpoint {path}")
         remove_committed(self.url(path))
+
+    def remove_run(self, model: str) -> None:
+        """The run's folder, run.json and all: it leaves the listing (for a run with no checkpoint left
+        whose session has ended: nothing can save to it again)."""
+        fs, path = url_to_fs(self.run_url(model))
+        fs.invalidate_cache(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+
+def live_manifest(url: str) -> dict[str, Any] | None:
+    """A checkpoint's commit record, or None when it has none or its TTL (`ttl_seconds` at save)
+    has passed: an expired checkpoint is deleted when next seen, and is gone for every route."""
+    manifest = committed_manifest(url)
+    expires = manifest.get("expires_at") if manifest else None
+    if expires and datetime.fromisoformat(expires) <= datetime.now(timezone.utc):
+        remove_committed(url)
+        return None
+    return manifest
 
 
 def _iso(seconds: float) -> str:

@@ -2,7 +2,7 @@
 
     POST /submit/{op}      a future call (body as the SDK sent it) -> {"request_id", ...}
     POST /result           {"request_id", "timeout"} -> the result (protobuf or JSON), or try_again
-    POST /direct/{op}      get_info, create_sampling_session, heartbeat, finish -> JSON
+    POST /direct/{op}      get_info, create_sampling_session, heartbeat, finish, describe, skip -> JSON
     GET  /samplers/{id}    the sampler's base model and path
 
 The gateway has authenticated the tenant and checked that the session is theirs; this server
@@ -23,7 +23,7 @@ from opentinker.tinker.session import USER_ERRORS, TinkerSession
 from opentinker.tinker.wire import MAX_BODY_BYTES
 
 PROTOBUF = "application/x-protobuf"
-DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish", "describe")
+DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish", "describe", "skip")
 
 
 def _refusal(err: BaseException) -> JSONResponse:

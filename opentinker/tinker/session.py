@@ -3,9 +3,13 @@
 A call that the SDK treats as a future (create_model, forward_backward, optim_step, saves, loads,
 asample) is accepted at once with a request id and runs in the background; `result` waits for it
 (long-poll). A training client's calls run one at a time in `seq_id` order (chunks of one
-forward_backward arrive out of order, the first one last), a repeated `(model_id, seq_id)` gets
-the first request's id back instead of running twice. Samples run through an `HFEngine` per base
-model that batches concurrent requests, each sampler a LoRA adapter loaded in it by name.
+forward_backward arrive out of order, the first one last). A repeated `(model_id, seq_id)` with
+the same body, before any later call, is the SDK retrying: it gets the first request's id back
+instead of running twice; any other reuse of a seq_id is a second client driving the same model,
+and fails in one line (never answered with another request's result). A forward(_backward) call
+holds at most `max_call_tokens` tokens, all its chunks together (Sequencer). Samples run through
+an `HFEngine` per base model that batches concurrent requests, each sampler a LoRA adapter loaded
+in it by name.
 
 Errors a caller caused (BadRequest, WireError, PathError, NotFound, UnsupportedLoss, UnknownModel)
 complete the future as `{"error", "category": "user"}`; anything else as category "server" with
@@ -15,6 +19,8 @@ one line, the traceback in the log. Either way the session and its other models 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import tempfile
 import threading
@@ -29,10 +35,10 @@ from opentinker.core.errors import one_line
 from opentinker.tinker import paths, wire
 from opentinker.tinker.models import resolve_base, tokenizer_id
 from opentinker.tinker.sampling import SamplerRecord, Samplers, parse_sample_request
+from opentinker.tinker.sequencing import Queued, Replays, Sequencer, failed
 
 log = logging.getLogger("opentinker.tinker")
 
-GAP_WAIT_S = 60.0  # a missing seq_id holds later calls this long, then they run (the client may have given it up)
 KEEP_RESULTS_S = 600.0  # a completed future can be re-polled for this long
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, LookupError)  # BadRequest, WireError, PathError, NotFound, …
 
@@ -67,38 +73,6 @@ class Pending:
     done_at: float | None = None
 
 
-class Sequencer:
-    """Runs a model's calls one at a time in seq_id order on its own thread."""
-
-    def __init__(self, name: str):
-        self.next = 1
-        self.waiting: dict[int, tuple[Callable[[], None], float]] = {}
-        self.lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"tinker-{name}")
-
-    def submit(self, seq_id: int, run: Callable[[], None]) -> None:
-        with self.lock:
-            if seq_id <= 0 or seq_id < self.next:  # unnumbered, or after its gap was given up: runs now
-                self.executor.submit(run)
-                return
-            self.waiting[seq_id] = (run, time.monotonic())
-            self._drain()
-
-    def _drain(self) -> None:
-        while self.next in self.waiting:
-            run, _ = self.waiting.pop(self.next)
-            self.executor.submit(run)
-            self.next += 1
-
-    def tick(self) -> None:
-        """Give up a gap that held later calls longer than GAP_WAIT_S."""
-        with self.lock:
-            if self.waiting and min(t for _, t in self.waiting.values()) < time.monotonic() - GAP_WAIT_S:
-                log.warning("seq_id %d never arrived: running %d later call(s)", self.next, len(self.waiting))
-                self.next = min(self.waiting)
-                self._drain()
-
-
 @dataclass
 class TrainingSlot:
     model: Any  # PrimitiveModel
@@ -112,10 +86,11 @@ class TinkerSession:
     `on_step(model_id, step, metrics)` is told of every optimizer step (MLflow)."""
 
     def __init__(self, session_id: str, tenant: str, storage_url: str, models_folder: Path, placement: Any = None,
-                 on_step: Callable[[str, int, dict[str, float]], None] | None = None, trainers: Callable[[str, str, Any], Any] | None = None,
-                 engines: Any = None):
-        """`trainers(model_id, base_name, shape)`: a training client's model (default: its own base's; shared_base's adapters);
-        `engines`: sampling engines shared with other sessions (SamplingEngines; default: the session's own)."""
+                 on_step: Callable[[str, int, dict[str, float]], None] | None = None, trainers: Callable[..., Any] | None = None,
+                 engines: Any = None, max_call_tokens: int | None = None):
+        """`trainers(model_id, base_name, shape, tenant)`: a training client's model (default: its own base's; shared_base's adapters);
+        `engines`: sampling engines shared with other sessions (SamplingEngines; default: the session's own);
+        `max_call_tokens`: the most tokens of one forward(_backward) call (None: no bound)."""
         self.session_id, self.tenant, self.models_folder = session_id, tenant, models_folder
         self.trainers = trainers or self._own_base
         self.shares_process = trainers is not None  # other sessions' clients live in this process too
@@ -125,11 +100,13 @@ class TinkerSession:
         self.models: dict[str, TrainingSlot] = {}
         self.samplers = Samplers(Path(tempfile.mkdtemp(prefix=f"tinker-{session_id}-")), placement, engines)
         self.futures: dict[str, Pending] = {}
-        self.dedup: dict[tuple[str, int], str] = {}
+        self.max_call_tokens = max_call_tokens
+        self.replays = Replays()
         self.counter = 0
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(64, thread_name_prefix="tinker-call")  # samples wait on the engine's batches here
         self.last_seen = time.monotonic()
+        self.polls = 0  # result polls held here now
         self.finished: str | None = None
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -137,7 +114,9 @@ class TinkerSession:
         self.last_seen = time.monotonic()
 
     def idle_seconds(self) -> float:
-        return time.monotonic() - self.last_seen
+        """Since the client was last heard; 0 while one of its polls for a result is held here (a
+        live client waiting on a long call is not idle; a dead one's poll ends within the hold)."""
+        return 0.0 if self.polls else time.monotonic() - self.last_seen
 
     def tick(self) -> None:
         for slot in list(self.models.values()):
@@ -174,10 +153,16 @@ class TinkerSession:
         pending = self.futures.get(request_id)
         if pending is None:
             raise paths.NotFound(f"no request {request_id!r} (unknown, or its result expired)")
+        with self.lock:
+            self.polls += 1
         try:
             return pending.future.result(timeout=timeout)
         except FutureTimeout:
             return None
+        finally:
+            with self.lock:
+                self.polls -= 1
+            self.touch()
 
     # -- entry points ------------------------------------------------------------------------
     def submit(self, op: str, body: Any) -> dict[str, Any]:
@@ -189,11 +174,13 @@ class TinkerSession:
             except wire.WireError as err:
                 failure = err  # `err` is unbound once the except block ends
                 model_id, seq_id = wire.header_of(body)
-                return self._sequenced(model_id, seq_id, lambda: _raise(failure))
-            return self._sequenced(call.model_id, call.seq_id, lambda: self.forward_backward(call))
+                return self._sequenced(model_id, seq_id, op, hashlib.sha256(body).hexdigest(), lambda: _raise(failure))
+            tokens = sum(len(d.tokens) for d in call.data)
+            return self._sequenced(call.model_id, call.seq_id, op, call.digest, lambda: self.forward_backward(call), tokens)
         if op in ("optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external") or (op == "load_weights" and body.get("model_id")):
             model_id, seq_id = str(body.get("model_id", "")), int(body.get("seq_id") or 0)
-            return self._sequenced(model_id, seq_id, lambda: getattr(self, op)(body))
+            digest = hashlib.sha256(json.dumps([op, body], sort_keys=True, default=str).encode()).hexdigest()
+            return self._sequenced(model_id, seq_id, op, digest, lambda: getattr(self, op)(body))
         if op in ("create_model", "load_weights"):
             rid, future = self._new_request()
             self.pool.submit(self._complete, future, lambda: getattr(self, op)(body))
@@ -205,28 +192,39 @@ class TinkerSession:
             return {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(request.num_samples)]}
         raise paths.NotFound(f"unknown call {op!r}")
 
-    def _sequenced(self, model_id: str, seq_id: int, fn: Callable[[], Any]) -> dict[str, Any]:
+    def _sequenced(self, model_id: str, seq_id: int, op: str, digest: str, fn: Callable[[], Any], tokens: int = 0) -> dict[str, Any]:
+        """Accept a training client's call for its turn; a resend of one seen before gets that
+        one's request id, another request under a used seq_id a failed request (sequencing.Replays)."""
         slot = self._slot(model_id)
-        with self.lock:
-            known = self.dedup.get((model_id, seq_id)) if seq_id > 0 else None
-        if known is not None:
-            return {"request_id": known, "model_id": model_id}
         rid, future = self._new_request()
-        if seq_id > 0:
-            with self.lock:
-                self.dedup[(model_id, seq_id)] = rid
-        slot.sequencer.submit(seq_id, lambda: self._complete(future, fn))
+        known, why = self.replays.check(model_id, seq_id, op, digest, rid)
+        if known is not None:
+            self.futures.pop(rid, None)
+            return {"request_id": known, "model_id": model_id}
+        if why is not None:
+            failed(future, why)
+            return {"request_id": rid, "model_id": model_id}
+        slot.sequencer.submit(seq_id, Queued(lambda: self._complete(future, fn), future, op, tokens))
         return {"request_id": rid, "model_id": model_id}
 
+    def skip(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The gateway refused this training client's call `seq_id` (a bad path, a body too large):
+        its later calls do not wait for it."""
+        model_id, seq_id = str(body.get("model_id", "")), int(body.get("seq_id") or 0)
+        if seq_id > 0:
+            self._slot(model_id).sequencer.skip(seq_id)
+        return {}
+
     # -- training clients --------------------------------------------------------------------
-    def _own_base(self, model_id: str, base_name: str, shape: Any) -> Any:
+    def _own_base(self, model_id: str, base_name: str, shape: Any, tenant: str | None = None) -> Any:
         from opentinker.backend.primitives import PrimitiveModel
         from opentinker.model import load_model
 
         return PrimitiveModel(*load_model(resolve_base(self.models_folder, base_name)), base_name, shape, self.placement)
 
     def _build(self, model_id: str, base_name: str, shape: Any, metadata: dict[str, Any]) -> TrainingSlot:
-        return TrainingSlot(self.trainers(model_id, base_name, shape), base_name, Sequencer(model_id.rsplit(":", 1)[-1]), metadata)
+        return TrainingSlot(self.trainers(model_id, base_name, shape, self.tenant), base_name,
+                            Sequencer(model_id.rsplit(":", 1)[-1], self.max_call_tokens), metadata)
 
     def _model_id(self, body: dict[str, Any]) -> str:
         if body.get("session_id") != self.session_id:
@@ -293,8 +291,6 @@ class TinkerSession:
 
     # -- checkpoints ---------------------------------------------------------------------
     def _save(self, slot: TrainingSlot, path: paths.TinkerPath, body: dict[str, Any], with_optimizer: bool) -> None:
-        import json
-
         from opentinker.storage.checkpoint import rng_state
         from opentinker.storage.committed import write_committed
 
@@ -331,8 +327,6 @@ class TinkerSession:
     def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:
         """The LoRA adapter alone in peft's layout (adapter_config.json, adapter_model.safetensors),
         for the REST client's signed download URLs."""
-        import json
-
         from opentinker.storage.committed import write_committed
 
         slot = self._slot(body["model_id"])
@@ -347,8 +341,6 @@ class TinkerSession:
         return {"path": str(path), "size_bytes": sum(len(d) for d in files.values())}
 
     def _read_checkpoint(self, path: paths.TinkerPath) -> tuple[Any, dict[str, Any]]:
-        import json
-
         from opentinker.storage.checkpoint import CheckpointError, load_checkpoint, read_file
 
         url = self.store.url(path)
@@ -406,7 +398,9 @@ class TinkerSession:
         return {"sampler_id": sampler_id, "base_model": record.base_model, "model_path": record.model_path}
 
     def close(self) -> None:
+        """Every model leaves: calls waiting for their turn fail, a call running stops at its next pass."""
         for slot in self.models.values():  # a shared base's adapters leave it
+            slot.sequencer.close()
             slot.model.close()
         self.samplers.close()
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -9,8 +9,10 @@ dtype the public API does not have) is a `WireError` with one line saying what.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
@@ -41,6 +43,7 @@ class ForwardBackwardCall:
     loss_fn: str
     loss_fn_config: dict[str, float]
     forward_only: bool
+    digest: str = ""  # of the request's content (deterministic protobuf): a retry's equals its first send's
 
 
 def decompress(body: bytes, encoding: str | None) -> bytes:
@@ -69,6 +72,48 @@ def header_of(body: bytes) -> tuple[str, int]:
     except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise WireError(f"the forward_backward body is not a ForwardBackwardRequest protobuf ({type(err).__name__})") from None
     return msg.model_id, msg.seq_id
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise WireError("truncated")
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if not byte & 0x80:
+            return value, at
+
+
+def header_of_prefix(head: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) from the first bytes of a ForwardBackwardRequest (fields 1 and 2, which
+    the SDK's protobuf writes first), for a body refused before it was read whole; None when they
+    are not there."""
+    found: dict[int, Any] = {}
+    at = 0
+    try:
+        while len(found) < 2 and at < len(head):
+            key, at = _varint(head, at)
+            field_number, kind = key >> 3, key & 7
+            if kind == 0:
+                found[field_number], at = _varint(head, at)
+            elif kind == 2:
+                size, at = _varint(head, at)
+                if at + size > len(head):
+                    break
+                found[field_number], at = head[at : at + size], at + size
+            else:
+                break
+    except WireError:
+        return None
+    model_id, seq_id = found.get(1), found.get(2)
+    if not isinstance(model_id, bytes) or not isinstance(seq_id, int):
+        return None
+    try:
+        return model_id.decode(), seq_id
+    except UnicodeDecodeError:
+        return None
 
 
 def _array(name: str, tensor: pb.Tensor) -> np.ndarray:
@@ -129,7 +174,8 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
         if value.WhichOneof("value") == "text":
             raise WireError(f"loss_fn_config[{key!r}]: text values are not taken by {msg.loss_fn or 'this loss'}")
         config[key] = float(value.number)
-    return ForwardBackwardCall(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only)
+    digest = hashlib.sha256(msg.SerializeToString(deterministic=True)).hexdigest()
+    return ForwardBackwardCall(msg.model_id, msg.seq_id, data, msg.loss_fn, config, msg.forward_only, digest)
 
 
 def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:

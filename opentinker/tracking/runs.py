@@ -67,6 +67,20 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def end_job_run(tracking_uri: str, experiment: str, job_id: str, status: str = "FAILED") -> bool:
+    """End job `job_id`'s run in `experiment` if it is still RUNNING (its process died before it could
+    end it); True if it was."""
+    client = mlflow_client(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return False
+    runs = client.search_runs([found.experiment_id], max_results=1,
+                              filter_string=f"tags.`{JOB_TAG}` = '{job_id}' and attributes.status = 'RUNNING'")
+    for run in runs:
+        client.set_terminated(run.info.run_id, status=status)
+    return bool(runs)
+
+
 class Run:
     """One MLflow run: params, metrics, tags, files as artifacts, and its end."""
 

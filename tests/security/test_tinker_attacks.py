@@ -327,14 +327,19 @@ def test_every_tinker_route_wants_a_valid_api_key(gw, alice, key):
 
 
 def test_more_live_sessions_than_the_limit_are_refused(gw, alice):
-    """A tenant opening sessions past the limit gets a 400 naming the limit; finishing one frees a place."""
+    """A tenant opening sessions past the limit gets a 429 naming the limit and marked not to be retried
+    (`x-should-retry: false`), so the SDK raises it at once instead of retrying in silence; finishing
+    one frees a place."""
     opened, limit = [], gw.sessions.max_sessions
     with client(gw, "carol") as http, fast(30):
         try:
             while (reply := http.post("/create_session", json={"tags": [], "user_metadata": {}})).status_code == 200 and len(opened) <= limit:
                 opened.append(reply.json()["session_id"])
             assert len(opened) == limit
-            refused(reply, 400, f"the limit is {limit}")
+            refused(reply, 429, f"the limit is {limit} (OPENTINKER_TINKER_MAX_SESSIONS): close one")
+            assert reply.headers["x-should-retry"] == "false"
+            with fast(5), pytest.raises(tinker.RateLimitError, match=f"tenant carol has {limit} live Tinker sessions, the limit is {limit}"):
+                tinker.ServiceClient(base_url=gw.url, api_key=gw.keys["carol"]).create_lora_training_client(base_model=BASE, rank=4)
             assert http.post(f"/sessions/{opened.pop()}/finish", json={}).status_code == 200
             opened.append(http.post("/create_session", json={}).json()["session_id"])
         finally:

@@ -222,5 +222,5 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     from opentinker.control.gateway.tinker_api import add_tinker_routes
     from opentinker.control.gateway.tinker_sessions import PrefectSessions
 
-    add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
-    return ServerErrors(BodyLimit(app, settings.max_request_bytes), log)
+    refused_body = add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
+    return ServerErrors(BodyLimit(app, settings.max_request_bytes, on_refused=refused_body), log)

@@ -9,15 +9,16 @@ relays each call to it with the session's job token. The gateway holds no state 
 restart of it loses nothing.
 
 Errors follow the SDK's habits: a client mistake is a 400 (never 409, which the SDK retries for
-minutes) with one line in `detail`; a failed future is `{"error", "category"}`; an unknown thing
-is a 404.
+minutes) with one line in `detail`; a tenant at its limit of sessions a 429 marked `x-should-retry:
+false` (raised at once, not retried); an ended session a 410 saying how it ended and how to go on;
+a failed future is `{"error", "category"}`; an unknown thing is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from opentinker.control.gateway.tinker_rest import add_rest_routes, bad, read_json
 from opentinker.tinker import paths, wire
 from opentinker.tinker.models import UnknownModel, capabilities, resolve_base
-from opentinker.tinker.paths import SessionGone, SessionStarting
+from opentinker.tinker.paths import SessionGone, SessionLimit, SessionStarting
 
 log = logging.getLogger("opentinker.gateway.tinker")
 
@@ -36,11 +37,14 @@ POLL_HOLD_S = 30.0  # a retrieve_future is held this long before try_again (the 
 START_WAIT_S = 45.0  # a call to a session still starting waits this long, then 503 (the SDK retries)
 FUTURE_CALLS = ("create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external",
                 "load_weights", "asample")
+NOT_REFUSALS = (401, 408, 409, 410, 429)  # a wrong key, a session gone, or what the SDK sends again (same seq_id)
+SEQUENCED = ("forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "save_weights_external", "load_weights")
 
 
-def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) -> None:
+def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) -> Callable[[dict, bytes], Awaitable[None]]:
     """`store`: the TenantStore; `sessions`: where sessions live (`create`, `endpoint`, `finish`,
-    `storage_url`), the stack's Prefect flow runs (tinker_sessions.PrefectSessions)."""
+    `storage_url`), the stack's Prefect flow runs (tinker_sessions.PrefectSessions). Returns the
+    gateway's hook for bodies its limit refuses (asgi.BodyLimit's `on_refused`)."""
     router = APIRouter(prefix="/api/v1")
     client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
 
@@ -80,8 +84,19 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
             why = "it left its base-model worker" if reply.headers.get(NO_SESSION_HEADER) else None
         if why is not None:  # gone, or going: the next try reads how it ended
             sessions.forget(session_id)
+            if reply is None:  # nothing answers at its address: a blip, or its process died (said now, not after minutes of retries)
+                await unanswered(tenant_name, session_id, url)
             raise HTTPException(503, f"session {session_id} did not answer ({why}); retrying", headers={"Retry-After": "1"})
         return reply
+
+    async def unanswered(tenant_name: str, session_id: str, url: str) -> None:
+        """Returns if the session's server answers again within seconds; 410 with how it ended if not."""
+        try:
+            await asyncio.to_thread(sessions.unanswered, tenant_name, session_id, url)
+        except SessionGone as err:
+            raise bad(str(err), 410) from None
+        except LookupError:
+            raise bad(f"no session {session_id!r}", 404) from None
 
     def passed_on(reply: httpx.Response) -> Response:
         if reply.status_code >= 400:
@@ -122,7 +137,9 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
         body = await json_body(request)
         try:
             session_id = await asyncio.to_thread(sessions.create, name, body)
-        except ValueError as err:  # the tenant's limit, a pool that cannot hold it
+        except SessionLimit as err:  # 429 as documented; the SDK obeys x-should-retry and raises it at once
+            raise HTTPException(429, str(err), headers={"x-should-retry": "false"}) from None
+        except ValueError as err:  # a pool that cannot hold it
             raise bad(str(err)) from None
         return {"session_id": session_id}
 
@@ -159,16 +176,50 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
             return owned_session(name, body.get("sampling_session_id"))
         return owned_session(name, body.get("model_id") or body.get("session_id"))
 
+    async def never_coming(name: str, model_id: Any, seq_id: Any) -> None:
+        """A training client's call the gateway refused (a bad path, another tenant's, a body too
+        large): its session is told that seq_id will not come, so the client's next call does not
+        wait out the gap (sequencing.GAP_WAIT_S)."""
+        if not isinstance(model_id, str) or not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id <= 0:
+            return
+        try:
+            session_id = owned_session(name, model_id)
+            url, token = await asyncio.to_thread(sessions.endpoint, name, session_id)
+            await client.post(f"{url}/direct/skip", json={"model_id": model_id, "seq_id": seq_id},
+                              headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        except (HTTPException, LookupError, SessionStarting, httpx.HTTPError):
+            log.info("could not tell %s that seq_id %s was refused", model_id, seq_id, exc_info=True)
+
+    async def refused_body(scope: dict, head: bytes) -> None:
+        """The gateway's body limit refused a request (413): a forward_backward's seq_id is given up."""
+        if scope.get("path") != "/api/v1/forward_backward":
+            return
+        name = store.authenticate(dict(scope.get("headers") or []).get(b"x-api-key", b"").decode("latin-1") or None)
+        header = wire.header_of_prefix(head)
+        if name is not None and header is not None:
+            await never_coming(name, *header)
+
     def make_future_route(op: str) -> None:
         async def route(request: Request, name: str = Depends(tenant)) -> Response:
+            header: list[Any] = [None, None]  # (model_id, seq_id) of a training client's call, once read
+            try:
+                return await submit(request, name, header)
+            except HTTPException as err:
+                if op in SEQUENCED and 400 <= err.status_code < 500 and err.status_code not in NOT_REFUSALS:
+                    await never_coming(name, *header)
+                raise
+
+        async def submit(request: Request, name: str, header: list) -> Response:
             if op == "forward_backward":
                 try:
                     raw = wire.decompress(await request.body(), request.headers.get("content-encoding"))
-                    session_id = target_session(name, op, wire.header_of(raw))
+                    header[:] = wire.header_of(raw)
+                    session_id = target_session(name, op, header)
                 except wire.WireError as err:
                     raise bad(str(err)) from None
                 return passed_on(await relay(name, session_id, "POST", f"/submit/{op}", content=raw))
             body = await json_body(request)
+            header[:] = body.get("model_id"), body.get("seq_id")
             session_id = target_session(name, op, body)
             if op == "create_model":
                 try:
@@ -234,3 +285,4 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
 
     add_rest_routes(router, settings, sessions, tenant, owned_session, client)
     app.include_router(router)
+    return refused_body

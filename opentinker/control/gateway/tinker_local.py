@@ -10,19 +10,22 @@ from opentinker.tinker.local import LocalSessions
 
 
 def local_gateway(root: Path, tenants: tuple[str, ...] = ("alice",), placement: Any = None, storage_url: str | None = None,
-                  shared_bases: bool = False):
+                  shared_bases: bool = False, max_call_tokens: int | None = None, **gateway_settings: Any):
     """(gateway URL, {tenant: API key}, LocalSessions, server): a gateway on 127.0.0.1 whose Tinker
     sessions run in this process, state and storage under `root` (storage under `storage_url`
-    instead when given: s3://...); `shared_bases`: all sessions' training clients share each base. Stop with `server.stop()` and `sessions.close()`."""
+    instead when given: s3://...); `shared_bases`: all sessions' training clients share each base;
+    `max_call_tokens`: the sessions' bound on a call; `gateway_settings`: the gateway's own (max_request_bytes, …).
+    Stop with `server.stop()` and `sessions.close()`."""
     from opentinker.control.gateway.app import create_app as gateway_app
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.core.settings import Settings
     from opentinker.inference.launch import free_port
 
     port = free_port("127.0.0.1")
-    settings = Settings(state_dir=root / "state", host="127.0.0.1", gateway_port=port)  # its own URL is right in signed links
+    settings = Settings(**{"state_dir": root / "state", "host": "127.0.0.1", "gateway_port": port, **gateway_settings})  # its own URL is right in signed links
     store = TenantStore(settings.state_dir / "tenants.json")
     keys = {name: store.create(name) for name in tenants}
-    sessions = LocalSessions(storage_url or root / "storage", settings.models_folder, placement=placement, shared_bases=shared_bases)
+    sessions = LocalSessions(storage_url or root / "storage", settings.models_folder, placement=placement, shared_bases=shared_bases,
+                             max_call_tokens=max_call_tokens)
     server = serve_in_thread(gateway_app(settings, tinker_sessions=sessions), "127.0.0.1", port)
     return server.url, keys, sessions, server

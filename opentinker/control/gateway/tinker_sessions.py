@@ -4,32 +4,52 @@
 `kind:tinker`); the flow holds a slot of its pool (and of the tenant's running limit) while the
 session lives, its model in a Ray actor, and publishes the actor's server as the artifact
 `endpoint-<session>`. `endpoint` finds that server (cached once found); an ended run reads as
-SessionGone with its end state, one that has not started serving yet as SessionStarting.
+SessionGone with one line on how it ended (and, where the client can go on, how), one that has
+not started serving yet as SessionStarting. `unanswered` decides, in seconds, what a server that
+stopped answering means.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
+import time
 from typing import Any
 
 from opentinker.control.gateway import confine
-from opentinker.tinker.paths import SessionGone, SessionStarting
+from opentinker.tinker.paths import RESUME, SessionGone, SessionLimit, SessionStarting
 from opentinker.control.gateway.quota import tenant_lock
-from opentinker.control.scheduler import (CANCEL_REQUESTED_TAG, check_fits, deployment_name, ensure_tenant_limit, ensure_tenant_queue,
-                                          job_state, job_tags, prefect_client)
+from opentinker.control.scheduler import (CANCEL_REQUESTED_TAG, EXPIRED, TINKER_TAG, check_fits, deployment_name, ensure_tenant_limit,
+                                          ensure_tenant_queue, job_state, job_tags, prefect_client)
 from opentinker.core.tokens import job_token
 from opentinker.inference.spec import endpoint_key
 
-KIND_TAG = "kind:tinker"
+log = logging.getLogger("opentinker.gateway.tinker")
+KIND_TAG = TINKER_TAG
 FLOW = "tinker-session"
 FINAL = ("COMPLETED", "FAILED", "CANCELLED")
+# A session whose server stopped answering has this long to record its own end (its flow looks every
+# second, e.g. WorkerLost); past it, its process died with its server and nothing else would say so
+# for minutes (the stack's automation waits `lost_run_after_s`).
+LOST_AFTER_S = 8.0
+LOST_MESSAGE = "its server stopped answering and its run recorded no end: its worker or machine went away"
+
+
+def gone_line(session_id: str, run: Any) -> str:
+    """How an ended session ended, in one line; an expired one also says how its client goes on (a
+    crashed one's reason already does: scheduler.crash_line)."""
+    state, reason = job_state(run)
+    if run.state.name == EXPIRED:
+        return f"session {session_id} {reason}; {RESUME}"
+    return f"session {session_id} has ended ({state.lower()}{': ' + reason if reason else ''})"
 
 
 class PrefectSessions:
     def __init__(self, settings: Any):
         self.settings = settings
         self.found: dict[str, tuple[str, str]] = {}
+        self.ended_runs: set[str] = set()  # sessions whose MLflow run this gateway ended (a crashed one's)
         self.lock = threading.Lock()
 
     def storage_url(self, tenant: str) -> str:
@@ -54,9 +74,7 @@ class PrefectSessions:
         with tenant_lock(self.settings, tenant), prefect_client() as client:
             live = [r for r in self._runs(tenant) if job_state(r)[0] not in FINAL]
             if len(live) >= self.settings.tinker_max_sessions:
-                raise ValueError(f"tenant {tenant} has {len(live)} live Tinker sessions, the limit is {self.settings.tinker_max_sessions}: "
-                                 "close one (ServiceClient.close() or a `with` block) or wait for an idle one to expire "
-                                 f"({self.settings.tinker_heartbeat_timeout_s:g} s without a heartbeat)")
+                raise SessionLimit(tenant, len(live), self.settings.tinker_max_sessions, self.settings.tinker_heartbeat_timeout_s)
             deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
             client.create_flow_run_from_deployment(
                 deployment.id, parameters={"session_id": session_id, "tenant": tenant, "num_gpus": num_gpus,
@@ -87,7 +105,7 @@ class PrefectSessions:
         run = runs[0]
         state, reason = job_state(run)
         if state in FINAL:
-            raise SessionGone(f"session {session_id} has ended ({state.lower()}{': ' + reason if reason else ''})")
+            raise self._gone(tenant, session_id, run)
         if state != "RUNNING":
             raise SessionStarting(reason or "queued")
         with prefect_client() as client:
@@ -120,3 +138,42 @@ class PrefectSessions:
             httpx.post(f"{url}/direct/finish", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10)
         except httpx.TransportError:
             self.forget(session_id)
+
+    def unanswered(self, tenant: str, session_id: str, url: str) -> None:
+        """The session's server did not answer the gateway: return if it answers again within
+        LOST_AFTER_S (a blip), else raise SessionGone, with the line of the end its run records
+        meanwhile or, when it records none, as Crashed here (the process died with its server: a
+        stack or host gone, a kill -9), so that the client, Prefect and MLflow learn it now."""
+        import httpx
+        from prefect.states import Crashed
+
+        self.forget(session_id)
+        deadline = time.monotonic() + LOST_AFTER_S
+        while True:
+            run = self._runs(tenant, session_id)[0]
+            if job_state(run)[0] in FINAL:
+                raise self._gone(tenant, session_id, run)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+            try:
+                httpx.get(f"{url}/health", timeout=2).raise_for_status()
+                return
+            except httpx.HTTPError:
+                pass
+        with prefect_client() as client:
+            client.set_flow_run_state(run.id, Crashed(message=LOST_MESSAGE), force=True)
+        raise self._gone(tenant, session_id, self._runs(tenant, session_id)[0])
+
+    def _gone(self, tenant: str, session_id: str, run: Any) -> SessionGone:
+        """SessionGone for an ended run. A Crashed one's MLflow run is ended here: its process died
+        before it could, and the gateway is where a crash is first read (the client's next call)."""
+        if run.state.is_crashed() and session_id not in self.ended_runs:
+            from opentinker.tracking.runs import end_job_run
+
+            try:
+                end_job_run(self.settings.mlflow_url, tenant, session_id)
+                self.ended_runs.add(session_id)
+            except Exception:  # noqa: BLE001 - MLflow down: the client still gets its line; a later read tries again
+                log.warning("could not end the MLflow run of session %s", session_id, exc_info=True)
+        return SessionGone(gone_line(session_id, run))

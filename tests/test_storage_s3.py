@@ -302,7 +302,8 @@ def test_mlflow_server_stores_artifacts_in_s3(s3_server, s3_url, tmp_path):
 def test_tinker_checkpoints_live_on_s3_through_the_sdk(s3_server, s3_url, tmp_path, monkeypatch):
     """The Tinker door with tenants' storage on S3: save_state, a sampler checkpoint, the REST
     listing, a resumed client whose next step equals the uninterrupted one's, sampling from the
-    saved sampler path, delete; every object under the tenant's own prefix."""
+    saved sampler path, delete (a run emptied after its session ended leaves S3); every object under
+    the tenant's own prefix."""
     import numpy as np
 
     tinker = pytest.importorskip("tinker")
@@ -344,6 +345,10 @@ def test_tinker_checkpoints_live_on_s3_through_the_sdk(s3_server, s3_url, tmp_pa
         assert any(k.endswith("/weights/on-s3/COMMIT.json") for k in keys_on_s3)
         rest.delete_checkpoint_from_tinker_path(state).result()
         assert state not in [c.tinker_path for c in rest.list_checkpoints(trainer.model_id).result().checkpoints]
+        service.close("success").result()  # the session ends: its run, once empty, goes, run.json and all
+        rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+        assert trainer.model_id not in [r.training_run_id for r in rest.list_training_runs().result().training_runs]
+        assert not [k for k in s3_server.objects(s3_url) if f"/tinker/{trainer.model_id}/" in k]
     finally:
         service.close("success")
         server.stop()

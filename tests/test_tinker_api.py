@@ -309,6 +309,79 @@ def test_set_checkpoint_ttl_sets_and_removes_an_expiry(service, trainer, gateway
         rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
 
 
+def test_deletes_leave_nothing_behind(gateway):
+    """A sampler made from a checkpoint stops serving once that checkpoint is deleted (its next call
+    says so); a snapshot sampler is no checkpoint and serves on. A run emptied while its session lives
+    stays listed and its client saves and loads again; a run emptied after its session ended leaves
+    the listing."""
+    import time
+
+    from opentinker.tinker.sampling import CHECK_EVERY_S
+
+    url, keys, _ = gateway
+    service = tinker.ServiceClient(base_url=url, api_key=keys["alice"])  # a session of its own: it ends here
+    rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
+
+    def listed() -> list[str]:
+        return [r.training_run_id for r in rest.list_training_runs(limit=1000).result().training_runs]
+
+    try:
+        trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
+        run, session_id = trainer.model_id, trainer.model_id.split(":")[0]
+        saved = [trainer.save_state("state").result().path, trainer.save_weights_for_sampler("sampler").result().path]
+        from_path = service.create_sampling_client(model_path=saved[1]).result()
+        snapshot = trainer.save_weights_and_get_sampling_client().result()
+        prompt, params = types.ModelInput.from_ints(seq(5, 4)), types.SamplingParams(max_tokens=2)
+        from_path.sample(prompt, 1, params).result()
+        for path in saved:
+            rest.delete_checkpoint_from_tinker_path(path).result()
+        deleted_at = time.monotonic()
+        assert run in listed() and rest.list_checkpoints(run).result().checkpoints == []  # its session lives
+        again = [trainer.save_state("again").result().path, trainer.save_weights_for_sampler("again").result().path]
+        service.create_training_client_from_state(again[0]).result()
+        service.create_sampling_client(model_path=again[1]).result().sample(prompt, 1, params).result()
+        time.sleep(max(0.0, deleted_at + CHECK_EVERY_S - time.monotonic()))
+        with pytest.raises(tinker.RequestFailedError, match=rf"its checkpoint {saved[1]} was deleted .*serves no more"):
+            from_path.sample(prompt, 1, params).result()
+        assert len(snapshot.sample(prompt, 1, params).result().sequences) == 1
+    finally:
+        service.close("success").result()
+    for path in again:  # the session has ended: once empty, its run leaves the listing
+        rest.delete_checkpoint_from_tinker_path(path).result()
+    assert run not in listed() and run not in rest.get_session(session_id).result().training_run_ids
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run(run).result()
+
+
+def test_a_delete_is_refused_while_the_registry_does_not_answer(gateway, service, trainer, tmp_path):
+    """Where a registry is configured but does not answer, a delete is refused (503: the SDK retries it
+    for up to 5 minutes, so it is asked here over HTTP) and deletes nothing: whether a registered version
+    uses the checkpoint is unknown. (The refusal of a checkpoint a version uses, against a real
+    registry: tests/test_tinker_stack.py.)"""
+    import httpx
+
+    from opentinker.control.gateway.app import create_app
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.core.settings import Settings
+    from opentinker.inference.launch import free_port
+    from opentinker.inference.server import serve_in_thread
+    from opentinker.tinker.local import LocalSessions
+
+    path = trainer.save_state("registry-down").result().path
+    settings = Settings(state_dir=tmp_path, host="127.0.0.1", gateway_port=free_port("127.0.0.1"), mlflow_port=free_port("127.0.0.1"))
+    same_storage = LocalSessions(gateway[2].storage_root, settings.models_folder, registry_url=settings.mlflow_url)  # nothing listens there
+    server = serve_in_thread(create_app(settings, tinker_sessions=same_storage), "127.0.0.1", settings.gateway_port)
+    try:
+        key = TenantStore(tmp_path / "tenants.json").create("alice")
+        reply = httpx.delete(f"{server.url}/api/v1/training_runs/{trainer.model_id}/checkpoints/weights/registry-down",
+                             headers={"X-API-Key": key}, timeout=30)
+        assert reply.status_code == 503 and "was not deleted: the model registry did not answer" in reply.json()["detail"]
+    finally:
+        server.stop()
+        same_storage.close()
+    assert path in [c.tinker_path for c in service.create_rest_client().list_checkpoints(trainer.model_id).result().checkpoints]
+
+
 def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):
     """A save_weights_for_sampler checkpoint loads in the inference engine (what `opentinker serve`
     runs) and answers greedily what the Tinker sampler answers."""

@@ -1,4 +1,4 @@
-"""`opentinker models …`: the registry from the command line (list, evaluate, promote).
+"""`opentinker models …`: the registry from the command line (list, evaluate, promote, delete).
 
 Talks to the stack's MLflow server (settings: OPENTINKER_MLFLOW_PORT, …). `evaluate` runs the
 same evaluation as the `evaluate-promote` deployment, in this process.
@@ -15,7 +15,7 @@ from rich.table import Table
 
 from opentinker.eval.promotion import DEFAULTS
 
-models_app = typer.Typer(help="Registered models: versions, aliases, evaluation and promotion.", no_args_is_help=True)
+models_app = typer.Typer(help="Registered models: versions, aliases, evaluation, promotion and deletion.", no_args_is_help=True)
 console = Console()
 
 
@@ -98,3 +98,22 @@ def promote(name: str = typer.Argument(..., help="registered model"), version: s
     except (LookupError, ConnectionError) as err:
         _fail(err)
     console.print(f"{name}: champion v{record['champion_before'] or '-'} → v{record['champion_after']}")
+
+
+@models_app.command()
+def delete(name: str = typer.Argument(..., help="registered model"), version: str = typer.Argument(..., help="version to delete")) -> None:
+    """Delete one version, its aliases with it; the checkpoint it names stays in storage (its owner may
+    then delete it: a checkpoint a version uses is not deleted)."""
+    from mlflow.exceptions import MlflowException
+
+    from opentinker.storage.registry import CHECKPOINT_TAG, get_version, registry_client
+
+    try:
+        client = registry_client()
+        mv = get_version(client, name, version=version)
+        on = sorted(a for a, v in client.get_registered_model(name).aliases.items() if str(v) == str(mv.version))
+        client.delete_model_version(name, mv.version)
+    except (LookupError, ConnectionError, MlflowException) as err:
+        _fail(err)
+    aliases = f" and its aliases ({', '.join(on)})" if on else ""
+    console.print(f"{name}: version {mv.version}{aliases} deleted; its checkpoint stays: {mv.tags.get(CHECKPOINT_TAG, '-')}", soft_wrap=True)

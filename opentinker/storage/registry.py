@@ -229,6 +229,16 @@ def register_job_checkpoint(*, checkpoint_url: str, model_name: str, job_id: str
     return {"name": model_name, "version": str(mv.version), "aliases": aliases}
 
 
+def versions_using(checkpoint_url: str, tracking_uri: str | None = None) -> list[dict]:
+    """The registered versions whose checkpoint is `checkpoint_url` (their `checkpoint_url` tag), each
+    {"name", "version", "aliases"}: what deleting that checkpoint would leave pointing at nothing."""
+    client = registry_client(tracking_uri)
+    found = sorted(client.search_model_versions(f"tags.{CHECKPOINT_TAG} = '{checkpoint_url}'"), key=lambda mv: (mv.name, int(mv.version)))
+    aliases = {name: client.get_registered_model(name).aliases for name in {mv.name for mv in found}}  # a search leaves them out
+    return [{"name": mv.name, "version": str(mv.version),
+             "aliases": sorted(a for a, v in aliases[mv.name].items() if str(v) == str(mv.version))} for mv in found]
+
+
 # -- resolution --------------------------------------------------------------------------------
 
 

@@ -6,6 +6,11 @@ sampler id), from a snapshot of a training client's weights or from a `sampler_w
 checkpoint, or the base with no adapter. At most MAX_LOADED adapters stay loaded per engine;
 an evicted one is loaded again from its folder when it is next used.
 
+A sampler made from a checkpoint (`create_sampling_client(model_path=...)`) serves only while that
+checkpoint exists: once it is deleted (or its TTL passes) the sampler's next call fails saying so
+(looked at once per CHECK_EVERY_S). A snapshot (`save_weights_and_get_sampling_client`) is no
+checkpoint: nothing deletes it, and it serves until the session ends or drops it.
+
 Sampling follows the Tinker API: `stop` omitted stops at the end-of-sequence token, `[]` never
 stops, token ids or strings stop at the first occurrence and keep it; `temperature` 0 is greedy;
 `top_k` −1 and `top_p` 1 are off; the same `seed` gives the same tokens. Sampled logprobs are
@@ -18,6 +23,7 @@ from __future__ import annotations
 import math
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +34,15 @@ from opentinker.tinker import wire
 MAX_LOADED = 16
 MAX_SNAPSHOTS = 32  # ephemeral samplers kept (the cookbook makes one a step); the oldest is dropped, folder and all
 MAX_SAMPLES = 128
+CHECK_EVERY_S = 2.0  # how stale a sampler's look at its checkpoint may be (one small read of storage per look)
 
 
 class BadSample(ValueError):
     pass
+
+
+class CheckpointDeleted(LookupError):
+    """The checkpoint a sampler was made from was deleted (or expired): the sampler serves no more."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,9 @@ class SamplerRecord:
     loader_name: str
     folder: Path | None  # the adapter folder (None: the base alone)
     model_path: str | None = None
+    checkpoint_url: str | None = None  # where model_path's checkpoint lives (None: the base or a snapshot)
+    checked_at: float = 0.0  # when the checkpoint was last looked at (time.monotonic())
+    deleted: bool = False  # what that look found
 
 
 class SamplingEngines:
@@ -229,7 +243,7 @@ class Samplers:
         for name in (committed_manifest(url) or {}).get("files", {}):
             if name.startswith("adapter/"):
                 (folder / name.split("/", 1)[1]).write_bytes(read_file(url, name))
-        self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder, model_path))
+        self._replace(sampler_id, SamplerRecord(base_model, loader_name, folder, model_path, url, time.monotonic()))
 
     def _fresh_folder(self, sampler_id: str) -> Path:
         folder = self.workdir / sampler_id.replace(":", "_")
@@ -247,10 +261,25 @@ class Samplers:
             return self._engine(record.loader_name)
         return self.pool.ensure_loaded(record.loader_name, sampler_id, record.folder)
 
+    def _check_checkpoint(self, sampler_id: str, record: SamplerRecord) -> None:
+        """Refuse to sample the weights of a deleted checkpoint: its owner deleted them."""
+        from opentinker.tinker.paths import live_manifest
+
+        if record.checkpoint_url is None:
+            return
+        if time.monotonic() - record.checked_at >= CHECK_EVERY_S:  # each look decides (a storage blip passes)
+            record.deleted = live_manifest(record.checkpoint_url) is None
+            record.checked_at = time.monotonic()
+        if record.deleted:
+            raise CheckpointDeleted(f"sampler {sampler_id}: its checkpoint {record.model_path} was deleted (or its TTL passed), "
+                                    "so it serves no more; make a sampling client from a checkpoint that exists "
+                                    "(RestClient.list_checkpoints) or from a new save")
+
     def sample(self, request: SampleRequest) -> bytes:
         from opentinker.backend.rollout import SamplingParams
 
         record = self.record(request.sampler_id)
+        self._check_checkpoint(request.sampler_id, record)
         engine = self._ensure_loaded(request.sampler_id, record)
         vocab = engine.rollout.model.get_output_embeddings().weight.shape[0]
         if any(t < 0 or t >= vocab for t in request.prompt):

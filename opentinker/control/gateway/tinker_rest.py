@@ -1,12 +1,18 @@
 """The Tinker REST client's side of the gateway: training runs, checkpoints, exported adapters
 (signed download links), sessions; what is not offered says so in one line. Everything is read
 from the tenant's own storage (runs, checkpoints) or its own sessions; another tenant's ids read
-as missing (404)."""
+as missing (404).
+
+Deletes leave nothing behind: a checkpoint that a registered model version uses is not deleted
+(the refusal names the model, version and aliases), and a run left with no checkpoint leaves the
+listing once its session has ended. A sampler made from a deleted checkpoint stops serving
+(tinker/sampling.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from typing import Any, Callable
 
@@ -18,6 +24,7 @@ from opentinker.tinker import paths
 from opentinker.tinker.paths import SessionStarting
 
 DOWNLOAD_TTL_S = 3600.0
+log = logging.getLogger("opentinker.gateway")
 
 
 def bad(detail: str, status: int = 400) -> HTTPException:
@@ -83,9 +90,12 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Callable, owned_session: Callable,
                     client: httpx.AsyncClient) -> None:
-    """The REST routes on `router`; `tenant` is the key dependency, `owned_session` the id check."""
+    """The REST routes on `router`; `tenant` is the key dependency, `owned_session` the id check.
+    `sessions.registry_url`, where it has one, is the MLflow server its sessions register checkpoints
+    in (None: they register none); otherwise the stack's (settings.mlflow_url)."""
 
     json_body = read_json
+    registry_url = getattr(sessions, "registry_url", settings.mlflow_url)
 
     # -- the REST client: runs and checkpoints in the tenant's storage ----------------------------
     def checkpoints_of(name: str) -> paths.TenantCheckpoints:
@@ -122,15 +132,58 @@ def add_rest_routes(router: APIRouter, settings: Any, sessions: Any, tenant: Cal
             raise bad(str(err), 404) from None
         return {"checkpoints": store.checkpoints(run_id)}
 
+    def refuse_if_registered(store: paths.TenantCheckpoints, path: paths.TinkerPath) -> None:
+        """A checkpoint that a registered version points at stays: deleting it would leave that version
+        (and `champion`, if on it) pointing at nothing. A version is removed by the operator."""
+        if registry_url is None:
+            return
+        from opentinker.storage.registry import versions_using
+
+        try:
+            used = versions_using(store.url(path), registry_url)
+        except Exception as err:  # noqa: BLE001 - down or failing: never delete blind (the SDK retries a 503 for 5 minutes)
+            log.warning("registry check for %s failed: %s", path, err)
+            raise HTTPException(503, f"{path} was not deleted: the model registry did not answer (is a registered version "
+                                     "using it?); try again later") from None
+        if used:
+            said = "; ".join(f"version {v['version']} of registered model {v['name']!r} (aliases: {', '.join(v['aliases']) or 'none'})"
+                             for v in used)
+            first = used[0]
+            raise bad(f"{path} was not deleted: {said} uses it. Have that version deleted first (an operator runs "
+                      f"`opentinker models delete {first['name']} {first['version']}`), then delete the checkpoint")
+
+    def session_live(name: str, session_id: str) -> bool:
+        """Whether the session may still save (asked afresh: a cached endpoint may be an ended session's)."""
+        sessions.forget(session_id)
+        try:
+            sessions.endpoint(name, session_id)
+        except LookupError:  # ended (SessionGone) or unknown
+            return False
+        except Exception:  # noqa: BLE001 - starting, or the scheduler did not answer: keep the run
+            return True
+        return True
+
+    def drop_run_if_empty(name: str, store: paths.TenantCheckpoints, run_id: str) -> None:
+        """A run with no checkpoint left leaves the listing once its session has ended (nothing can save
+        to it again); a live session's run stays, since its training client may save again."""
+        if not store.checkpoints(run_id) and not session_live(name, paths.session_of(run_id)):
+            store.remove_run(run_id)
+
     @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
     def delete_checkpoint(run_id: str, checkpoint_id: str, name: str = Depends(tenant)) -> Response:
+        store = checkpoints_of(name)
         try:
             kind, ckpt = paths.parse_checkpoint_id(checkpoint_id)
-            checkpoints_of(name).delete(paths.TinkerPath(owned_run(name, run_id), kind, ckpt))
+            path = paths.TinkerPath(owned_run(name, run_id), kind, ckpt)
+            if not store.exists(path):
+                raise paths.NotFound(f"no checkpoint {path}")
+            refuse_if_registered(store, path)
+            store.delete(path)
         except paths.PathError as err:
             raise bad(str(err)) from None
         except paths.NotFound as err:
             raise bad(str(err), 404) from None
+        drop_run_if_empty(name, store, run_id)
         return Response(status_code=204)
 
     @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl", status_code=204)

@@ -64,7 +64,7 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
 class ServerRolloutEngine:
     """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
 
-    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 16):
+    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128):
         import httpx  # only jobs that sample through a server need it
 
         self.server = server
@@ -80,14 +80,15 @@ class ServerRolloutEngine:
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
 
     # --- sampling ------------------------------------------------------------------------------
-    def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str) -> list[Completion]:
+    def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
+                 generator: torch.Generator | None = None) -> list[Completion]:
         body: dict[str, Any] = {
             "model": model, "prompt": prompts, "max_tokens": budget,
             "temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
             "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
-        if not params.greedy:  # reproducible from the job's seed, like the in-process engine
-            body["seed"] = int(torch.randint(0, 2**31 - 1, ()).item())
+        if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
+            body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self.client.post("/v1/completions", json=body)
         if not reply.is_success:
             raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
@@ -103,21 +104,24 @@ class ServerRolloutEngine:
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
-                 images: list[list[Any]] | None = None) -> list[Completion]:
-        """One completion per prompt, as `HFRolloutEngine.generate`; prompts that share a budget
-        go in one request. Text only: records with images sample in-process."""
+                 images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
+        """One completion per prompt, as `HFRolloutEngine.generate` (callable from many threads at
+        once: the server batches concurrent requests); prompts that share a budget and a generator
+        go in one request, seeded from that generator. Text only: records with images sample in-process."""
         if images is not None and any(images):
             raise ValueError("rollout.engine 'server' samples text only; a vision-language policy samples with engine 'local'")
         t0 = time.perf_counter()
         budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]
-        by_budget: dict[int, list[int]] = {}
+        gens = generators or [None] * len(prompts)
+        requests: dict[tuple[int, int], list[int]] = {}
         for i, b in enumerate(budgets):
-            by_budget.setdefault(max(1, b), []).append(i)
+            requests.setdefault((max(1, b), id(gens[i])), []).append(i)
         model = self.served
-        futures = {b: self.pool.submit(self._request, [prompts[i] for i in rows], params, b, model) for b, rows in by_budget.items()}
+        futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]])
+                   for key, rows in requests.items()}
         results: dict[int, Completion] = {}
-        for b, rows in by_budget.items():
-            results.update(zip(rows, futures[b].result()))
+        for key, rows in requests.items():
+            results.update(zip(rows, futures[key].result()))
         completions = [results[i] for i in range(len(prompts))]
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         self.generate_seconds += time.perf_counter() - t0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from opentinker.agent import EpisodeLimits, chat_format, run_episodes
+from opentinker.agent.loop import episode_generators
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement
 from opentinker.backend.rollout import score_tokens
@@ -123,9 +124,8 @@ class Sampler:
         self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        """Stop what the sampler started (a server engine's own server), or leave the host's engine."""
-        if not isinstance(self.engine, HFRolloutEngine):
-            self.engine.close()
+        """Stop what the sampler started (its engine's thread, a server engine's own server), or leave the host's engine."""
+        self.engine.close()
 
     def sync(self, version: int | tuple[int, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor] | None = None) -> int:
         """Weight-sync handshake: adopt the policy's version (and its trainable weights, when the
@@ -156,7 +156,8 @@ class Sampler:
         groups = [step * r.prompts_per_step + i for i in range(len(tasks)) for _ in range(r.group_size)]
         tokens0, gen0 = self.engine.generated_tokens, self.engine.generate_seconds
         decoded0, useful0 = (getattr(self.engine, name, 0) for name in ("decode_positions", "useful_positions"))  # local engine only
-        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups)
+        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups,
+                             self.generators(len(expanded)))
         self.engine.end_phase()  # the episodes are over: free their states before the update
         gen_tokens = self.engine.generated_tokens - tokens0
         gen_seconds = self.engine.generate_seconds - gen0
@@ -171,6 +172,11 @@ class Sampler:
         self._batch = RolloutBatch(step=step, policy_version=self.engine.policy_version, trajectories=trajs, metrics=metrics)
         return metrics
 
+    def generators(self, n: int) -> list[torch.Generator]:
+        """One generator per episode, seeded from the job's stream (the process's seeded generator,
+        or a hosted job's own, which its checkpoints keep)."""
+        return episode_generators(n, self.engine, getattr(self.engine, "generator", None))
+
     def batch(self, step: int) -> RolloutBatch:
         """The batch `rollout(step)` played (only the newest is kept)."""
         if self._batch is None or self._batch.step != step:
@@ -184,7 +190,8 @@ class Sampler:
         e, r = self.spec.evaluation, self.spec.rollout
         tasks = self.env.validation_tasks(e.n_samples)
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
-        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits)
+        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits,
+                             generators=self.generators(len(tasks)))
         self.engine.end_phase()
         metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
         return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs))

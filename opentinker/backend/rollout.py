@@ -11,41 +11,22 @@ the update are taken against the behaviour policy that really sampled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from opentinker.backend.device import Placement
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    greedy: bool = False
-    # None: no truncation (transformers' `generate` would keep 50 tokens unless told otherwise; this
-    # engine never truncates unless asked). With top_k or top_p < 1 the recorded logprobs are the
-    # truncated, renormalised distribution's.
-    top_k: int | None = None
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop": ended with an end-of-turn token; "length": hit its token budget
-    versions: list[int] = field(default_factory=list)  # the policy version that drew each token
+from opentinker.backend.sequences import Completion, SamplingParams  # noqa: F401 - the engines' vocabulary, imported from here too
 
 
 class RolloutEngine(Protocol):
     policy_version: int
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
-                 images: list[list[Any]] | None = None) -> list[Completion]:
-        """One completion per prompt; `budgets[i]` caps prompt i's new tokens below max_new_tokens;
-        `images[i]`: the VisualInputs of prompt i's record (a vision-language policy)."""
+                 images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
+        """One completion per prompt, callable from many threads at once; `budgets[i]` caps prompt
+        i's new tokens below max_new_tokens; `images[i]`: the VisualInputs of prompt i's record (a
+        vision-language policy); `generators[i]`: where prompt i's draws come from (an episode's)."""
         ...
 
 

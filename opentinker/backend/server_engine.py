@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -73,6 +75,12 @@ class ServerRolloutEngine:
         self.client = httpx.Client(base_url=server.url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
         self.served = server.model  # what requests name: the base, then the newest verified adapter
+        # Requests in flight per adapter name: a version replaced while requests still name it (a
+        # step's evaluation as the producer moves on) is unloaded when its last request ends.
+        self._using: Counter[str] = Counter()
+        self._retired: set[str] = set()
+        self._names = threading.Lock()
+        self._syncing = threading.Lock()
         self.policy_version = 0
         self.synced_version: int | None = None
         self.generated_tokens = 0
@@ -116,12 +124,22 @@ class ServerRolloutEngine:
         requests: dict[tuple[int, int], list[int]] = {}
         for i, b in enumerate(budgets):
             requests.setdefault((max(1, b), id(gens[i])), []).append(i)
-        model = self.served
-        futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]])
-                   for key, rows in requests.items()}
-        results: dict[int, Completion] = {}
-        for key, rows in requests.items():
-            results.update(zip(rows, futures[key].result()))
+        with self._names:
+            model = self.served
+            self._using[model] += 1
+        try:
+            futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]])
+                       for key, rows in requests.items()}
+            results: dict[int, Completion] = {}
+            for key, rows in requests.items():
+                results.update(zip(rows, futures[key].result()))
+        finally:
+            with self._names:
+                self._using[model] -= 1
+                done = model in self._retired and not self._using[model]
+                self._retired.discard(model) if done else None
+            if done:
+                self._unload(model)
         completions = [results[i] for i in range(len(prompts))]
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         self.generate_seconds += time.perf_counter() - t0
@@ -133,7 +151,14 @@ class ServerRolloutEngine:
     # --- weights -------------------------------------------------------------------------------
     def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
         """Load the adapter (`adapter/…` files as `adapter_files` writes them) as `policy-v<version>`
-        and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise."""
+        and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise.
+        One sync at a time (the producer and an evaluation may both ask for the same version)."""
+        with self._syncing:
+            if self.synced_version == version:
+                return 0.0
+            return self._sync(version, files, probe)
+
+    def _sync(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
         name = f"policy-v{version}"
         folder = self._folders / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -151,12 +176,19 @@ class ServerRolloutEngine:
         if not gap <= self.tolerance:  # NaN fails too
             raise SyncError(f"adapter {name} answers the probe {gap:.3g} (mean |logprob difference|) away from the trainer's "
                             f"weights, over the tolerance {self.tolerance:g}: the server serves other (stale?) weights")
-        previous, self.served, self.synced_version = self.served, name, version
+        with self._names:
+            previous, self.served, self.synced_version = self.served, name, version
+            in_use = bool(self._using[previous])
+            if in_use and previous not in (self.server.model, name):
+                self._retired.add(previous)
         self.policy_version = version
-        if previous != self.server.model:
-            self.client.post("/v1/unload_lora_adapter", json={"lora_name": previous})
-            shutil.rmtree(self._folders / previous, ignore_errors=True)
+        if previous not in (self.server.model, name) and not in_use:
+            self._unload(previous)
         return gap
+
+    def _unload(self, name: str) -> None:
+        self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        shutil.rmtree(self._folders / name, ignore_errors=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

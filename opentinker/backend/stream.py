@@ -17,12 +17,9 @@ worker's compute thread):
    future is completed.
 
 What a sequence gets does not depend on what else runs: its draws come from its request's own
-generator, the rows of one request drawing together on the shape of all of them (`draw`), so its
-tokens and logprobs are those it gets alone, up to the float noise of a wider batch
-(tests/test_stream_engine.py). Sampling: argmax when greedy (logprobs at temperature 1), else a
-draw from softmax(logits / T) after top-k and top-p (transformers' warpers, in `generate`'s
-order; tokens they remove get -inf); the logprob recorded is that of the distribution the token
-was drawn from. Every token records the policy version of the weights that drew it.
+generator (opentinker/backend/sequences.py says how a token is chosen), so its tokens and
+logprobs are those it gets alone, up to the float noise of a wider batch
+(tests/test_stream_engine.py). Every token records the policy version of the weights that drew it.
 """
 
 from __future__ import annotations
@@ -42,43 +39,8 @@ import torch
 from opentinker.backend.batch_cache import cache_of, layers_of, pad_left, prompt_inputs
 from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import LayerStates, PrefixCache
+from opentinker.backend.sequences import Completion, Draws, Sequence, choose
 from opentinker.model.vision import pixel_batch
-
-
-@dataclass
-class Draws:
-    """The rows of one request and the generator they draw from (None: torch's global one)."""
-
-    generator: torch.Generator | None
-    members: list[Sequence] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One prompt's completion as it is sampled."""
-
-    prompt: list[int]
-    params: Any  # rollout.SamplingParams
-    budget: int
-    future: Future
-    draws: Draws
-    stop_rule: Callable[[list[int]], bool] | None = None
-    adapter: str | None = None
-    images: list[Any] | None = None
-    stop_ids: frozenset[int] = frozenset()
-    version_of: Callable[[], int] | None = None  # the policy version its tokens are drawn by (a hosted job's own)
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stopped: bool = False
-
-    def add(self, token: int, logprob: float, version: int) -> bool:
-        """Record a drawn token (by `version`, unless the sequence has its own); whether the sequence ends with it."""
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.versions.append(self.version_of() if self.version_of is not None else version)
-        self.stopped = self.stop_rule(self.tokens) if self.stop_rule is not None else token in self.stop_ids
-        return self.stopped or len(self.tokens) >= self.budget
 
 
 @dataclass
@@ -196,10 +158,10 @@ class StreamEngine:
         autocast region, so each trained weight is cast to the compute precision once, not at every
         token (a region per step cost 37% of a decode step's GPU time in full fine-tuning, profiled);
         the region ends when the engine idles or the weights change (`between_steps`)."""
-        region = contextlib.ExitStack()
+        region: contextlib.ExitStack | None = None  # the autocast region of this busy stretch
         while True:
             if not self.batch.rows and not self.held:
-                region.close()
+                region = _leave(region)
                 seq = self.waiting.get()
                 if seq is None:
                     return
@@ -222,9 +184,9 @@ class StreamEngine:
                         self.run_step(self._step_in_region)
                     else:
                         if self.changed:
-                            region.close()
-                            self.changed = False
-                        if not region._exit_callbacks:
+                            region, self.changed = _leave(region), False
+                        if region is None:
+                            region = contextlib.ExitStack()
                             region.enter_context(self.placement.autocast())
                         self._step()
                     self.busy_seconds += time.perf_counter() - t0
@@ -279,42 +241,6 @@ class StreamEngine:
         self.mixed_forwards += len({s.adapter for s in rows}) > 1
         return self.row_scope([s.adapter for s in rows]) if self.row_scope is not None else nullcontext()
 
-    def _choose(self, logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[float]]:
-        """Each row's next token and its logprob under the distribution it was drawn from."""
-        tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-        chosen = torch.zeros(len(rows), dtype=torch.float32, device=logits.device)
-        by_params: dict[Any, list[int]] = {}
-        for at, seq in enumerate(rows):
-            by_params.setdefault(seq.params, []).append(at)
-        logps: dict[int, torch.Tensor] = {}
-        for params, ats in by_params.items():
-            index = torch.tensor(ats, device=logits.device)
-            scores = logits[index]
-            if params.greedy:
-                picked = scores.argmax(-1)
-                tokens[index] = picked
-                chosen[index] = torch.log_softmax(scores, -1).gather(-1, picked[:, None]).squeeze(-1)
-                continue
-            if params.temperature != 1.0:
-                scores = scores / params.temperature
-            for warp in _warpers(params):
-                scores = warp(None, scores)
-            logp = torch.log_softmax(scores, dim=-1)
-            for k, at in enumerate(ats):
-                logps[at] = logp[k]
-        by_draws: dict[int, list[int]] = {}
-        for at in logps:
-            by_draws.setdefault(id(rows[at].draws), []).append(at)
-        for ats in by_draws.values():
-            draws = rows[ats[0]].draws
-            members = {id(s): k for k, s in enumerate(draws.members)}
-            probs = torch.stack([logps[at] for at in ats]).exp()
-            picked = draw(probs, list(range(len(draws.members))), [members[id(rows[at])] for at in ats], draws.generator)
-            index = torch.tensor(ats, device=logits.device)
-            tokens[index] = picked
-            chosen[index] = torch.stack([logps[at][t] for at, t in zip(ats, picked.tolist())])
-        return tokens.tolist(), chosen.tolist()
-
     def _decode(self) -> None:
         """One token for every running row, then the rows that ended leave."""
         batch = self.batch
@@ -326,7 +252,7 @@ class StreamEngine:
         batch.cache, batch.positions = out.past_key_values, batch.positions + 1
         self.decode_forwards += 1
         self.decode_positions += len(batch.rows)
-        tokens, logprobs = self._choose(out.logits[:, -1].float(), batch.rows)
+        tokens, logprobs = choose(out.logits[:, -1].float(), batch.rows)
         ended = [seq.add(t, lp, self.policy_version) for seq, t, lp in zip(batch.rows, tokens, logprobs)]
         self._retire(ended)
 
@@ -357,7 +283,7 @@ class StreamEngine:
             expand = torch.tensor(index, device=device)
             cache.reorder_cache(expand)
             logits, mask, positions = logits[expand], mask[expand], positions[expand]
-        tokens, logprobs = self._choose(logits, seqs)
+        tokens, logprobs = choose(logits, seqs)
         ended = [seq.add(t, lp, self.policy_version) for seq, t, lp in zip(seqs, tokens, logprobs)]
         self._join(Batch(seqs, cache, mask, positions[:, -1] + 1))
         self._retire([False] * (len(self.batch.rows) - len(seqs)) + ended)
@@ -377,8 +303,6 @@ class StreamEngine:
 
     def _retire(self, ended: list[bool]) -> None:
         """Rows that ended leave: their key/values to the prefix cache, their futures completed."""
-        from opentinker.backend.rollout import Completion
-
         if not any(ended):
             return
         batch, staying = self.batch, [at for at, gone in enumerate(ended) if not gone]
@@ -414,26 +338,8 @@ def logits_kwargs(model) -> dict[str, Any]:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
 
 
-def draw(probs: torch.Tensor, rows: list[int], running: list[int], gen: torch.Generator | None) -> torch.Tensor:
-    """One token per running row (`probs`: theirs, in `running`'s order) from a multinomial draw on
-    the shape of all `rows` of one generator: the rows not running get a placeholder distribution,
-    so each row reads the same noise whichever of them are still there."""
-    if len(running) == len(rows):
-        return torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)
-    place = {row: k for k, row in enumerate(rows)}
-    index = torch.tensor([place[row] for row in running], device=probs.device)
-    full = probs.new_zeros((len(rows), probs.shape[-1]))
-    full[:, 0] = 1.0  # rows not running: any valid distribution; their draws are not used
-    full[index] = probs
-    return torch.multinomial(full, num_samples=1, generator=gen).squeeze(1)[index]
-
-
-def _warpers(params: Any) -> list[Any]:
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
-    out = []
-    if params.top_k:
-        out.append(TopKLogitsWarper(top_k=params.top_k))
-    if params.top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p=params.top_p))
-    return out
+def _leave(region: contextlib.ExitStack | None) -> None:
+    """Close an autocast region (its cached casts go with it); None to say there is none now."""
+    if region is not None:
+        region.close()
+    return None

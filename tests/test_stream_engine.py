@@ -7,6 +7,7 @@ models are built from config; a large set of stop tokens makes completions end a
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -49,13 +50,20 @@ def _own(n: int, seed: int = 0) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(seed + i) for i in range(n)]
 
 
-def test_greedy_completions_are_generates_and_rows_leave_when_they_end(tiny):
+@pytest.fixture(params=[False, True], ids=["dynamic", "slots"])
+def slots(request) -> bool:
+    """Both ways the running rows' key/values are held: a cache that grows and shrinks, or fixed
+    slots (opentinker/backend/slots.py: CUDA graphs on a GPU; run eagerly here)."""
+    return request.param
+
+
+def test_greedy_completions_are_generates_and_rows_leave_when_they_end(tiny, slots):
     """Greedy tokens equal `model.generate`'s on the same left-padded batch (positions, padding and
     the shared prefill are right), and every row a forward runs yields a token that is kept."""
     from transformers import GenerationConfig
 
     model, tok = tiny
-    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0, slots=slots)
     prompts = _prompts(tok)
     stops = _greedy_stops(engine, prompts)
     engine.stop_ids = stops
@@ -78,11 +86,11 @@ def test_greedy_completions_are_generates_and_rows_leave_when_they_end(tiny):
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["t0.9", "top_p", "top_k", "greedy"])
-def test_a_sequence_gets_the_same_alone_or_joining_a_running_batch(tiny, params):
+def test_a_sequence_gets_the_same_alone_or_joining_a_running_batch(tiny, params, slots):
     """Each prompt run alone, then all of them submitted at staggered moments while long sequences
     of other requests run: the same tokens and stop reasons (its own generator), logprobs within 1e-4."""
     model, tok = tiny
-    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0, slots=slots)
     prompts, budgets = _prompts(tok), [BUDGETS[i % 4] for i in range(16)]
     engine.stop_ids = _greedy_stops(engine, prompts) if params.greedy else _stops(tok, 9)
     alone = [engine.generate([p], params, [b], generators=_own(1, 100 + i))[0] for i, (p, b) in enumerate(zip(prompts, budgets))]
@@ -107,7 +115,7 @@ def test_a_sequence_gets_the_same_alone_or_joining_a_running_batch(tiny, params)
 def test_rows_of_one_request_draw_together_and_alone_from_their_generator(tiny):
     """A request's rows share its generator (a seeded server request, a Tinker sample of n): they
     draw on the shape of all of them, so they get the same beside another request as alone, and a
-    generator seeded s draws what `torch.manual_seed(s)` did; the global generator is untouched."""
+    generator seeded s draws what `torch.multinomial` does after `torch.manual_seed(s)`; the global generator is untouched."""
     model, tok = tiny
     engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
     engine.stop_ids = _stops(tok, 9)
@@ -134,14 +142,14 @@ def test_rows_of_one_request_draw_together_and_alone_from_their_generator(tiny):
     assert one.token_ids[0] == int(torch.multinomial(torch.softmax(logits, -1)[None], 1, generator=None)[0, 0])
 
 
-def test_multi_turn_episodes_reuse_their_prefix_states(tiny):
+def test_multi_turn_episodes_reuse_their_prefix_states(tiny, slots):
     """A row leaving takes its key/values with it: later turns hit the prefix cache, and the
     records equal those played without it."""
     model, tok = tiny
     params, limits = SamplingParams(max_new_tokens=8, temperature=0.9), EpisodeLimits(max_turns=3, max_total_tokens=512)
     runs = {}
     for cache in (65536, 0):
-        engine = HFRolloutEngine(model, tok, prefix_cache_tokens=cache)
+        engine = HFRolloutEngine(model, tok, prefix_cache_tokens=cache, slots=slots)
         engine.stop_ids = _stops(tok, 7)
         runs[cache] = engine, run_episodes(engine, chat_format(tok), [ScriptedTurns(turns=3) for _ in range(8)], [{"id": i} for i in range(8)],
                                            params, limits, [i // 4 for i in range(8)], generators=_own(8, 3))
@@ -191,13 +199,14 @@ def test_sampling_draws_from_the_distribution_whose_logprobs_it_records(tiny):
     assert max(abs(c.logprobs[0] - renormalised[c.token_ids[0]]) for c in drawn) < 1e-4
 
 
-def test_a_weight_update_between_steps_is_recorded_per_token(tiny):
+def test_a_weight_update_between_steps_is_recorded_per_token(tiny, slots):
     """Weights published while a sequence decodes (between two steps, as a producer does) take
     effect at its next token: every token records the version that drew it. The tokens drawn before
     the update have the old weights' logprobs; those after, drawn by the new weights over the key/
     values the old ones wrote (an in-flight update), differ from what the old weights give."""
     model, tok = tiny
-    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
+    model = copy.deepcopy(model)
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0, slots=slots)
     engine.stop_ids = []
     prompt = tok("The capital of France is")["input_ids"]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -212,6 +221,7 @@ def test_a_weight_update_between_steps_is_recorded_per_token(tiny):
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
             engine.policy_version = 1
+            engine.stream.changed = True  # what between_steps says (this runs inside a step, holding its lock)
 
     engine.stream._decode = decode_then_update
     (comp,) = engine.generate([prompt], SamplingParams(max_new_tokens=10, greedy=True))
@@ -223,3 +233,28 @@ def test_a_weight_update_between_steps_is_recorded_per_token(tiny):
     old = torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp.token_ids)[:, None]).squeeze(-1).tolist()
     assert max(abs(a - b) for a, b in zip(comp.logprobs[:5], old[:5])) < 1e-4
     assert min(abs(a - b) for a, b in zip(comp.logprobs[5:], old[5:])) > 1e-3
+
+
+def test_slots_make_room_as_rows_come_and_go(tiny, monkeypatch):
+    """Over slots, when the shared column reaches the capacity the columns no running row uses are
+    dropped, or the capacity doubles; a row joining with a longer prompt than the batch is wide
+    moves the others right. Through all of it every sequence gets what it gets in a growing cache."""
+    from opentinker.backend import slots as slot_module
+
+    monkeypatch.setattr(slot_module, "MIN_CAPACITY", 16)
+    model, tok = tiny
+    runs = []
+    for slots in (False, True):
+        engine = HFRolloutEngine(model, tok, max_batch_size=4, prefix_cache_tokens=0, slots=slots)
+        engine.stop_ids = _stops(tok, 9)
+        params = SamplingParams(max_new_tokens=30, temperature=0.9)
+        prompts = [tok("a " * (2 + 7 * (i % 3)))["input_ids"] for i in range(10)]
+        futures = []
+        for i, prompt in enumerate(prompts):  # more requests than slots, arriving while others run
+            futures += engine.stream.submit([prompt], params, seed=i)
+            time.sleep(0.02)
+        runs.append([f.result() for f in futures])
+        if slots:
+            decoder = engine.stream.slots
+            assert decoder.capacity > 16 and decoder.eager_steps > 0
+    _same(runs[1], runs[0])

@@ -56,14 +56,14 @@ class HFRolloutEngine:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, prefix_cache_tokens: int = 65536, placement: Placement | None = None,
                  run_step: Callable[..., Any] | None = None, row_scope: Callable[[list[str | None]], Any] | None = None,
-                 admits: Callable[..., bool] | None = None, before_admit: Callable[..., Any] | None = None):
-        """`run_step`, `row_scope`, `admits`, `before_admit`: see StreamEngine."""
+                 admits: Callable[..., bool] | None = None, before_admit: Callable[..., Any] | None = None, slots: bool | None = None):
+        """`run_step`, `row_scope`, `admits`, `before_admit`, `slots`: see StreamEngine."""
         from opentinker.backend.stream import StreamEngine
 
         self.tokenizer = tokenizer
         self.placement = placement or Placement(model.device, torch.float32)
         self.stream = StreamEngine(model, tokenizer, self.placement, max_batch_size, prefix_cache_tokens, row_scope, run_step, admits,
-                                   before_admit)
+                                   before_admit, slots)
 
     # -- what callers read and set -----------------------------------------------------------
     @property

@@ -3,9 +3,10 @@ draw from, and how each next token is chosen.
 
 Sampling: argmax when greedy (logprobs at temperature 1), else a draw from softmax(logits / T)
 after top-k and top-p (transformers' warpers, in `generate`'s order; tokens they remove get -inf);
-the logprob recorded is that of the distribution the token was drawn from. The rows of one
-request draw from its generator together, on the shape of all of them (`draw`), so what a row
-draws does not depend on any other request's rows.
+the logprob recorded is that of the distribution the token was drawn from. A draw is the
+exponential race torch.multinomial runs, with noise from the row's request's generator; the rows of
+one request draw their noise together, on the shape of all of them (`races`), so what a row draws
+does not depend on any other request's rows.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class Draws:
     generator: torch.Generator | None
     members: list[Sequence] = field(default_factory=list)
 
+    def index(self, seq: Sequence) -> int:
+        if not hasattr(self, "_places"):
+            self._places = {id(s): k for k, s in enumerate(self.members)}
+        return self._places[id(seq)]
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -63,6 +69,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     stopped: bool = False
+    slot: int = -1  # its key/value slot, where the engine decodes over slots (slots.py)
 
     def add(self, token: int, logprob: float, version: int) -> bool:
         """Record a drawn token (by `version`, unless the sequence has its own); whether the sequence ends with it."""
@@ -74,55 +81,62 @@ class Sequence:
 
 
 def choose(logits: torch.Tensor, rows: list[Sequence]) -> tuple[list[int], list[float]]:
-    """Each row's next token and its logprob under the distribution it was drawn from."""
-    tokens = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
-    chosen = torch.zeros(len(rows), dtype=torch.float32, device=logits.device)
+    """Each row's next token and its logprob under the distribution it was drawn from.
+
+    A sampled row's token is argmax(p / q), q ~ Exp(1) per token (the exponential race, which is
+    how torch.multinomial draws one sample, without its three host synchronisations), its q drawn
+    from its request's generator (`races`). All rows draw in one pass, whatever their requests, so
+    a step costs a few kernels, not a few per row (40 ms a step at batch 128 on an H200, profiled)."""
+    n, device = len(rows), logits.device
+    logp = torch.empty_like(logits, dtype=torch.float32)
+    sampled: list[int] = []
     by_params: dict[Any, list[int]] = {}
     for at, seq in enumerate(rows):
         by_params.setdefault(seq.params, []).append(at)
-    logps: dict[int, torch.Tensor] = {}
     for params, ats in by_params.items():
-        index = torch.tensor(ats, device=logits.device)
-        scores = logits[index]
-        if params.greedy:
-            picked = scores.argmax(-1)
-            tokens[index] = picked
-            chosen[index] = torch.log_softmax(scores, -1).gather(-1, picked[:, None]).squeeze(-1)
-            continue
-        if params.temperature != 1.0:
-            scores = scores / params.temperature
-        for warp in warpers(params):
-            scores = warp(None, scores)
-        logp = torch.log_softmax(scores, dim=-1)
-        for k, at in enumerate(ats):
-            logps[at] = logp[k]
-    by_draws: dict[int, list[int]] = {}
-    for at in logps:
-        by_draws.setdefault(id(rows[at].draws), []).append(at)
-    for ats in by_draws.values():
-        draws = rows[ats[0]].draws
-        members = {id(s): k for k, s in enumerate(draws.members)}
-        probs = torch.stack([logps[at] for at in ats]).exp()
-        picked = draw(probs, list(range(len(draws.members))), [members[id(rows[at])] for at in ats], draws.generator)
-        index = torch.tensor(ats, device=logits.device)
-        tokens[index] = picked
-        chosen[index] = torch.stack([logps[at][t] for at, t in zip(ats, picked.tolist())])
+        index = torch.tensor(ats, device=device) if len(ats) < n else None
+        scores = logits[index] if index is not None else logits
+        if not params.greedy:
+            sampled += ats
+            if params.temperature != 1.0:
+                scores = scores / params.temperature
+            for warp in warpers(params):
+                scores = warp(None, scores)
+        scores = torch.log_softmax(scores.float(), dim=-1)
+        if index is None:
+            logp = scores
+        else:
+            logp[index] = scores
+    tokens = logp.argmax(-1)
+    if sampled:
+        sampled.sort()
+        index = torch.tensor(sampled, device=device) if len(sampled) < n else None
+        probs = (logp[index] if index is not None else logp).exp()
+        drawn = (probs / races([rows[at] for at in sampled], probs.shape[-1], device)).argmax(-1)
+        if index is None:
+            tokens = drawn
+        else:
+            tokens[index] = drawn
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens.tolist(), chosen.tolist()
 
 
-
-def draw(probs: torch.Tensor, rows: list[int], running: list[int], gen: torch.Generator | None) -> torch.Tensor:
-    """One token per running row (`probs`: theirs, in `running`'s order) from a multinomial draw on
-    the shape of all `rows` of one generator: the rows not running get a placeholder distribution,
-    so each row reads the same noise whichever of them are still there."""
-    if len(running) == len(rows):
-        return torch.multinomial(probs, num_samples=1, generator=gen).squeeze(1)
-    place = {row: k for k, row in enumerate(rows)}
-    index = torch.tensor([place[row] for row in running], device=probs.device)
-    full = probs.new_zeros((len(rows), probs.shape[-1]))
-    full[:, 0] = 1.0  # rows not running: any valid distribution; their draws are not used
-    full[index] = probs
-    return torch.multinomial(full, num_samples=1, generator=gen).squeeze(1)[index]
+def races(rows: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for each row's draw. A request's rows draw theirs together, on the shape of
+    all its rows whether they still run or not, so each row reads the same noise whichever of them
+    are still there, and nothing another request does moves it."""
+    noise, place = [], []
+    offsets: dict[int, int] = {}
+    at = 0
+    for seq in rows:
+        draws = seq.draws
+        if id(draws) not in offsets:
+            offsets[id(draws)] = at
+            noise.append(torch.empty((len(draws.members), vocab), device=device).exponential_(1, generator=draws.generator))
+            at += len(draws.members)
+        place.append(offsets[id(draws)] + draws.index(seq))
+    every = torch.cat(noise) if len(noise) > 1 else noise[0]
+    return every if place == list(range(len(every))) else every[torch.tensor(place, device=device)]
 
 
 def warpers(params: Any) -> list[Any]:

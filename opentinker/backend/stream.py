@@ -40,6 +40,7 @@ from opentinker.backend.batch_cache import cache_of, layers_of, pad_left, prompt
 from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import LayerStates, PrefixCache
 from opentinker.backend.sequences import Completion, Draws, Sequence, choose
+from opentinker.backend.slots import SlotDecoder, supports_slots
 from opentinker.model.vision import pixel_batch
 
 
@@ -67,13 +68,19 @@ class StreamEngine:
     def __init__(self, model, tokenizer, placement: Placement, max_batch_size: int = 64, prefix_cache_tokens: int = 65536,
                  row_scope: Callable[[list[str | None]], Any] | None = None, run_step: Callable[..., Any] | None = None,
                  admits: Callable[[Sequence, list[Sequence]], bool] | None = None,
-                 before_admit: Callable[[list[Sequence]], Any] | None = None):
+                 before_admit: Callable[[list[Sequence]], Any] | None = None, slots: bool | None = None):
         """`row_scope(names)`: a context under which row i runs through adapter names[i] (a shared
         base); `run_step(fn)`: where a step's arithmetic runs (default: this engine's thread);
         `admits(seq, running)`: whether `seq` may join `running` now (default: always);
-        `before_admit(seqs)`: called before new rows are prefilled (an adapter to merge, say)."""
+        `before_admit(seqs)`: called before new rows are prefilled (an adapter to merge, say);
+        `slots`: decode over fixed key/value slots, as CUDA graphs on a GPU (slots.py; default: on a
+        GPU, for an engine of one policy: no row scope, step runner or adapter merging)."""
         self.model, self.tokenizer, self.placement = model, tokenizer, placement
         self.max_batch_size = max_batch_size
+        if slots is None:
+            slots = (placement.device.type == "cuda" and row_scope is None and run_step is None and before_admit is None
+                     and supports_slots(model) is None)
+        self.slots = SlotDecoder(max_batch_size, placement) if slots else None
         self.prefix_cache = PrefixCache(model, prefix_cache_tokens)
         self.row_scope, self.run_step, self.admits, self.before_admit = row_scope, run_step, admits, before_admit
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -188,6 +195,8 @@ class StreamEngine:
                         if region is None:
                             region = contextlib.ExitStack()
                             region.enter_context(self.placement.autocast())
+                            if self.slots is not None:  # the weights may have changed since the last stretch
+                                self.slots.refresh(self.model)
                         self._step()
                     self.busy_seconds += time.perf_counter() - t0
             except Exception as err:  # noqa: BLE001 - the sequences of a failed step fail; the engine lives on
@@ -207,6 +216,8 @@ class StreamEngine:
             if not seq.future.done():
                 seq.future.set_exception(err)
         self.batch, self.held = Batch(), []
+        if self.slots is not None:
+            self.slots.reset()
 
     def _step_in_region(self) -> None:
         with self.placement.autocast():
@@ -214,8 +225,11 @@ class StreamEngine:
 
     @torch.no_grad()
     def _step(self) -> None:
-        was_training = self.model.training
-        self.model.eval()
+        # over slots every forward runs the decode copy, always in eval mode (putting a 1.5B model in
+        # eval mode and back walks its modules: 10 ms a step, profiled)
+        was_training = self.slots is None and self.model.training
+        if was_training:
+            self.model.eval()
         try:
             admitted = self._take_admissible()
             if self.batch.rows:
@@ -223,7 +237,8 @@ class StreamEngine:
             if admitted:
                 self._admit(admitted)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
 
     def _take_admissible(self) -> list[Sequence]:
         room = self.max_batch_size - len(self.batch.rows)
@@ -244,14 +259,19 @@ class StreamEngine:
     def _decode(self) -> None:
         """One token for every running row, then the rows that ended leave."""
         batch = self.batch
+        self.decode_forwards += 1
+        self.decode_positions += len(batch.rows)
+        if self.slots is not None:
+            logits = self.slots.decode([s.slot for s in batch.rows], [s.tokens[-1] for s in batch.rows]).float()
+            tokens, logprobs = choose(logits, batch.rows)
+            self._retire([seq.add(t, lp, self.policy_version) for seq, t, lp in zip(batch.rows, tokens, logprobs)])
+            return
         last = torch.tensor([s.tokens[-1] for s in batch.rows], device=self.placement.device)[:, None]
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=-1)
         with self._scope(batch.rows):
             out = self.model(input_ids=last, position_ids=batch.positions[:, None], attention_mask=batch.mask,
                              past_key_values=batch.cache, use_cache=True, **self.keep)
         batch.cache, batch.positions = out.past_key_values, batch.positions + 1
-        self.decode_forwards += 1
-        self.decode_positions += len(batch.rows)
         tokens, logprobs = choose(out.logits[:, -1].float(), batch.rows)
         ended = [seq.add(t, lp, self.policy_version) for seq, t, lp in zip(batch.rows, tokens, logprobs)]
         self._retire(ended)
@@ -273,8 +293,9 @@ class StreamEngine:
         past = cache.get_seq_length() if cache is not None else 0
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         extra = pixel_batch(images, device) if images is not None else {}
+        model = self.slots.model if self.slots is not None else self.model
         with self._scope([seqs[i] for i in unique]):
-            out = self.model(input_ids=ids[:, past:], position_ids=positions[:, past:], attention_mask=mask, past_key_values=cache,
+            out = model(input_ids=ids[:, past:], position_ids=positions[:, past:], attention_mask=mask, past_key_values=cache,
                              use_cache=True, **self.keep, **extra)
         self.decode_forwards += 1
         self.decode_positions += len(unique)
@@ -285,7 +306,13 @@ class StreamEngine:
             logits, mask, positions = logits[expand], mask[expand], positions[expand]
         tokens, logprobs = choose(logits, seqs)
         ended = [seq.add(t, lp, self.policy_version) for seq, t, lp in zip(seqs, tokens, logprobs)]
-        self._join(Batch(seqs, cache, mask, positions[:, -1] + 1))
+        if self.slots is not None:
+            for seq, slot in zip(seqs, self.slots.take(len(seqs))):
+                seq.slot = slot
+            self.slots.join([s.slot for s in seqs], layers_of(cache), mask, positions[:, -1] + 1)
+            self.batch = Batch(self.batch.rows + seqs)
+        else:
+            self._join(Batch(seqs, cache, mask, positions[:, -1] + 1))
         self._retire([False] * (len(self.batch.rows) - len(seqs)) + ended)
 
     def _join(self, new: Batch) -> None:
@@ -306,19 +333,27 @@ class StreamEngine:
         if not any(ended):
             return
         batch, staying = self.batch, [at for at, gone in enumerate(ended) if not gone]
-        layers = layers_of(batch.cache)
+        layers = layers_of(batch.cache) if self.slots is None else []
         for at, gone in enumerate(ended):
             if not gone:
                 continue
             seq = batch.rows[at]
             if self.prefix_cache.max_tokens and seq.images is None and len(seq.tokens) > 1:
-                columns = batch.mask[at].nonzero().squeeze(-1)  # the prompt's and the fed tokens' (all but the last drawn)
-                states: LayerStates = [(k[at].index_select(1, columns), v[at].index_select(1, columns)) for k, v in layers]
+                # the prompt's and the fed tokens' key/values (all but the last drawn)
+                if self.slots is not None:
+                    states: LayerStates = self.slots.states(seq.slot)
+                else:
+                    columns = batch.mask[at].nonzero().squeeze(-1)
+                    states = [(k[at].index_select(1, columns), v[at].index_select(1, columns)) for k, v in layers]
                 self.prefix_cache.store(seq.prompt + seq.tokens[:-1], states)
             self.generated_tokens += len(seq.tokens)
             self.useful_positions += len(seq.tokens)
             reason = "stop" if seq.stopped else "length"
             seq.future.set_result(Completion(seq.tokens, seq.logprobs, reason, seq.versions))
+        if self.slots is not None:
+            self.slots.release([batch.rows[at].slot for at, gone in enumerate(ended) if gone])
+            self.batch = Batch([batch.rows[at] for at in staying])
+            return
         if not staying:
             self.batch = Batch()
             return

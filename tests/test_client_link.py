@@ -247,6 +247,7 @@ def test_a_gateway_that_drops_the_handshake_reads_as_unreachable_and_is_retried(
         server.close()
 
 
+@pytest.mark.slow  # a gateway restart under a live fit (75 s); the link's other tests stay in the default run
 def test_a_fit_rides_out_a_gateway_restart_and_keeps_its_link_until_taken_over(service, tmp_path):
     """One job, three clients: the first's fit() outlives a SIGKILLed gateway (its link reopens,
     the job waits for it), a second fit() is refused in one line, a third takes over and the first

@@ -85,6 +85,7 @@ def test_an_unhealthy_evaluation_never_promotes():
 
 # --- followers outlive blips --------------------------------------------------------------------------
 
+@pytest.mark.slow  # a Prefect restart under a job (60 s); the slot lease across a restart stays in the default run
 def test_train_reports_the_real_end_state_across_a_prefect_restart(stack, stack_env, tmp_path):
     """`opentinker train` follows a job; the Prefect server is killed mid-job, kept down until the
     follower says it is reconnecting, and started again: the follower reports the job's real end

@@ -48,6 +48,7 @@ def resolve(report: Path, python: str, requirements: list[str]) -> subprocess.Po
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow  # resolves the GPU installs for every Python (85 s): a packaging check, not behaviour
 def test_the_gpu_worker_installs_resolve_for_every_supported_python(tmp_path):
     installs = worker_installs()
     # side by side; the project's environment on 3.11 is what `make install` resolves on every run already

@@ -290,6 +290,7 @@ def test_a_worker_that_cannot_reach_the_head_or_keeps_local_storage_refuses_in_o
     assert not (tmp_path / "pids").exists()  # nothing was started
 
 
+@pytest.mark.slow  # a head killed mid-job and restarted (three minutes); joining and placing stay in the default run
 def test_a_head_that_dies_mid_job_fails_it_in_one_line_and_it_resumes_on_the_restarted_head(cluster, tmp_path):
     """The stack's head killed mid-job: the job fails in one line; `opentinker up` (Stack.up) starts
     a new head, machine B joins it by itself, and the resubmitted job resumes."""

@@ -90,6 +90,7 @@ def _passes(settings) -> int | None:
     return None if info is None else sum(base["passes"] for base in info["bases"].values())
 
 
+@pytest.mark.slow  # two sessions through a whole stack (100 s); tests/test_tinker_shared.py holds the sharing in the default run
 def test_two_tenants_sessions_share_one_base_model_worker(tenant, tmp_path):
     """Two tenants' sessions are two flow runs, each holding a seat, hosted on one worker actor:
     one base, both clients adapters of it, each session's door under the worker's server. Same

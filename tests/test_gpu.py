@@ -209,15 +209,11 @@ def test_tinker_tenants_share_one_pass_on_a_bf16_base(tiny):
 
 # --- recomputed against sampled log-probabilities, bf16 ----------------------------------------
 
-@pytest.mark.parametrize("adapter", [LoraSpec(r=8, alpha=16), FullSpec()], ids=["lora", "full"])
-def test_recomputed_logprobs_agree_with_sampled_ones_in_bf16(tiny, adapter):
+def _sampled_against_recomputed(engine, trainer, tok) -> float:
+    """The largest |sampled - recomputed| log-probability of 16 prompts' completions (16 tokens, T=1)."""
     from opentinker.core.trajectory import Trajectory
 
-    model, tok = tiny
-    where = Placement(DEVICE, BF16)
-    trainer = PolicyTrainer(copy.deepcopy(model), tok, adapter, AlgorithmSpec(), OptimizationSpec(lr=1e-3, micro_batch_size=8), placement=where)
-    engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=0, placement=where)
-    prompts = stream._prompts(tok)
+    prompts, where = stream._prompts(tok), trainer.placement
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
                                   generators=[torch.Generator(device=where.device).manual_seed(i) for i in range(len(prompts))])
     trajs = []
@@ -226,7 +222,16 @@ def test_recomputed_logprobs_agree_with_sampled_ones_in_bf16(tiny, adapter):
         t.append_sampled(c.token_ids, c.logprobs, "")
         trajs.append(t)
     recomputed = trainer.logprobs(trajs)
-    gap = max(abs(a - b) for r, c in zip(recomputed, completions) for a, b in zip(r, c.logprobs))
+    return max(abs(a - b) for r, c in zip(recomputed, completions) for a, b in zip(r, c.logprobs))
+
+
+@pytest.mark.parametrize("adapter", [LoraSpec(r=8, alpha=16), FullSpec()], ids=["lora", "full"])
+def test_recomputed_logprobs_agree_with_sampled_ones_in_bf16(tiny, adapter):
+    model, tok = tiny
+    where = Placement(DEVICE, BF16)
+    trainer = PolicyTrainer(copy.deepcopy(model), tok, adapter, AlgorithmSpec(), OptimizationSpec(lr=1e-3, micro_batch_size=8), placement=where)
+    engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=0, placement=where)
+    gap = _sampled_against_recomputed(engine, trainer, tok)
     assert gap < 3e-2, f"largest |recomputed - sampled| log-probability {gap:.3g}"
 
 
@@ -292,31 +297,17 @@ def test_a_merged_lora_adapter_decodes_what_the_trainer_scores_in_bf16(tiny):
     """LoRA decodes at the base's speed through weights with the adapter merged (slots.py): with a
     nonzero adapter in bf16, sampled logprobs agree with the trainer's recomputation (3e-2), and
     after a change of the adapter's weights the next samples follow the new adapter."""
-    from opentinker.core.trajectory import Trajectory
-
     model, tok = tiny
     where = Placement(DEVICE, BF16)
     trainer = PolicyTrainer(copy.deepcopy(model), tok, LoraSpec(r=8, alpha=16), AlgorithmSpec(),
                             OptimizationSpec(lr=1e-3, micro_batch_size=8), placement=where)
     engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=0, placement=where, slots=True)
-    prompts = stream._prompts(tok)
-
-    def gap() -> float:
-        completions = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
-                                      generators=[torch.Generator(device=where.device).manual_seed(i) for i in range(len(prompts))])
-        trajs = []
-        for prompt, c in zip(prompts, completions):
-            t = Trajectory(prompt_ids=prompt, group_id=0)
-            t.append_sampled(c.token_ids, c.logprobs, "")
-            trajs.append(t)
-        recomputed = trainer.logprobs(trajs)
-        return max(abs(a - b) for r, c in zip(recomputed, completions) for a, b in zip(r, c.logprobs))
 
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)
         state = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in trainer.trainable_state().items()}
         engine.stream.between_steps(lambda: trainer.load_trainable_state(state))
-        worst = gap()
+        worst = _sampled_against_recomputed(engine, trainer, tok)
         assert worst < 3e-2, f"adapter {seed}: largest |recomputed - sampled| log-probability {worst:.3g}"
 
 

@@ -44,9 +44,10 @@ class Draws:
 
     generator: torch.Generator | None
     members: list[Sequence] = field(default_factory=list)
+    _places: dict[int, int] = field(default_factory=dict, repr=False)  # id(member) -> its index, filled on first use
 
     def index(self, seq: Sequence) -> int:
-        if not hasattr(self, "_places"):
+        if len(self._places) != len(self.members):
             self._places = {id(s): k for k, s in enumerate(self.members)}
         return self._places[id(seq)]
 

@@ -137,7 +137,8 @@ class ServerRolloutEngine:
             with self._names:
                 self._using[model] -= 1
                 done = model in self._retired and not self._using[model]
-                self._retired.discard(model) if done else None
+                if done:
+                    self._retired.discard(model)
             if done:
                 self._unload(model)
         completions = [results[i] for i in range(len(prompts))]

@@ -338,9 +338,13 @@ def _power_of_two_above(n: int) -> int:
     return size
 
 
+def _is_lora(module) -> bool:
+    return hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
 def _tensor(module, name: str) -> torch.Tensor:
     """A source module's parameter `name` (a LoRA layer's: its base layer's)."""
-    if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
+    if _is_lora(module):
         return getattr(module.base_layer, name)
     return getattr(module, name)
 
@@ -348,7 +352,7 @@ def _tensor(module, name: str) -> torch.Tensor:
 def _value_of(module, name: str):
     """How to read the source's current value of a parameter: a LoRA layer's weight is its base
     weight plus the deltas of its active adapters (unless they are merged into it already)."""
-    if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight"):
+    if _is_lora(module):
         base = module.base_layer
         if name != "weight":
             return lambda: getattr(base, name)

@@ -150,13 +150,14 @@ class ServerRolloutEngine:
         """Nothing to free here: the server manages its own cache."""
 
     # --- weights -------------------------------------------------------------------------------
-    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
+    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float | None:
         """Load the adapter (`adapter/…` files as `adapter_files` writes them) as `policy-v<version>`
         and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise.
-        One sync at a time (the producer and an evaluation may both ask for the same version)."""
+        One sync at a time (the producer and an evaluation may both ask for the same version): None
+        when `version` is on the server already."""
         with self._syncing:
             if self.synced_version == version:
-                return 0.0
+                return None
             return self._sync(version, files, probe)
 
     def _sync(self, version: int, files: dict[str, bytes], probe: Probe) -> float:

@@ -16,7 +16,6 @@ opentinker/backend/server_engine.py); the model here is then the trainer's refer
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,7 +111,6 @@ class Sampler:
         self._batch: RolloutBatch | None = None
         self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
         self._last_take: float | None = None
-        self._publishing = threading.Lock()
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
@@ -131,8 +129,9 @@ class Sampler:
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
         t0 = time.perf_counter()
-        gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)
-        self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
+        gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)  # one sync at a time
+        if gap is not None:  # None: another thread's sync put this version there first
+            self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
         """Stop what the sampler started (its producer, its engine's thread, a server engine's own server)."""
@@ -216,8 +215,7 @@ class Sampler:
 
     def _play_group(self, group: Any) -> list[Trajectory]:
         """One group's episodes (group size of its task), as streams."""
-        with self._publishing:
-            self._publish()
+        self._publish()
         n = self.spec.rollout.group_size
         return run_episodes(self.engine, self.chat, [self.env.make_game() for _ in range(n)], [group.task] * n, self.train_params, self.limits,
                             [group.index] * n, self._generators(group.index * n, n))

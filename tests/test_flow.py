@@ -212,7 +212,7 @@ def test_a_job_the_cluster_cannot_place_fails_before_starting(stack_env, tmp_pat
 
 def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
 
     from flows.self_play import self_play
     from tests.test_multiagent import _gomoku_spec
@@ -226,7 +226,8 @@ def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
     assert {"X/rollout/win_rate", "O/rollout/win_rate", "X/update/sequences", "O/update/sequences", "X/eval/win_rate"} <= keys
     # the matches, then a rollout and an update task per agent and step, visible in Prefect
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(limit=5, sort="START_TIME_DESC")
+        # only self-play runs: a registry-triggered evaluation may start after this one in the shared stack
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["self-play"])), sort="START_TIME_DESC")
         run = next(r for r in runs if r.name and r.flow_id and r.parameters.get("job_id") == "sp-flow")
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
     names = sorted(t.name for t in tasks)

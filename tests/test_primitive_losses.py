@@ -98,6 +98,36 @@ def test_spot_values():
     assert gspo_grad[0] == pytest.approx([-0.75 * s0, 0.0, -0.75 * s0])
 
 
+def test_gspo_takes_the_sequence_ratio_over_its_mask():
+    """With a sequence_ratio_mask that differs from the advantages' support (the cookbook's gspo sends
+    one), the ratio is the mask's: datum 0 has mask [1, 1, 0] and advantages [1, 0, 0.5], so
+    s = exp((0.3 - 0.1) / 2), loss = -(1 + 0.5)·s (unclipped), and position 1 (advantage 0) gets a
+    gradient through s while position 2 (outside the mask) gets none."""
+    lp = torch.tensor([LP[0]], requires_grad=True)
+    inputs = {"logprobs": torch.tensor([Q[0]]), "advantages": torch.tensor([A_GSPO[0]]),
+              "sequence_ratio_mask": torch.tensor([[1.0, 1.0, 0.0]])}
+    out = primitive_loss("gspo", lp, inputs, torch.tensor([M[0]]), loss_config("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}))
+    out.loss.backward()
+    s = math.exp(0.1)
+    assert out.loss.item() == pytest.approx(-1.5 * s, abs=1e-6)
+    assert lp.grad[0].tolist() == pytest.approx([-0.75 * s, -0.75 * s, 0.0], abs=1e-6)
+    # without the mask: the advantages' support (positions 0 and 2), as test_spot_values has it
+    del inputs["sequence_ratio_mask"]
+    lp.grad = None
+    primitive_loss("gspo", lp, inputs, torch.tensor([M[0]]), loss_config("gspo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})).loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-0.75 * math.exp(-0.05), 0.0, -0.75 * math.exp(-0.05)], abs=1e-6)
+
+
+def test_cross_entropy_with_soft_targets_by_hand():
+    """Soft targets ([B, T, K] logprobs and weights): loss = -Σ_t Σ_k w·lp over real positions, d/d lp = -w."""
+    lp = torch.tensor([[[-1.0, -2.0], [-0.5, -3.0], [-4.0, -4.0]]], requires_grad=True)
+    w = torch.tensor([[[0.75, 0.25], [1.0, 0.0], [0.5, 0.5]]])
+    out = primitive_loss("cross_entropy", lp, {"weights": w}, torch.tensor([[1, 1, 0]]), {})
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(0.75 * 1 + 0.25 * 2 + 0.5)  # the padded position counts nothing
+    assert lp.grad.tolist() == [[[-0.75, -0.25], [-1.0, 0.0], [0.0, 0.0]]]
+
+
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_losses_are_sums_and_ignore_padding(name):
     """A batch's loss is the sum of its datums' (a repeated datum counts twice); padded values change nothing."""
@@ -173,6 +203,33 @@ def test_forward_backward_logprobs_and_cross_entropy():
     assert all(k.count(":") == 1 for k in pm.optim_step(ADAM))
 
 
+def test_soft_targets_score_each_candidate_and_train_like_their_weighted_hard_targets():
+    """[N, K] target_tokens and weights (off-policy distillation's teacher top-K): the logprobs come
+    back [N, K], each log_softmax(logits)[target] computed apart; the loss is -Σ w·lp; and the
+    gradient equals that of K hard-target datums weighted alike (what the soft form means)."""
+    tokens = [1, 50, 300, 7]
+    targets = np.array([[50, 51, 52], [300, 2, 9], [7, 7, 7], [9, 10, 11]], np.int64)
+    weights = np.array([[0.6, 0.3, 0.1], [1.0, 0.0, 0.0], [0.2, 0.2, 0.6], [0.0, 0.0, 0.0]], np.float32)
+    soft = TokenDatum(tokens, {"target_tokens": targets, "weights": weights})
+    pm = make(seed=5)
+    (out,), metrics = pm.forward_backward([soft], "cross_entropy", {})
+    with torch.no_grad():
+        logp = torch.log_softmax(pm.model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
+    want = logp.gather(-1, torch.as_tensor(targets))
+    assert out["logprobs"].shape == (4, 3) and np.allclose(out["logprobs"], want.numpy(), atol=1e-5)
+    assert metrics["loss:sum"] == pytest.approx(-float((torch.as_tensor(weights) * want).sum()), abs=1e-4)
+    hard = make(seed=5)
+    hard.forward_backward([TokenDatum(tokens, {"target_tokens": targets[:, k].copy(), "weights": weights[:, k].copy()}) for k in range(3)],
+                          "cross_entropy", {})
+    # float32 sums in another order (one row against three): equal to ~1e-5 of gradients up to ~3
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=5e-5) for a, b in zip(grads(pm), grads(hard)) if a is not None)
+    # one call with hard and soft datums side by side: each comes back in its own shape, same values
+    both, _ = make(seed=5).forward_backward([soft, DATA[1]], "cross_entropy", {}, forward_only=True)
+    alone, _ = make(seed=5).forward_backward([DATA[1]], "cross_entropy", {}, forward_only=True)
+    assert both[0]["logprobs"].shape == (4, 3) and np.allclose(both[0]["logprobs"], out["logprobs"], atol=1e-5)
+    assert both[1]["logprobs"].shape == (3,) and np.allclose(both[1]["logprobs"], alone[0]["logprobs"], atol=1e-5)
+
+
 def test_forward_only_leaves_gradients_alone():
     """forward_only computes the same logprobs but adds no gradient (none before, the same after a backward)."""
     pm = make()
@@ -234,6 +291,10 @@ def test_grad_clip_norm_clips_and_reports_the_norm_before():
     ([datum([1, 2], logprobs=[0, 0], advantages=[1, math.nan])], "importance_sampling", r"data\[0\].*'advantages'.*NaN"),
     ([datum([1, 2], logprobs=[0, 0])], "ppo", r"data\[0\]\.loss_fn_inputs: ppo needs advantages"),
     ([], "cross_entropy", r"data: empty"),
+    ([TokenDatum([1, 2], {"target_tokens": np.array([[2, 3], [4, 5]]), "logprobs": np.zeros(2, np.float32),
+                          "advantages": np.ones(2, np.float32)})], "ppo", r"soft targets \[N, K\] are taken by cross_entropy only, not ppo"),
+    ([TokenDatum([1, 2], {"target_tokens": np.array([[2, 3], [4, 5]]), "weights": np.ones(2, np.float32)})], "cross_entropy",
+     r"data\[0\]\.loss_fn_inputs\['weights'\]: shape \[2\], expected \[2, 2\]"),
 ])
 def test_bad_input_is_a_bad_request(data, loss_fn, match):
     """Out-of-vocabulary ids, mismatched targets, NaN advantages, missing inputs and empty data name what is wrong."""

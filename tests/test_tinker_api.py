@@ -124,6 +124,51 @@ def test_each_loss_matches_its_formula(fresh, loss_fn, config):
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3, abs=1e-3)
 
 
+def test_gspo_takes_its_ratio_over_the_sequence_ratio_mask(fresh):
+    """The cookbook's gspo sends sequence_ratio_mask (its sampled tokens); the ratio is taken over
+    it, here a mask that differs from the advantages' support (which gives another value)."""
+    tokens = seq(8)
+    adv = np.array([0.0] * 4 + [1.0, 1.0, 0.0, -0.5, 2.0, 0.0, 2.0])
+    mask = np.array([0.0] * 3 + [1.0] * 5 + [0.0] * 3)
+    lp = lp_of(fresh.forward([datum(tokens, weights=[0.0] * 11)], "cross_entropy").result(), 0)
+    q = lp - np.array([0.0, 0.0, 0.0, 0.3, -0.2, 0.4, 0.1, -0.3, 0.2, 0.5, -0.1])  # the sampler's: lp - q known
+    data = [datum(tokens, logprobs=q.tolist(), advantages=adv.tolist(), sequence_ratio_mask=mask.tolist())]
+    out = fresh.forward_backward(data, "gspo", loss_fn_config={"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}).result()
+    s = math.exp(((lp - q) * mask).sum() / mask.sum())
+    by_advantages = math.exp((lp - q)[adv != 0].mean())
+    assert out.metrics["loss:sum"] == pytest.approx(-(s * adv).sum(), rel=1e-4)
+    assert abs(s - by_advantages) > 0.05
+
+
+def test_soft_targets_train_through_the_sdk(fresh):
+    """Off-policy distillation's datums: [N, K] target_tokens and weights (the SDK sends them
+    sparse); logprobs come back [N, K], loss:sum is -Σ w·lp; forward_backward_custom gets [N, K]
+    logprobs for its loss (sdft's reverse KL) and trains on them."""
+    import torch
+
+    tokens = seq(9)
+    n, k = len(tokens) - 1, 3
+    targets = torch.tensor([[t, (t + 1) % 5000, (t + 7) % 5000] for t in tokens[1:]])
+    weights = torch.zeros(n, k)
+    weights[4:] = torch.tensor([0.7, 0.2, 0.1])  # the prompt's positions weigh 0 (sparse rows)
+    soft = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
+                                       "weights": types.TensorData.from_torch(weights)})
+    before = fresh.forward([soft], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    assert list(before.shape) == [n, k]
+    hard = lp_of(fresh.forward([datum(tokens, weights=[1.0] * n)], "cross_entropy").result(), 0)
+    np.testing.assert_allclose(before[:, 0].numpy(), hard, atol=1e-5)  # slot 0 holds the sequence's own tokens
+    out = fresh.forward_backward([soft], "cross_entropy").result()
+    assert out.metrics["loss:sum"] == pytest.approx(-float((weights * before).sum()), rel=1e-4)
+
+    def reverse_kl(data, logprobs):
+        assert [list(lp.shape) for lp in logprobs] == [[n, k]]
+        p = torch.log_softmax(logprobs[0][4:], -1)
+        return (p.exp() * (p - torch.log(weights[4:]))).sum(), {}
+
+    fresh.forward_backward_custom([soft], reverse_kl).result()
+
+
 def test_unsupported_loss_is_refused_naming_the_supported_ones(fresh):
     """stable_reinforce fails the call at once with one line naming the losses served."""
     data = [datum(seq(3), logprobs=[0.0] * 11, advantages=[1.0] * 11)]

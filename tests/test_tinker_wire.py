@@ -60,3 +60,17 @@ def test_calls_run_in_seq_order_zstd_bodies_decode_and_resends_are_deduplicated(
     assert out.metrics["loss:sum"] > 0 and out.loss_fn_outputs[0].num_datums == 1
     metrics = result(http, step.json()["request_id"]).json()["metrics"]
     assert metrics["grad_norm:mean"] > 0 and metrics["tokens:sum"] == 15.0  # the gradient of seq 1, counted once
+
+
+def test_outputs_of_several_shapes_decode_in_the_sdk_as_sent():
+    """Soft targets' [N, K] logprobs beside [N] ones: one ArrayRecord per run of a trailing shape,
+    which the SDK's own decoder rebuilds datum by datum, in order."""
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    from opentinker.tinker.wire import encode_forward_backward
+
+    arrays = [np.arange(3, dtype=np.float32), np.arange(8, dtype=np.float32).reshape(4, 2),
+              np.ones((2, 2), np.float32), np.arange(5, dtype=np.float32).reshape(1, 5), np.zeros(1, np.float32)]
+    out = deserialize_forward_backward_output(encode_forward_backward([{"logprobs": a} for a in arrays], {"loss:sum": 1.0}))
+    got = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+    assert [g.shape for g in got] == [a.shape for a in arrays] and all(np.array_equal(g, a) for g, a in zip(got, arrays))

@@ -5,15 +5,16 @@ gradient), `q` the sampler's (`loss_fn_inputs["logprobs"]`), `A` the advantages 
 Every loss is a **sum** over tokens and datums (no mean), as Tinker defines them; KL, if wanted,
 goes into the advantages on the client's side.
 
-    cross_entropy        −Σ w·lp                                   (w: any real weights)
+    cross_entropy        −Σ w·lp                                   (w: any real weights; with soft targets
+                         [N, K], lp and w are [N, K]: −Σ_t Σ_k w[t,k]·log p(target[t,k]))
     importance_sampling  −Σ r·A
     ppo                  −Σ min(r·A, clip(r, lo, hi)·A)            (lo, hi: ratio bounds, 0.8 / 1.2)
     cispo                −Σ sg(clip(r, lo, hi))·lp·A               (sg: no gradient; 0.8 / 1.2)
     dro                  −Σ (lp·A − ½·β·(lp − q)²)                 (β: `beta`, 0.05)
-    gspo                 per datum s = exp(mean over its tokens of (lp − q)), its tokens being the
-                         positions with a nonzero advantage; −Σ_tokens min(s·A, clip(s, lo, hi)·A)
-                         (the GSPO paper's sequence ratio, summed over the tokens like the others;
-                         lo, hi default to the paper's 1 − 3e-4 and 1 + 4e-4)
+    gspo                 per datum s = exp(Σ m·(lp − q) / Σ m), m its `sequence_ratio_mask` (default: the
+                         positions with a nonzero advantage); −Σ min(s·A, clip(s, lo, hi)·A) over its
+                         positions (the GSPO paper's sequence ratio, summed over the tokens like the
+                         others; lo, hi default to the paper's 1 − 3e-4 and 1 + 4e-4)
 
 `stable_reinforce` is not publicly specified and is refused (UnsupportedLoss names the others).
 """
@@ -70,11 +71,15 @@ class LossOut:
 def primitive_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], mask: torch.Tensor,
                    config: dict[str, float]) -> LossOut:
     """The loss `name` of a padded batch: `lp` [B, T] with gradient, `inputs` [B, T] each, `mask`
-    [B, T] 1.0 on real positions; `config` from `loss_config`."""
+    [B, T] 1.0 on real positions; `config` from `loss_config`. With soft targets in the batch
+    (opentinker.backend.primitives.padded) `lp` and `weights` are [B, T, K], a hard target in slot 0."""
     mask = mask.to(lp.dtype)
     if name == "cross_entropy":
-        loss = -(inputs["weights"] * lp * mask).sum()
+        weights = inputs["weights"] if inputs["weights"].dim() == lp.dim() else inputs["weights"][..., None]
+        loss = -(weights * lp * (mask[..., None] if lp.dim() == 3 else mask)).sum()
         return LossOut(loss, {"loss:sum": float(loss.detach())})
+    if lp.dim() == 3:  # a shared pass beside another call's soft targets: this call's targets are in slot 0
+        lp = lp[..., 0]
     q, adv = inputs["logprobs"], inputs["advantages"]
     log_ratio = lp - q
     ratio = torch.exp(log_ratio)
@@ -88,9 +93,10 @@ def primitive_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor],
     elif name == "dro":
         per_token = -(lp * adv - 0.5 * config["beta"] * log_ratio**2)
     elif name == "gspo":
-        tokens = mask * (adv != 0).to(lp.dtype)
+        ratio_mask = inputs.get("sequence_ratio_mask")
+        tokens = mask * (ratio_mask.to(lp.dtype) if ratio_mask is not None else (adv != 0).to(lp.dtype))
         seq_ratio = torch.exp((log_ratio * tokens).sum(-1) / tokens.sum(-1).clamp(min=1))[:, None]
-        per_token = -torch.minimum(seq_ratio * adv, torch.clamp(seq_ratio, lo, hi) * adv) * tokens
+        per_token = -torch.minimum(seq_ratio * adv, torch.clamp(seq_ratio, lo, hi) * adv)
     else:  # loss_config refused it already
         raise UnsupportedLoss(f"loss_fn {name!r} is not supported here; supported: {SUPPORTED}")
     loss = (per_token * mask).sum()

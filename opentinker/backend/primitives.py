@@ -31,6 +31,7 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 UNEMBED = ["lm_head"]
 LORA_ALPHA = 32.0  # not on the wire; Tinker's default
 MICRO_BATCH_TOKENS = 4096  # padded positions per forward pass
+MAX_SOFT_TARGETS = 256  # K of cross_entropy's [N, K] soft targets
 
 
 class BadRequest(ValueError):
@@ -72,9 +73,9 @@ class AdamParams:
             raise BadRequest(f"adam_params: {', '.join(bad) or 'beta1/beta2 must be < 1 and eps > 0'}: {values}")
 
 
-def _as_float(name: str, i: int, array: np.ndarray, n: int) -> torch.Tensor:
-    if array.ndim != 1 or array.shape[0] != n:
-        raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}]: shape {list(array.shape)}, the model input has {n} tokens")
+def _as_float(name: str, i: int, array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(array.shape) != shape:
+        raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}]: shape {list(array.shape)}, expected {list(shape)} (the target_tokens' shape)")
     tensor = torch.as_tensor(np.array(array, dtype=np.float32))
     if not bool(torch.isfinite(tensor).all()):
         raise BadRequest(f"data[{i}].loss_fn_inputs[{name!r}]: holds NaN or infinity")
@@ -83,7 +84,11 @@ def _as_float(name: str, i: int, array: np.ndarray, n: int) -> torch.Tensor:
 
 def checked_rows(data: list[Any], loss_fn: str, vocab_size: int, context_length: int | None, base_name: str
                  ) -> list[dict[str, torch.Tensor]]:
-    """Each datum as tensors (tokens, target_tokens and the loss's inputs), or BadRequest naming the datum and field."""
+    """Each datum as tensors (tokens, target_tokens and the loss's inputs), or BadRequest naming the datum and field.
+
+    `target_tokens` is [N], or [N, K] for cross_entropy's soft targets (K candidate tokens per
+    position, `weights` [N, K] too: off-policy distillation's teacher top-K and their probabilities).
+    gspo's optional `sequence_ratio_mask` [N] defaults to the positions with a nonzero advantage."""
     if not data:
         raise BadRequest("data: empty (one datum at least)")
     needed = ("target_tokens", *LOSSES[loss_fn][0])
@@ -99,15 +104,25 @@ def checked_rows(data: list[Any], loss_fn: str, vocab_size: int, context_length:
             raise BadRequest(f"data[{i}].loss_fn_inputs: {loss_fn} needs {', '.join(missing)}")
         tokens = torch.as_tensor(datum.tokens, dtype=torch.long)
         targets = datum.inputs["target_tokens"]
-        if targets.ndim != 1 or targets.shape[0] != n:
+        if targets.ndim not in (1, 2) or targets.shape[0] != n:
             raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: shape {list(targets.shape)}, the model input has {n} tokens")
+        if targets.ndim == 2 and loss_fn != "cross_entropy":
+            raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: shape {list(targets.shape)}: soft targets [N, K] "
+                             f"are taken by cross_entropy only, not {loss_fn}")
+        if targets.ndim == 2 and not 1 <= targets.shape[1] <= MAX_SOFT_TARGETS:
+            raise BadRequest(f"data[{i}].loss_fn_inputs['target_tokens']: {targets.shape[1]} targets per position (1 to {MAX_SOFT_TARGETS})")
         targets = torch.as_tensor(np.array(targets, dtype=np.int64))
         for name, ids in (("model_input", tokens), ("target_tokens", targets)):
             if bool(((ids < 0) | (ids >= vocab_size)).any()):
                 raise BadRequest(f"data[{i}].{name}: token ids must be in [0, {vocab_size}) for {base_name}")
         row = {"tokens": tokens, "target_tokens": targets}
         for name in LOSSES[loss_fn][0]:
-            row[name] = _as_float(name, i, datum.inputs[name], n) if name in datum.inputs else torch.zeros(n)
+            shape = tuple(targets.shape) if name == "weights" else (n,)
+            row[name] = _as_float(name, i, datum.inputs[name], shape) if name in datum.inputs else torch.zeros(shape)
+        if loss_fn == "gspo":
+            mask = datum.inputs.get("sequence_ratio_mask")
+            row["sequence_ratio_mask"] = (_as_float("sequence_ratio_mask", i, mask, (n,)) if mask is not None
+                                          else (row["advantages"] != 0).float())
         rows.append(row)
     return rows
 
@@ -126,17 +141,37 @@ def micro_batches(lengths: list[int], budget: int = MICRO_BATCH_TOKENS) -> list[
 
 
 def padded(rows: list[dict[str, torch.Tensor]], device: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Rows right-padded to one width ([B, T] per key, zeros where a row lacks a key) and the mask of real positions."""
+    """Rows right-padded to one width ([B, T] per key, zeros where a row lacks a key) and the mask
+    of real positions. When a row has soft targets ([N, K]), every row's `target_tokens` and
+    `weights` become [B, T, K] (K the widest; a hard target sits in slot 0, the other slots weigh 0)."""
     width = max(len(r["tokens"]) for r in rows)
-    dtypes = {k: v.dtype for r in rows for k, v in r.items()}
-    out = {k: torch.zeros((len(rows), width), dtype=dtype) for k, dtype in dtypes.items()}
+    k = max((r["target_tokens"].shape[1] for r in rows if r["target_tokens"].dim() == 2), default=0)
+    dtypes = {key: v.dtype for r in rows for key, v in r.items()}
+    out = {key: torch.zeros((len(rows), width, k) if k and key in SLOTTED else (len(rows), width), dtype=dtype)
+           for key, dtype in dtypes.items()}
     mask = torch.zeros((len(rows), width))
     for b, row in enumerate(rows):
         n = len(row["tokens"])
-        for k, v in row.items():
-            out[k][b, :n] = v
+        for key, v in row.items():
+            if k and key in SLOTTED:
+                v = v[:, None] if v.dim() == 1 else v
+                out[key][b, :n, : v.shape[1]] = v
+            else:
+                out[key][b, :n] = v
         mask[b, :n] = 1.0
-    return {k: v.to(device) for k, v in out.items()}, mask.to(device)
+    return {key: v.to(device) for key, v in out.items()}, mask.to(device)
+
+
+SLOTTED = ("target_tokens", "weights")  # the keys that take a slot dimension with soft targets
+
+
+def row_logprobs(values: np.ndarray, r: int, row: dict[str, torch.Tensor]) -> np.ndarray:
+    """Row r's log p(target) from a padded pass's [B, T] or [B, T, K] values, in its own target_tokens' shape."""
+    targets = row["target_tokens"]
+    n = targets.shape[0]
+    if values.ndim == 2:
+        return values[r, :n].astype(np.float32)
+    return (values[r, :n, 0] if targets.dim() == 1 else values[r, :n, : targets.shape[1]]).astype(np.float32)
 
 
 def graded_positions(padded_rows: dict[str, torch.Tensor], mask: torch.Tensor, loss_fn: str, config: dict[str, float],
@@ -146,7 +181,8 @@ def graded_positions(padded_rows: dict[str, torch.Tensor], mask: torch.Tensor, l
     if forward_only or loss_fn == "dro" and config.get("beta", 0) > 0:
         return mask.bool()
     coefficient = padded_rows.get("weights") if loss_fn == "cross_entropy" else padded_rows.get("advantages")
-    return mask.bool() & (coefficient != 0)
+    nonzero = coefficient != 0
+    return mask.bool() & (nonzero.any(-1) if nonzero.dim() == 3 else nonzero)
 
 
 def add_metrics(sums: dict[str, float], metrics: dict[str, float], n_tokens: float) -> None:
@@ -179,17 +215,19 @@ def adam_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], adam
 
 def target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, active: torch.Tensor,
                     forward_only: bool, placement: Placement, head_rows: Any = None) -> torch.Tensor:
-    """log p(target) [B, T] from the last hidden states: the unembedding with gradient at `active`
-    positions only, without at the other real ones. `head_rows(positions)`: a context under which
-    the head runs for those [K] flattened positions (a shared base's per-row adapters)."""
+    """log p(target) [B, T] ([B, T, K] for soft targets) from the last hidden states: the
+    unembedding with gradient at `active` positions only, without at the other real ones.
+    `head_rows(positions)`: a context under which the head runs for those [P] flattened positions
+    (a shared base's per-row adapters)."""
     from contextlib import nullcontext
 
-    lp = torch.zeros(mask.shape, device=mask.device)
+    lp = torch.zeros(targets.shape, device=mask.device)
 
     def score(where: torch.Tensor, grad: bool) -> torch.Tensor:
         with torch.set_grad_enabled(grad and not forward_only), placement.autocast(), (head_rows(where) if head_rows else nullcontext()):
             logits = head(hidden[where] if grad else hidden[where].detach())
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[where][:, None]).squeeze(-1)
+        picked = targets[where]
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, picked.reshape(len(picked), -1)).reshape(picked.shape)
 
     rest = ~active & mask.bool()
     if bool(rest.any()):
@@ -342,7 +380,7 @@ class PrimitiveModel(LoraTrainer):
             add_metrics(sums, out.metrics, n_tokens)
             lp = lp.detach().cpu().numpy()
             for r, i in enumerate(batch):
-                outputs[i] = {"logprobs": lp[r, : len(rows[i]["tokens"])].astype(np.float32)}
+                outputs[i] = {"logprobs": row_logprobs(lp, r, rows[i])}
         self.model.eval()
         if not forward_only:
             self.pending_tokens += int(tokens_total)

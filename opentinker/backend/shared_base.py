@@ -69,6 +69,7 @@ from opentinker.backend.primitives import (
     graded_positions,
     micro_batches,
     padded,
+    row_logprobs,
     target_logprobs,
 )
 from opentinker.core.spec_limits import SHARED_PASS_TOKENS
@@ -339,7 +340,7 @@ class SharedBase:
                 torch.stack(losses).sum().backward()
             values = lp.detach().cpu().numpy()
             for r, (c, i) in enumerate(members):
-                outputs[c][i] = {"logprobs": values[r, : len(calls[c].rows[i]["tokens"])].astype(np.float32)}
+                outputs[c][i] = {"logprobs": row_logprobs(values, r, calls[c].rows[i])}
         return [(outputs[c], sums[c], tokens[c]) for c in range(len(pieces))]
 
     def _job_pass(self, calls: list[JobPass]) -> list[tuple[int, dict[str, float]]]:

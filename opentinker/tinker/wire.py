@@ -179,16 +179,25 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 
 def encode_forward_backward(outputs: list[dict[str, np.ndarray]], metrics: dict[str, float]) -> bytes:
-    """A ForwardBackwardOutput: one ArrayRecord whose fields hold every datum's array back to back."""
+    """A ForwardBackwardOutput: ArrayRecords whose fields hold the datums' arrays back to back, one
+    record per run of consecutive datums with the same trailing shape ([] for [N] outputs, [K] for
+    soft targets' [N, K]), as the SDK rebuilds them."""
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for key, value in metrics.items():
         out.metrics[key] = float(value)
-    record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(outputs))
-    for name in (outputs[0] if outputs else {}):
-        arrays = [np.ascontiguousarray(o[name], dtype=np.float32) for o in outputs]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
-        record.fields[name].CopyFrom(pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(),
-                                                      dtype=pb.DTYPE_FLOAT32))
+    runs: list[list[dict[str, np.ndarray]]] = []
+    for o in outputs:
+        trailing = [np.shape(v)[1:] for v in o.values()]
+        if not runs or [np.shape(v)[1:] for v in runs[-1][0].values()] != trailing:
+            runs.append([])
+        runs[-1].append(o)
+    for run in runs or [[]]:
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
+        for name in (run[0] if run else {}):
+            arrays = [np.ascontiguousarray(o[name], dtype=np.float32) for o in run]
+            offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+            record.fields[name].CopyFrom(pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(),
+                                                          dtype=pb.DTYPE_FLOAT32, trailing_shape=list(arrays[0].shape[1:])))
     return out.SerializeToString()
 
 

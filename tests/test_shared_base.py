@@ -26,6 +26,9 @@ def datum(tokens, **inputs):
     return TokenDatum(tokens=tokens, inputs={"target_tokens": targets, **{k: np.array(v, np.float32) for k, v in inputs.items()}})
 
 
+# cross_entropy's soft targets ([N, K]: a distillation teacher's top-K and their probabilities)
+SOFT = TokenDatum(tokens=[3, 60, 61], inputs={"target_tokens": np.array([[60, 7], [61, 8], [2, 9]], np.int64),
+                                              "weights": np.array([[0.5, 0.5], [1, 0], [0.9, 0.1]], np.float32)})
 CE = [datum([1, 50, 300, 7, 9], weights=[1, 1, 0.5, 1, 0]), datum([4, 800, 12], weights=[1, -1, 2])]
 IS = [datum([5, 6, 7, 8, 9, 10], logprobs=[-1, -2, -3, -1, -2, -3], advantages=[0, 0, 1, 1, -1, 0]),
       datum([11, 12], logprobs=[-2, -2], advantages=[0.5, 0.5])]
@@ -124,8 +127,10 @@ def _tenants(sb: SharedBase) -> dict:
 
 
 def test_each_tenant_gets_the_same_results_alone_or_sharing_a_pass():
+    """Ann's call holds soft targets too: her [N, K] rows share the pass with the others' [N] rows."""
+    calls = {name: (loss_fn, data + [SOFT] if name == "ann" else data) for name, (_, loss_fn, data) in TENANTS.items()}
     alone = {}
-    for name, (shape, loss_fn, data) in TENANTS.items():
+    for name, (loss_fn, data) in calls.items():
         sb = shared()
         adapters = _tenants(sb)  # the others exist but send nothing
         outputs, metrics = adapters[name].forward_backward(data, loss_fn, {})
@@ -136,7 +141,7 @@ def test_each_tenant_gets_the_same_results_alone_or_sharing_a_pass():
     results, start = {}, threading.Barrier(len(TENANTS))
 
     def call(name: str) -> None:
-        _, loss_fn, data = TENANTS[name]
+        loss_fn, data = calls[name]
         start.wait()
         results[name] = adapters[name].forward_backward(data, loss_fn, {})
 

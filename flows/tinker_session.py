@@ -3,8 +3,8 @@
     hold a seat of the pool's base-model worker (or, unshared, a slot) → open the MLflow run →
     host the session on the worker (or start an actor of its own) on Ray → publish its server
     (artifact `endpoint-<session>`) → live until the client finishes, goes quiet past
-    `tinker_heartbeat_timeout_s` (then the run ends Completed named "Expired"), or the run is
-    cancelled → take it off the worker, free the seat
+    `tinker_heartbeat_timeout_s` (then the run ends Completed named "Expired"; sooner, past
+    `tinker_absent_after_s`, when its tenant opens a session at its limit), or the run is cancelled → take it off the worker, free the seat
 
 The client's calls never pass through Prefect: the gateway relays them to the actor's server,
 so a call costs little more than its computation. Prefect sees the session (its state, its
@@ -74,6 +74,9 @@ def tinker_session(session_id: str, tenant: str, num_gpus: float = 0.0, user_met
                 status = host.status()
                 if status["finished"]:
                     ended = f"finished by its client ({status['finished']})"
+                    break
+                if status.get("expired"):  # the gateway's call: its client gone, its tenant's new session needed the place
+                    ended = status["expired"]
                     break
                 if status["idle_s"] > timeout_s:
                     ended = (f"expired: no call or heartbeat for {status['idle_s']:.0f} s "

@@ -368,6 +368,49 @@ def test_a_quiet_session_expires_and_its_client_is_told_how_to_go_on(tenant):
     assert _slots() == 0
 
 
+FINISHED_SCRIPT = """
+import sys, tinker
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+print(trainer.model_id.split(":")[0], flush=True)
+"""  # and it ends without close(), as most of tinker-cookbook's recipes do
+
+
+@pytest.mark.slow  # two gateway restarts and three sessions (100 s); tests/test_tinker_sessions.py checks the rule in the default run
+def test_a_finished_scripts_session_gives_its_place_to_the_next_within_seconds(tenant):
+    """A script that ended without close() leaves its session running; at the tenant's limit (1
+    here) a new session is refused while the old one's client may only be between heartbeats, and
+    once it has sent nothing for `tinker_absent_after_s` (12 s here, not the 120 s timeout) the old
+    session ends Expired, saying why, and the new one opens."""
+    import re
+    import subprocess
+    import sys
+
+    from opentinker.control.scheduler import job_state
+
+    settings, key = tenant
+    restart_gateway(settings.model_copy(update={"tinker_max_sessions": 1, "tinker_absent_after_s": 12.0}))
+    try:
+        script = subprocess.run([sys.executable, "-c", FINISHED_SCRIPT, settings.gateway_url, key], capture_output=True, text=True,
+                                timeout=180, env=os.environ | {"TINKER_TELEMETRY": "0"})
+        assert script.returncode == 0, script.stderr[-2000:]
+        left_behind, ended = script.stdout.split()[0], time.monotonic()
+        with pytest.raises(Exception, match=r"tenant tinkerer has 1 live Tinker sessions, the limit is 1.*gives its place 12 s after"):
+            tinker.ServiceClient(base_url=settings.gateway_url, api_key=key).create_lora_training_client(base_model="tiny-random").result()
+        time.sleep(max(0.0, 13 - (time.monotonic() - ended)))
+        service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+        service.create_lora_training_client(base_model="tiny-random", rank=4).result()
+        old = _wait_final(left_behind, timeout=30)
+        service.close("success")
+    finally:
+        restart_gateway(settings)
+    state, reason = job_state(old)
+    assert old.state.name == "Expired" and state == "COMPLETED", old.state
+    found = re.fullmatch(r"expired: no call or heartbeat for (\d+) s, and a new session of its tenant needed its place "
+                         r"\(OPENTINKER_TINKER_ABSENT_AFTER_S: 12 s\)", reason)
+    assert found and 12 < int(found[1]) < 60, reason  # seconds after the script ended, not the 120 s timeout
+
+
 @pytest.mark.slow  # a whole stack down and up (a minute); the quiet-session test covers the lines in the default run
 def test_a_live_session_across_a_stack_restart_is_told_at_once_how_to_go_on(tenant, stack):
     """The whole stack stopped under a live client and started again: its session's flow run recorded

@@ -166,6 +166,12 @@ class Settings(BaseSettings):
     """A Tinker session whose client sent nothing (heartbeats included: the SDK sends one every 10 s)
     for this long ends, and frees its slot."""
 
+    tinker_absent_after_s: float = Field(30.0, gt=0)
+    """A session whose client has sent nothing for this long (three of the SDK's 10 s heartbeats
+    missed: its process exited without close(), or was killed) gives its seat to a new session of
+    its tenant at the limit at once, ending Expired; without such a request it lives until
+    `tinker_heartbeat_timeout_s`. A live client, idle or not, heartbeats and keeps its session."""
+
     game_allowlist: str = "envs"
     """Comma-separated module prefixes whose games workers import (`env.game`); anything else is
     refused before it is imported. Tenants' own games run in their process (the client link)."""

@@ -197,7 +197,8 @@ class BaseModelWorker:
         hosted = self.hosted[session_id]
         bases = "; ".join(f"{name}: {s['adapters']} adapter(s), {s['batch_share']:.0%} of passes shared"
                           for name, s in self.bases.stats().items())
-        return {"idle_s": hosted.session.idle_seconds(), "finished": hosted.session.finished, "steps": hosted.steps,
+        return {"idle_s": hosted.session.idle_seconds(), "finished": hosted.session.finished, "expired": hosted.session.expired,
+                "steps": hosted.steps,
                 "models": len(hosted.session.models), "worker": f" · base-model worker: {len(self.hosted)} session(s); {bases or 'no base loaded'}"}
 
     def drop(self, session_id: str) -> None:

@@ -80,7 +80,7 @@ class TinkerSessionActor:
         return {"url": self.url, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def status(self) -> dict[str, Any]:
-        return {"idle_s": self.session.idle_seconds(), "finished": self.session.finished, "steps": self.steps,
+        return {"idle_s": self.session.idle_seconds(), "finished": self.session.finished, "expired": self.session.expired, "steps": self.steps,
                 "models": len(self.session.models)}
 
     def stop(self) -> None:

@@ -59,10 +59,16 @@ RESUME = ("start a new session and resume from your last save_state with create_
 class SessionLimit(ValueError):
     """A tenant at its limit of live sessions (HTTP 429, not to be retried: only an end frees a place)."""
 
-    def __init__(self, tenant: str, live: int, limit: int, expire_s: float | None = None):
-        idle = f" or wait for an idle one to expire ({expire_s:g} s without a heartbeat)" if expire_s else ""
+    def __init__(self, tenant: str, live: int, limit: int, absent_s: float | None = None):
+        gone = f"; a session whose client is gone gives its place {absent_s:g} s after its last heartbeat" if absent_s else ""
         super().__init__(f"tenant {tenant} has {live} live Tinker sessions, the limit is {limit} (OPENTINKER_TINKER_MAX_SESSIONS): "
-                         f"close one (ServiceClient.close() or a `with` block){idle}")
+                         f"close one (ServiceClient.close() or a `with` block){gone}")
+
+
+def absent_line(idle_s: float, absent_s: float) -> str:
+    """Why a session whose client went quiet was ended to seat its tenant's new one."""
+    return (f"expired: no call or heartbeat for {idle_s:.0f} s, and a new session of its tenant needed its place "
+            f"(OPENTINKER_TINKER_ABSENT_AFTER_S: {absent_s:g} s)")
 
 
 def session_of(identifier: str) -> str | None:

@@ -23,7 +23,7 @@ from opentinker.tinker.session import USER_ERRORS, TinkerSession
 from opentinker.tinker.wire import MAX_BODY_BYTES
 
 PROTOBUF = "application/x-protobuf"
-DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish", "describe", "skip")
+DIRECT = ("get_info", "create_sampling_session", "heartbeat", "finish", "describe", "skip", "expire")
 
 
 def _refusal(err: BaseException) -> JSONResponse:
@@ -70,7 +70,11 @@ def create_app(session: TinkerSession, token: str) -> Any:
                 session.touch()
                 return JSONResponse({})
             if op == "describe":
-                return JSONResponse({"sampler_ids": sorted(session.samplers.records), "training_run_ids": sorted(session.models)})
+                return JSONResponse({"sampler_ids": sorted(session.samplers.records), "training_run_ids": sorted(session.models),
+                                     "idle_s": session.idle_seconds()})
+            if op == "expire":  # the gateway's: its client is gone and its tenant needs the place (flows/tinker_session.py ends it)
+                session.expired = str(body.get("reason") or "expired")
+                return JSONResponse({})
             if op == "finish":
                 session.finished = str((body.get("reason") or {}).get("type") or "success")
                 return JSONResponse({})

@@ -108,6 +108,7 @@ class TinkerSession:
         self.last_seen = time.monotonic()
         self.polls = 0  # result polls held here now
         self.finished: str | None = None
+        self.expired: str | None = None  # why the gateway ended it (its client gone, its place needed)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def touch(self) -> None:

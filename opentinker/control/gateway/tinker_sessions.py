@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from opentinker.control.gateway import confine
-from opentinker.tinker.paths import RESUME, SessionGone, SessionLimit, SessionStarting
+from opentinker.tinker.paths import RESUME, SessionGone, SessionLimit, SessionStarting, absent_line
 from opentinker.control.gateway.quota import tenant_lock
 from opentinker.control.scheduler import (CANCEL_REQUESTED_TAG, EXPIRED, TINKER_TAG, check_fits, deployment_name, ensure_tenant_limit,
                                           ensure_tenant_queue, job_state, job_tags, prefect_client)
@@ -73,8 +73,10 @@ class PrefectSessions:
         meta = {str(k)[:64]: str(v)[:256] for k, v in list((body.get("user_metadata") or {}).items())[:32]}
         with tenant_lock(self.settings, tenant), prefect_client() as client:
             live = [r for r in self._runs(tenant) if job_state(r)[0] not in FINAL]
+            if len(live) >= self.settings.tinker_max_sessions:  # sessions whose clients are gone give their places
+                live = [r for r in live if not self._ended_if_absent(tenant, r)]
             if len(live) >= self.settings.tinker_max_sessions:
-                raise SessionLimit(tenant, len(live), self.settings.tinker_max_sessions, self.settings.tinker_heartbeat_timeout_s)
+                raise SessionLimit(tenant, len(live), self.settings.tinker_max_sessions, self.settings.tinker_absent_after_s)
             deployment = client.read_deployment_by_name(deployment_name(FLOW, pool))
             client.create_flow_run_from_deployment(
                 deployment.id, parameters={"session_id": session_id, "tenant": tenant, "num_gpus": num_gpus,
@@ -82,6 +84,28 @@ class PrefectSessions:
                                            "heartbeat_timeout_s": self.settings.tinker_heartbeat_timeout_s},
                 tags=[*job_tags(tenant, session_id), KIND_TAG], work_queue_name=queue)
         return session_id
+
+    def _ended_if_absent(self, tenant: str, run: Any) -> bool:
+        """End a running session whose client has sent nothing for `tinker_absent_after_s` (its
+        flow ends it as Expired within a second, saying why); True if it was ended."""
+        import httpx
+
+        session_id = next((t.split(":", 1)[1] for t in run.tags if t.startswith("job:")), None)
+        if session_id is None or job_state(run)[0] != "RUNNING":
+            return False
+        try:
+            url, token = self.endpoint(tenant, session_id)
+            headers = {"Authorization": f"Bearer {token}"}
+            idle_s = float(httpx.post(f"{url}/direct/describe", json={}, headers=headers, timeout=5).json()["idle_s"])
+            if idle_s <= self.settings.tinker_absent_after_s:
+                return False
+            reason = absent_line(idle_s, self.settings.tinker_absent_after_s)
+            httpx.post(f"{url}/direct/expire", json={"reason": reason}, headers=headers, timeout=5).raise_for_status()
+        except (LookupError, httpx.HTTPError, KeyError, ValueError):  # starting, gone or not answering: not ours to judge here
+            return False
+        log.info("session %s: %s", session_id, reason)
+        self.forget(session_id)
+        return True
 
     def list(self, tenant: str) -> list[str]:
         """The tenant's session ids, newest first."""

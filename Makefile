@@ -24,12 +24,14 @@ install: $(STAMP)
 # it requires tml-renderers>=0.4.1, which the package index here lacks (it is imported only for
 # the Inkling/Kimi-K3 renderers), and resolving its torch/transformers requirements could replace
 # the pinned CPU torch. The three listed are what rl.train and the arithmetic env import that the
-# project lacks; pyrage (weights download) and tiktoken are not imported on that path.
+# project lacks, the next two what recipes.math_rl grades answers with; pyrage (weights download)
+# and tiktoken are not imported on those paths.
 COOKBOOK_STAMP := $(VENV)/.cookbook-stamp
 
 $(COOKBOOK_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	$(PY) -m pip install --quiet 'chz>=0.4.0' 'termcolor>=2.0.0' 'blobfile>=3.0.0'
+	$(PY) -m pip install --quiet 'pylatexenc==2.11' 'math-verify==0.9.0'  # recipes.math_rl's grading (sympy comes with torch)
 	touch $(COOKBOOK_STAMP)
 
 cookbook: $(COOKBOOK_STAMP)  ## tinker-cookbook, to drive the gateway with its own RL loop

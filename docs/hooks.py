@@ -352,11 +352,15 @@ def gen_bench(name: str | None = None, level: str = "3") -> str:
 
 
 def _curves(name: str) -> tuple[str, list[tuple[str, list[tuple[float, float]]]]]:
-    """(y label, [(series label, [(step, value)])]) for a learning-curve results file."""
+    """(y label, [(series label, [(step, value)])]) for a learning-curve results file; a file with a
+    `plot` ({"x", "y", "series": {label: [[x, y], ...]}}) gives its own axes (gen_plot reads `x`)."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         raise GenError(f"no bench/results/{name}.json")
     data = json.loads(path.read_text())
+    if "plot" in data:
+        plot = data["plot"]
+        return plot["y"], [(label, [(float(x), float(y)) for x, y in pts]) for label, pts in plot["series"].items()]
 
     def points(curve, key):
         return [(row["step"], row[key]) for row in curve if row.get(key) is not None]
@@ -382,23 +386,25 @@ def gen_plot(*names: str) -> str:
     py = lambda y: top + (h - top - bottom) * (1 - y)  # noqa: E731
     colours = ["#3f51b5", "#e65100", "#2e7d32", "#6a1b9a"]
     el = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" role="img" '
-          f'aria-label="{html.escape(ylabel)} by step: {html.escape(", ".join(names))}" style="font:11px sans-serif">']
+          f'aria-label="{html.escape(ylabel)}: {html.escape(", ".join(names))}" style="font:11px sans-serif">']
     for y in (0, 0.25, 0.5, 0.75, 1.0):
         el.append(f'<line x1="{left}" x2="{w - right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
                   f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:.0%}</text>')
-    for x in sorted({x for _, pts in series for x, _ in pts}):
+    xlabel = next((json.loads((RESULTS / f"{n}.json").read_text()).get("plot", {}).get("x") for n in names), None) or "step"
+    ticks = sorted({x for _, pts in series for x, _ in pts}) if xlabel == "step" else [round(xmax * i / 5) for i in range(6)]
+    for x in ticks:
         el.append(f'<text x="{px(x):.1f}" y="{h - bottom + 16}" text-anchor="middle">{x}</text>')
-    el.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 4}" text-anchor="middle">step</text>')
+    el.append(f'<text x="{(left + w - right) / 2:.0f}" y="{h - 4}" text-anchor="middle">{html.escape(xlabel)}</text>')
     for i, (label, pts) in enumerate(series):
         c = colours[i % len(colours)]
         line = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
         el.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="{line}"/>')
-        el += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"><title>{html.escape(label)}, step {x}: '
+        el += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3" fill="{c}"><title>{html.escape(label)}, {x:g}: '
                f'{y:.1%}</title></circle>' for x, y in pts]
         el.append(f'<text x="{w - right + 10}" y="{top + 14 + 16 * i}" fill="{c}">{html.escape(label)}</text>')
     el.append("</svg>")
     source = ", ".join(f"`bench/results/{n}.json`" for n in names)
-    return "".join(el) + f"\n\n*{ylabel.capitalize()} by step, drawn from {source} at build time.*"
+    return "".join(el) + f"\n\n*{ylabel.capitalize()} by {xlabel}, drawn from {source} at build time.*"
 
 
 GENERATORS = {"spec": gen_spec, "settings": gen_settings, "cli": gen_cli, "bench": gen_bench, "plot": gen_plot}

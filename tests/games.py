@@ -105,3 +105,24 @@ class HugeImageGame(PictureGame):
         from opentinker.env import Observation
 
         return StepResult(Observation("look", [Image.new("RGB", (5000, 5000))]), reward=0.0)
+
+
+class SometimesBroken(ScriptedTurns):
+    """Learnable as envs.toy.UppercaseGame, but a quarter of its tasks raise at their step and a
+    quarter hang past any step timeout: a stream must lose those episodes, never stall on them."""
+
+    @classmethod
+    def generate_task(cls, rng: Any, **_: Any) -> dict[str, Any]:
+        return {"id": int(rng.integers(10_000))}
+
+    def reset(self, **task: Any) -> str:
+        self.id = int(task.get("id", 0))
+        return f"Say something about item {self.id}."
+
+    def step(self, action: str) -> StepResult:
+        if self.id % 4 == 1:
+            raise RuntimeError("the tool crashed")
+        if self.id % 4 == 2:
+            time.sleep(30)
+        letters = [c for c in action if c.isalpha()]
+        return StepResult(observation="", reward=float(bool(letters) and letters[0].isupper()), done=True)

@@ -1,5 +1,9 @@
 """The token record is exact: sampled + observation tokens, mask 1 only on sampled, logprobs that
-the trainer reproduces; failing environments cost one episode each."""
+the trainer reproduces; failing environments cost one episode each; episodes are streams of their
+own (a slow environment holds only its episode)."""
+
+import threading
+import time
 
 import pytest
 import torch
@@ -13,20 +17,28 @@ from tests.games import GarbageGame, HangingGame, NanRewardGame, RaisingGame, Sc
 
 
 class RecordingEngine:
-    """Wraps an engine and keeps every prompt it was given and every completion it returned."""
+    """Wraps an engine and keeps every prompt it was given and every completion it returned
+    (episodes call it from their own threads, one turn each)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.calls = []
+        self.lock = threading.Lock()
 
     @property
     def policy_version(self):
         return self.inner.policy_version
 
-    def generate(self, prompts, params, budgets=None):
-        out = self.inner.generate(prompts, params, budgets)
-        self.calls.append(([list(p) for p in prompts], out))
+    def generate(self, prompts, params, budgets=None, **kwargs):
+        out = self.inner.generate(prompts, params, budgets, **kwargs)
+        with self.lock:
+            self.calls.extend(zip([list(p) for p in prompts], out))
         return out
+
+    def turns_of(self, prompt_ids):
+        """(prompt, completion) of each turn of the episode that starts with `prompt_ids`, in order."""
+        mine = [c for c in self.calls if c[0][: len(prompt_ids)] == prompt_ids]
+        return sorted(mine, key=lambda c: len(c[0]))
 
 
 @pytest.fixture
@@ -44,7 +56,7 @@ def test_three_turn_record_is_token_exact(setup):
     tasks = [{"id": i} for i in range(3)]
     params = SamplingParams(max_new_tokens=6, temperature=0.8)
     trajs = run_episodes(engine, chat, games, tasks, params, EpisodeLimits(max_turns=5, max_total_tokens=512))
-    assert len(engine.calls) == 3  # one batched generation per turn
+    assert len(engine.calls) == 9  # each episode's turn on its own: three episodes, three turns
     for row, traj in enumerate(trajs):
         assert traj.stop_reason == "done" and len(traj.turns) == 3 and not traj.failed
         # the prompt is the chat template of the initial conversation, tokenized once
@@ -52,9 +64,8 @@ def test_three_turn_record_is_token_exact(setup):
         assert traj.prompt_ids == chat.prompt_ids(initial)
         # rebuild the record from what the engine returned and the observation deltas
         expected, mask = list(traj.prompt_ids), [0] * len(traj.prompt_ids)
-        for turn, (prompts, completions) in enumerate(engine.calls):
-            assert prompts[row] == expected  # each generation continued the record as it stood: append-only
-            comp = completions[row]
+        for turn, (prompt, comp) in enumerate(engine.turns_of(traj.prompt_ids)):
+            assert prompt == expected  # each generation continued the record as it stood: append-only
             expected += comp.token_ids
             mask += [1] * len(comp.token_ids)
             if turn < 2:
@@ -100,10 +111,10 @@ def test_state_machine_path(setup):
     from opentinker.agent import loop
 
     limits = EpisodeLimits(max_turns=5, max_total_tokens=512)
-    loop._start([ep], chat, limits)
+    loop._start(ep, chat, limits)
     while ep.state is EpisodeState.GENERATING:
-        loop._generate([ep], engine, chat, SamplingParams(max_new_tokens=3), limits)
-        loop._interact([ep], chat, limits)
+        loop._generate(ep, engine, chat, SamplingParams(max_new_tokens=3), limits)
+        loop._interact(ep, chat, limits)
     assert ep.history + [ep.state] == [
         EpisodeState.PENDING, EpisodeState.GENERATING, EpisodeState.INTERACTING,
         EpisodeState.GENERATING, EpisodeState.INTERACTING, EpisodeState.TERMINATED,
@@ -148,21 +159,21 @@ def test_reset_failure_is_counted(setup):
 
 
 def test_shared_prompt_prefill_changes_nothing_but_speed(tiny):
-    """Group members share one prompt prefill; samples and logprobs equal the unshared path."""
+    """Group members that join together share one prompt prefill; their samples and logprobs are
+    what each gets alone (its own generator)."""
     model, tok = tiny
     trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec())
     engine = HFRolloutEngine(trainer.model, tok)
     chat = ChatFormat(tok)
     prompts = [chat.prompt_ids([{"role": "user", "content": f"question {i // 4}"}]) for i in range(8)]
     params = SamplingParams(max_new_tokens=5, temperature=0.9)
-    assert engine._shared_prefill(prompts, *engine._left_padded(prompts)) is not None
-    torch.manual_seed(7)
-    shared = engine.generate(prompts, params)
-    engine._shared_prefill = lambda *a: None
-    torch.manual_seed(7)
-    plain = engine.generate(prompts, params)
-    assert [c.token_ids for c in shared] == [c.token_ids for c in plain]
-    for a, b in zip(shared, plain):
+    rows = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    shared = engine.generate(prompts, params, generators=[torch.Generator().manual_seed(i) for i in range(8)])
+    assert rows[0] == 2  # the first forward: the two distinct prompts, once each
+    alone = [engine.generate([p], params, generators=[torch.Generator().manual_seed(i)])[0] for i, p in enumerate(prompts)]
+    assert [c.token_ids for c in shared] == [c.token_ids for c in alone]
+    for a, b in zip(shared, alone):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
 
 
@@ -176,9 +187,10 @@ def test_prefix_cache_changes_nothing_but_speed(tiny):
     runs = {}
     for cache_tokens in (65536, 0):
         engine = HFRolloutEngine(trainer.model, tok, prefix_cache_tokens=cache_tokens)
-        torch.manual_seed(11)  # prompts of different lengths, some turns stopped early: padding in both regions
+        # prompts of different lengths, some turns stopped early: padding in both regions
         games, tasks = [ScriptedTurns(turns=4) for _ in range(6)], [{"id": 37**i} for i in range(6)]
-        runs[cache_tokens] = engine, run_episodes(engine, chat, games, tasks, params, limits)
+        generators = [torch.Generator().manual_seed(11 + i) for i in range(6)]
+        runs[cache_tokens] = engine, run_episodes(engine, chat, games, tasks, params, limits, generators=generators)
     (cached_engine, cached), (plain_engine, plain) = runs[65536], runs[0]
     assert [t.token_ids for t in cached] == [t.token_ids for t in plain]
     for a, b in zip(cached, plain):
@@ -193,3 +205,34 @@ def test_prefix_cache_changes_nothing_but_speed(tiny):
         next(p for p in trainer.model.parameters() if p.requires_grad).add_(0.01)
     assert cached_engine.prefix_cache.lookup([cached[1].token_ids + [tok.eos_token_id]]) == [(0, None)]
     assert len(cached_engine.prefix_cache) == 0
+
+
+def test_a_slow_environment_holds_only_its_own_episode(setup):
+    """Episodes are streams: while one environment takes three seconds over its first step, the
+    others play all their turns (their engine turns and steps on their own) and are done before it
+    answers (in lock-step they would wait for it at their second turn)."""
+    _, engine, chat, _ = setup
+    slow_steps = []
+
+    class Slow(ScriptedTurns):
+        def step(self, action):
+            if not slow_steps:
+                time.sleep(3.0)
+            slow_steps.append(1)
+            return super().step(action)
+
+    seen = []
+
+    class Fast(ScriptedTurns):
+        def step(self, action):
+            result = super().step(action)
+            if result.done:
+                seen.append(len(slow_steps))  # how far the slow episode was when this one ended
+            return result
+
+    trajs = run_episodes(engine, chat, [Slow(turns=3), *[Fast(turns=3) for _ in range(3)]], [{"id": i} for i in range(4)],
+                         SamplingParams(max_new_tokens=3), EpisodeLimits(max_turns=5, max_total_tokens=512))
+    assert all(not t.failed and len(t.turns) == 3 for t in trajs)
+    assert seen == [0, 0, 0]  # every fast episode ended before the slow one's first step did
+    assert len(engine.calls) == 12 and [len(t.env_seconds) for t in trajs] == [3, 3, 3, 3]
+    assert trajs[0].env_seconds[0] >= 3.0 and max(s for t in trajs[1:] for s in t.env_seconds) < 3.0

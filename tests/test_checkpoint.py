@@ -33,7 +33,9 @@ def test_resume_reproduces_straight_training(tmp_path, tiny_path, adapter):
 
     a, b = _weights(straight), _weights(second)
     assert a.keys() == b.keys()
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    # the same episodes (each draws from its own generator, seeded by its number), their logprobs within the
+    # float noise of decode batches they joined at their own moments: weights within 1e-5
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert straight.sampler.env.state() == second.sampler.env.state()
     assert straight.policy.version == second.policy.version == 4
 

@@ -38,17 +38,17 @@ def test_calls_run_on_one_thread_in_the_callers_context_and_raise_there():
 
 
 def test_a_hosted_jobs_sampling_and_update_run_on_the_compute_thread(tmp_path, monkeypatch):
-    from opentinker.backend import rollout
+    from opentinker.backend.stream import StreamEngine
     from opentinker.backend.trainer import PolicyTrainer
     from opentinker.orchestration.base_worker import BaseModelWorker
 
     seen: dict[str, set[str]] = {"decode": set(), "update": set()}
-    decode, update = rollout.decode, PolicyTrainer.update
+    decode, update = StreamEngine._step, PolicyTrainer.update
 
     def spy(name, real):
         return lambda *a, **k: (seen[name].add(threading.current_thread().name), real(*a, **k))[1]
 
-    monkeypatch.setattr(rollout, "decode", spy("decode", decode))
+    monkeypatch.setattr(StreamEngine, "_step", spy("decode", decode))
     monkeypatch.setattr(PolicyTrainer, "update", spy("update", update))
     worker = BaseModelWorker(num_gpus=0, idle_s=3600)
     key = worker.host_job(tiny_spec(tmp_path, resources={"share_base": True}), "job", "tenant")["key"]

@@ -59,9 +59,9 @@ class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens():
-    """Full fine-tuning samples from float32 weights under bfloat16 autocast: the decode loop is
-    one autocast region, so each weight is cast once per batch (autocast keeps the cast), not at
-    every token (a region per step did: 37% of a decode step's GPU time, profiled on an H100)."""
+    """Full fine-tuning samples from float32 weights under bfloat16 autocast: the engine's busy
+    stretch of steps is one autocast region, so each weight is cast once (autocast keeps the cast),
+    not at every token (a region per step did: 37% of a decode step's GPU time, profiled on an H100)."""
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -79,8 +79,10 @@ def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens()
     weights = [p for p in model.parameters() if p.dim() == 2]
     counts = {}
     for new_tokens in (2, 8):
-        with _WeightCasts(weights) as casts:
-            out = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=new_tokens))
+        casts = _WeightCasts(weights)
+        engine.stream.on_thread(casts.__enter__).result()  # dispatch modes are per thread: the engine's
+        out = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=new_tokens))
+        engine.stream.on_thread(lambda: casts.__exit__(None, None, None)).result()
         assert all(len(c.token_ids) == new_tokens for c in out)
         counts[new_tokens] = casts.count
     assert 0 < counts[2] == counts[8] <= 2 * len(weights)  # the prefill's region and the loop's, each once

@@ -154,7 +154,7 @@ class StopsServerAfterFirstTurn:
     def policy_version(self):
         return self.inner.policy_version
 
-    def generate(self, prompts, params, budgets=None):
+    def generate(self, prompts, params, budgets=None, **_):
         out = self.inner.generate(prompts, params, budgets)
         self.calls += 1
         if self.calls == 1 and self.served is not None:

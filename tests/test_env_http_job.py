@@ -32,15 +32,19 @@ def _serve(port: int) -> subprocess.Popen:
     raise AssertionError("env server did not start")
 
 
-def _train(spec, job_id, steps, between=None) -> list[dict[str, float]]:
+def _train(spec, job_id, steps, before_update=None) -> list[dict[str, float]]:
+    """`before_update(step)` runs between the step's rollout and its update: the next step's
+    episodes start once the update is published (opentinker.rl.producer)."""
     from opentinker.rl import RLJob
 
     job = RLJob(spec, job_id=job_id)
     history = []
     for step in range(steps):
-        if between:
-            between(step)
-        history.append(job.rollout(step) | job.update(step))
+        metrics = job.rollout(step)
+        if before_update:
+            before_update(step)
+        history.append(metrics | job.update(step))
+    job.close()
     return history
 
 
@@ -59,15 +63,15 @@ def test_served_environment_trains_like_the_import_path_and_survives_a_dead_serv
             assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
             assert abs(a["update/policy_loss"] - b["update/policy_loss"]) < 1e-6
 
-        def kill_and_revive(step: int) -> None:
+        def kill_and_revive(step: int) -> None:  # down while step 1's episodes play, up again for step 2's
             nonlocal server
-            if step == 1:
+            if step == 0:
                 server.kill()
                 server.wait()
-            if step == 2:
+            if step == 1:
                 server = _serve(port)
 
-        history = _train(served, "served-outage", 3, between=kill_and_revive)
+        history = _train(served, "served-outage", 3, before_update=kill_and_revive)
     finally:
         server.kill()
     episodes = history[0]["rollout/episodes"]

@@ -38,6 +38,7 @@ def setting(tmp_path_factory):
     for step in (1, 2):
         own.rollout(step)
         batches.append(own.sampler.batch(step))
+        own.update(step)  # the next step's groups start once this update is published
     start = {k: torch.randn_like(v) * 0.05 for k, v in own.policy.trainer.trainable_state().items()}
     return tmp, batches, start
 

@@ -214,7 +214,7 @@ class ScriptedEngine:
     def __init__(self, tok, replies):
         self.tok, self.replies, self.turn = tok, replies, 0
 
-    def generate(self, prompts, params, budgets=None):
+    def generate(self, prompts, params, budgets=None, **_):
         ids = self.tok(self.replies[self.turn], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         self.turn += 1
         return [Completion(token_ids=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop") for _ in prompts]
@@ -258,7 +258,7 @@ class TeacherForcedEngine:
         self.prompts: list[list[int]] = []
 
     @torch.no_grad()
-    def generate(self, prompts, params, budgets=None):
+    def generate(self, prompts, params, budgets=None, **_):
         out = []
         for prompt in prompts:
             reply = self.tok(self.replies[len(self.prompts)], add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
@@ -303,3 +303,29 @@ def test_tool_call_record_is_token_exact_and_its_logprobs_recompute(tiny):
     sampled = [lp for lp, m in zip(traj.sampling_logprobs, traj.loss_mask) if m]
     assert len(sampled) == len(recomputed) == traj.num_sampled
     assert max(abs(a - b) for a, b in zip(sampled, recomputed)) < 1e-4
+
+
+def test_tool_latency_is_heavy_tailed_seeded_and_waits_only_on_calls():
+    """The calculator as a remote tool: lognormal waits with the stated mean, the same draws for the
+    same (seed, question, call), none for an answer."""
+    import statistics
+    import time
+
+    from envs.math_tool.game import ToolLatency
+
+    latency = ToolLatency("lognormal", mean_s=0.5, sigma=1.0)
+    draws = [latency.draw(f"What is {i} + 1?", 1) for i in range(4000)]
+    assert abs(statistics.mean(draws) - 0.5) < 0.05 and statistics.median(draws) < 0.35 < max(draws) / 10  # mean 0.5, a long tail
+    assert draws[:5] == [latency.draw(f"What is {i} + 1?", 1) for i in range(5)]
+    assert latency.draw("What is 1 + 1?", 2) != latency.draw("What is 1 + 1?", 1)
+    assert ToolLatency("lognormal", seed=1).draw("What is 1 + 1?", 1) != latency.draw("What is 1 + 1?", 1)
+    game = MathToolGame(tool_latency={"distribution": "fixed", "mean_s": 0.3})
+    game.reset(question="What is 2 + 3?", answer=5)
+    start = time.monotonic()
+    game.step("Answer: 5")
+    assert time.monotonic() - start < 0.2  # an answer is no tool call
+    start = time.monotonic()
+    game.step("<calc>2 + 3</calc>")
+    assert time.monotonic() - start >= 0.3
+    with pytest.raises(ValueError, match="tool_latency.distribution 'pareto'"):
+        MathToolGame(tool_latency={"distribution": "pareto"})

@@ -281,13 +281,11 @@ def test_samplers_of_several_adapters_share_a_batch_and_each_gets_what_it_gets_a
     params = SamplingParams(max_new_tokens=5, greedy=True)
     alone = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name).result() for name, prompt in asks.items()}
     assert engine.mixed == 0
-    with engine._model_lock:  # the engine takes the first request and waits for the model; the others queue behind it
-        first = engine.generate([[1, 2]], [2], params)
-        time.sleep(0.3)
-        together = {name: engine.generate([prompt, prompt], [5, 3], params, adapter=name) for name, prompt in asks.items()}
-    first.result()
-    results = {name: future.result() for name, future in together.items()}
-    assert engine.mixed == 1 and engine.batches == len(asks) + 2  # the four requests ran as one batch
+    stream = engine.rollout.stream
+    together = {name: stream.sequences([prompt, prompt], params, [5, 3], adapters=[name, name]) for name, prompt in asks.items()}
+    stream.enqueue([seq for seqs in together.values() for seq in seqs])  # the four requests join the batch at one step
+    results = {name: [seq.future.result() for seq in seqs] for name, seqs in together.items()}
+    assert engine.mixed >= 1  # forwards whose rows went through several adapters
     for name, completions in results.items():
         for got, want in zip(completions, alone[name]):
             assert got.token_ids == want.token_ids and np.allclose(got.logprobs, want.logprobs, atol=1e-5), name

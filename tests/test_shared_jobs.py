@@ -264,7 +264,9 @@ def test_a_hosted_job_with_lora_dropout_resumes_drawing_the_masks_it_would_have_
     worker.job_call(key, "rollout", 2)
     worker.job_call(key, "update", 2)
     resumed = adapter(key)
-    assert all(torch.equal(resumed[n], uninterrupted[n]) for n in uninterrupted)
+    # equal up to the float noise of decode batches that episodes join at their own moments (a reseeded
+    # dropout generator would draw other masks: differences of the size of the update itself)
+    assert all(torch.allclose(resumed[n], uninterrupted[n], rtol=1e-4, atol=1e-6) for n in uninterrupted)
     worker.server.stop()
     worker.bases.close()
 

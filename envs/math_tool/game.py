@@ -14,11 +14,22 @@ with neither ends the episode with reward 0. Only the first call of a turn is ev
 `tool_bonus` (off by default) is added to the final reward when a call returned a result. Like a
 format bonus it invites reward hacking (calling the tool on anything, then answering whatever),
 so watch accuracy and `tool_calls` beside reward when using it.
+
+`tool_latency` makes the calculator stand in for a remote tool (a web or API call, code run
+elsewhere): each call waits a drawn time before it answers, heavy-tailed as such calls are.
+`{"distribution": "lognormal", "mean_s": 0.5, "sigma": 1.0}` draws exp(N(mu, sigma)) seconds with
+mu = ln(mean_s) - sigma^2 / 2 (so the mean is mean_s); `"fixed"` waits mean_s. Seeded: the n-th
+call of an episode waits the time drawn from (`seed`, the question, n), so the same problems wait
+the same times in every run (the benchmarks compare ways on equal footing).
 """
 
 from __future__ import annotations
 
+import math
+import random
 import re
+import time
+import zlib
 from typing import Any
 
 from envs.math import parse_answer
@@ -48,11 +59,13 @@ WORD_PROBLEMS = [
 class MathToolGame(AbstractGame):
     """One arithmetic question per episode; calculator calls are extra turns."""
 
-    def __init__(self, few_shot: int = 1, max_tool_calls: int = 3, tool_bonus: float = 0.0, system_prompt: str = SYSTEM_PROMPT):
+    def __init__(self, few_shot: int = 1, max_tool_calls: int = 3, tool_bonus: float = 0.0, system_prompt: str = SYSTEM_PROMPT,
+                 tool_latency: dict[str, Any] | None = None):
         if not 0 <= few_shot <= len(EXAMPLES):
             raise ValueError(f"few_shot must be between 0 and {len(EXAMPLES)}")
         if max_tool_calls < 0:
             raise ValueError("max_tool_calls must be >= 0")
+        self.latency = ToolLatency(**(tool_latency or {"distribution": "none"}))
         self.few_shot = few_shot
         self.max_tool_calls = max_tool_calls
         self.tool_bonus = tool_bonus
@@ -102,6 +115,7 @@ class MathToolGame(AbstractGame):
         if "<calc>" not in action:
             return self._result("No answer given.", 0.0, True, False, None, False)
         self.tool_calls += 1
+        time.sleep(self.latency.draw(self.question, self.tool_calls))
         ok, text = self._call(action)
         if ok:
             self._tool_results += 1
@@ -123,3 +137,23 @@ class MathToolGame(AbstractGame):
         info = {"correct": correct, "answer": given, "expected": self.answer, "tool_calls": self.tool_calls,
                 "tool_errors": self.tool_errors, "format_ok": format_ok}
         return StepResult(observation=observation, reward=reward, done=done, info=info)
+
+
+class ToolLatency:
+    """How long a calculator call takes: "none", "fixed" (mean_s) or "lognormal" (mean mean_s,
+    log-space spread sigma), drawn per (seed, question, call number)."""
+
+    def __init__(self, distribution: str = "none", mean_s: float = 0.5, sigma: float = 1.0, seed: int = 0):
+        if distribution not in ("none", "fixed", "lognormal"):
+            raise ValueError(f"tool_latency.distribution {distribution!r}: none, fixed or lognormal")
+        if not (math.isfinite(mean_s) and mean_s >= 0 and math.isfinite(sigma) and sigma >= 0):
+            raise ValueError("tool_latency: mean_s and sigma must be finite and >= 0")
+        self.distribution, self.mean_s, self.sigma, self.seed = distribution, float(mean_s), float(sigma), int(seed)
+
+    def draw(self, question: str, call: int) -> float:
+        if self.distribution == "none" or self.mean_s == 0:
+            return 0.0
+        if self.distribution == "fixed":
+            return self.mean_s
+        rng = random.Random(zlib.crc32(f"{self.seed}|{question}|{call}".encode()))
+        return math.exp(rng.gauss(math.log(self.mean_s) - self.sigma**2 / 2, self.sigma))

@@ -1,24 +1,33 @@
-"""The agent loop: PENDING → GENERATING → INTERACTING → (GENERATING … | TERMINATED).
+"""The agent loop: PENDING → GENERATING → INTERACTING → (GENERATING … | TERMINATED), per episode.
 
-Many episodes advance together: all GENERATING episodes share one batched generation call, then
-all INTERACTING episodes step their environments concurrently. The token record of each episode
-is append-only (see `opentinker.core.trajectory`). Environment failures end one episode, never the batch.
+Every episode is a stream of its own: its turn goes to the engine as soon as it is ready, its
+environment steps as soon as its turn ends, whatever the other episodes are doing (one thread
+each, at most `max_in_flight` at once). The engine batches the turns that wait at the same
+moment (opentinker/backend/stream.py: continuous batching), so a slow tool or a long answer
+costs its own episode only. The token record of each episode is append-only (see
+`opentinker.core.trajectory`); every sampled token records the policy version that drew it.
+Environment failures (an exception, a step past `step_timeout_s`, garbage) end one episode, never
+the others.
 """
 
 from __future__ import annotations
 
 import enum
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from opentinker.agent.chat import ChatFormat
-from opentinker.agent.guard import call_many_with_timeout, check_step_result
+from opentinker.agent.guard import call_with_timeout, check_step_result
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
+from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractGame
 from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages, user_content
 from opentinker.env.observation import Observation
-from opentinker.core.trajectory import Trajectory
 
 
 class EpisodeState(enum.Enum):
@@ -40,6 +49,7 @@ class Episode:
     game: AbstractGame
     task: dict[str, Any]
     group_id: int
+    generator: Any = None  # the torch.Generator its draws come from (None: the engine's own choice)
     state: EpisodeState = EpisodeState.PENDING
     traj: Trajectory | None = None
     last_stopped: bool = False
@@ -67,96 +77,123 @@ def run_episodes(
     params: SamplingParams,
     limits: EpisodeLimits,
     group_ids: list[int] | None = None,
+    generators: list[Any] | None = None,
+    max_in_flight: int | None = None,
 ) -> list[Trajectory]:
-    """Play one episode per (game, task) to the end and return their token records in order."""
-    episodes = [Episode(g, t, gid) for g, t, gid in zip(games, tasks, group_ids or range(len(games)))]
-    _start(episodes, chat, limits)
-    while True:
-        generating = [e for e in episodes if e.state is EpisodeState.GENERATING]
-        if not generating:
-            break
-        _generate(generating, engine, chat, params, limits)
-        _interact([e for e in episodes if e.state is EpisodeState.INTERACTING], chat, limits)
-    for ep in episodes:
-        try:
-            ep.game.close()
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
+    """Play one episode per (game, task) to the end, each on its own, and return their token
+    records in order. `generators[i]`: where episode i's draws come from (default: one per episode
+    from `episode_generators`), so its tokens do not depend on when its turns meet the others'."""
+    gens = generators or episode_generators(len(games), engine)
+    episodes = [Episode(g, t, gid, gen) for g, t, gid, gen in zip(games, tasks, group_ids or range(len(games)), gens)]
+    try:
+        each(episodes, lambda ep: _play(ep, engine, chat, params, limits), max_in_flight)
+    finally:
+        for ep in episodes:
+            try:
+                ep.game.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
     return [e.traj for e in episodes]  # type: ignore[misc]
 
 
-def _start(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> None:
-    """PENDING: reset each game and tokenize its prompt once."""
+def episode_generators(n: int, engine: Any, source: torch.Generator | None = None) -> list[torch.Generator]:
+    """One generator per episode on the engine's device, seeded in episode order from `source`
+    (default: torch's global generator, so a seeded process replays its episodes)."""
+    placement = getattr(engine, "placement", None)
+    device = placement.device if placement is not None else torch.device("cpu")
+    base = int(torch.randint(0, 2**62, (1,), generator=source, device=source.device if source is not None else "cpu").item())
+    return [torch.Generator(device=device).manual_seed(base + i) for i in range(n)]
 
-    def reset(ep: Episode) -> tuple[list[dict[str, Any]], Any]:
+
+def each(items: list[Any], play: Callable[[Any], Any], max_in_flight: int | None = None) -> None:
+    """`play(item)` for every item, each in a thread of its own, at most `max_in_flight` at once;
+    the first exception (the engine's, never an environment's: those end their episode) is raised
+    once all are done."""
+    if not items:
+        return
+    with ThreadPoolExecutor(max(1, min(len(items), max_in_flight or len(items))), thread_name_prefix="episode") as pool:
+        futures = [pool.submit(play, item) for item in items]
+    for future in futures:
+        future.result()
+
+
+def _play(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
+    _start(ep, chat, limits)
+    while ep.state is EpisodeState.GENERATING:
+        _generate(ep, engine, chat, params, limits)
+        _interact(ep, chat, limits)
+
+
+def _start(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
+    """PENDING: reset the game and tokenize its prompt once."""
+
+    def reset() -> tuple[list[dict[str, Any]], Any]:
         messages = initial_messages(ep.game, start_episode(ep.game, ep.task))
-        return messages, chat.encode_prompt(messages)  # in the episode's thread: images are processed concurrently
+        return messages, chat.encode_prompt(messages)
 
-    outcomes = call_many_with_timeout([(reset, (ep,), {}) for ep in episodes], limits.step_timeout_s)
-    for ep, out in zip(episodes, outcomes):
-        if out.error:
-            _fail(ep, f"reset: {out.error}")
-            continue
-        messages, chunk = out.value
-        ep.traj = Trajectory(prompt_ids=chunk.ids, group_id=ep.group_id, task=ep.task, messages=list(messages))
-        if chunk.visual is not None:
-            ep.traj.images.append(chunk.visual)
-        if len(ep.traj) >= limits.max_total_tokens:
-            ep.traj.stop_reason = "max_total_tokens"
-            ep.move(EpisodeState.TERMINATED)
-        else:
-            ep.move(EpisodeState.GENERATING)
-
-
-def _generate(episodes: list[Episode], engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
-    """GENERATING: one batched call; sampled tokens enter the record with mask 1."""
-    budgets = [limits.max_total_tokens - len(ep.traj) for ep in episodes]
-    if any(ep.traj.images for ep in episodes):  # a VLM's records: the pixels of their images too
-        completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets, images=[ep.traj.images for ep in episodes])
-    else:
-        completions = engine.generate([ep.traj.token_ids for ep in episodes], params, budgets)
-    for ep, comp in zip(episodes, completions):
-        action = chat.decode(comp.token_ids)
-        ep.traj.policy_version = engine.policy_version
-        ep.traj.append_sampled(comp.token_ids, comp.logprobs, action)
-        ep.traj.messages.append({"role": "assistant", "content": action})
-        ep.last_stopped = comp.finish_reason == "stop"
-        ep.move(EpisodeState.INTERACTING)
-
-
-def _interact(episodes: list[Episode], chat: ChatFormat, limits: EpisodeLimits) -> None:
-    """INTERACTING: step every environment concurrently; observations enter with mask 0."""
-    outcomes = call_many_with_timeout([(ep.game.step, (ep.traj.turns[-1].action,), {}) for ep in episodes], limits.step_timeout_s)
-    for ep, out in zip(episodes, outcomes):
-        if out.error:
-            _fail(ep, f"step: {out.error}")
-            continue
-        try:
-            result = check_step_result(out.value)
-        except (TypeError, ValueError) as err:
-            _fail(ep, f"step: {err}")
-            continue
-        traj = ep.traj
-        observation = result.observation
-        text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
-        traj.turns[-1].reward = result.reward
-        traj.turns[-1].observation = text
-        traj.info.update(result.info)
-        if result.done:
-            traj.stop_reason = "done"
-        elif len(traj.turns) >= limits.max_turns:
-            traj.stop_reason = "max_turns"
-        else:
-            try:
-                chunk = chat.encode_observation(observation, ep.last_stopped)
-            except ValueError as err:  # images for a language model, an image the processor refuses
-                _fail(ep, f"step: {err}")
-                continue
-            if len(traj) + len(chunk.ids) >= limits.max_total_tokens:
-                traj.stop_reason = "max_total_tokens"
-            else:
-                traj.append_observation(chunk.ids, text, chunk.visual)
-                traj.messages.append({"role": "user", "content": user_content(text, images)})
-                ep.move(EpisodeState.GENERATING)
-                continue
+    out = call_with_timeout(reset, limits.step_timeout_s)
+    if out.error:
+        _fail(ep, f"reset: {out.error}")
+        return
+    messages, chunk = out.value
+    ep.traj = Trajectory(prompt_ids=chunk.ids, group_id=ep.group_id, task=ep.task, messages=list(messages))
+    if chunk.visual is not None:
+        ep.traj.images.append(chunk.visual)
+    if len(ep.traj) >= limits.max_total_tokens:
+        ep.traj.stop_reason = "max_total_tokens"
         ep.move(EpisodeState.TERMINATED)
+    else:
+        ep.move(EpisodeState.GENERATING)
+
+
+def _generate(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
+    """GENERATING: the episode's turn from the engine; sampled tokens enter the record with mask 1."""
+    traj = ep.traj
+    extra: dict[str, Any] = {"generators": [ep.generator]} if ep.generator is not None else {}
+    if traj.images:  # a VLM's record: the pixels of its images too
+        extra["images"] = [traj.images]
+    (comp,) = engine.generate([traj.token_ids], params, [limits.max_total_tokens - len(traj)], **extra)
+    action = chat.decode(comp.token_ids)
+    traj.append_sampled(comp.token_ids, comp.logprobs, action, comp.versions or [engine.policy_version] * len(comp.token_ids))
+    traj.messages.append({"role": "assistant", "content": action})
+    ep.last_stopped = comp.finish_reason == "stop"
+    ep.move(EpisodeState.INTERACTING)
+
+
+def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
+    """INTERACTING: step the environment; its observation enters with mask 0."""
+    traj = ep.traj
+    t0 = time.perf_counter()
+    out = call_with_timeout(ep.game.step, limits.step_timeout_s, traj.turns[-1].action)
+    traj.env_seconds.append(time.perf_counter() - t0)
+    if out.error:
+        _fail(ep, f"step: {out.error}")
+        return
+    try:
+        result = check_step_result(out.value)
+    except (TypeError, ValueError) as err:
+        _fail(ep, f"step: {err}")
+        return
+    observation = result.observation
+    text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
+    traj.turns[-1].reward = result.reward
+    traj.turns[-1].observation = text
+    traj.info.update(result.info)
+    if result.done:
+        traj.stop_reason = "done"
+    elif len(traj.turns) >= limits.max_turns:
+        traj.stop_reason = "max_turns"
+    else:
+        try:
+            chunk = chat.encode_observation(observation, ep.last_stopped)
+        except ValueError as err:  # images for a language model, an image the processor refuses
+            _fail(ep, f"step: {err}")
+            return
+        if len(traj) + len(chunk.ids) >= limits.max_total_tokens:
+            traj.stop_reason = "max_total_tokens"
+        else:
+            traj.append_observation(chunk.ids, text, chunk.visual)
+            traj.messages.append({"role": "user", "content": user_content(text, images)})
+            ep.move(EpisodeState.GENERATING)
+            return
+    ep.move(EpisodeState.TERMINATED)

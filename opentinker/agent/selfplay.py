@@ -4,7 +4,8 @@ Each seat keeps its own append-only token record per match (what that player saw
 exactly like the single-agent loop: its prompt is tokenized once, its moves enter with mask 1
 and their sampling logprobs, and everything it is shown afterwards (the opponent's move, the
 board, an illegal-move message) enters as a chat-template observation delta with mask 0.
-Moves of all matches waiting on the same seat are generated in one batch.
+Every match is a stream of its own: a move goes to its seat's engine as soon as it is that
+player's turn, and the engine batches the moves that wait together (continuous batching).
 
 Rewards are the match's zero-sum result, put on each player's last turn: +1 win, -1 loss, 0
 draw (`AbstractMatch.result_for`). A match that breaks (its code raises) or runs out of turns/tokens is
@@ -14,9 +15,10 @@ a draw for everyone, with the reason in `info`; it never stops the other matches
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from opentinker.agent.chat import ChatFormat
-from opentinker.agent.loop import EpisodeLimits
+from opentinker.agent.loop import EpisodeLimits, each, episode_generators
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractMatch as Match
@@ -31,42 +33,17 @@ class Seat:
 
 
 def play_matches(seats: dict[str, Seat], matches: list[Match], params: SamplingParams, limits: EpisodeLimits,
-                 group_ids: list[int] | None = None) -> dict[str, list[Trajectory | None]]:
-    """Play every match to its end; returns, per player, one record per match (None if that
-    player never had to move)."""
+                 group_ids: list[int] | None = None, generators: list[Any] | None = None) -> dict[str, list[Trajectory | None]]:
+    """Play every match to its end, each on its own (a thread each: a match waits for its own
+    players' moves only, the engines batch the moves that wait together); returns, per player, one
+    record per match (None if that player never had to move). `generators[i]`: where match i's
+    draws come from."""
     n = len(matches)
     groups = group_ids or list(range(n))
     records: dict[str, list[Trajectory | None]] = {p: [None] * n for p in seats}
-    pending: dict[tuple[int, str], str | None] = {}  # a message the player must see next (illegal move)
-    stopped: dict[tuple[int, str], bool] = {}
     aborted: dict[int, str] = {}
-    while True:
-        waiting: dict[str, list[int]] = {}
-        for i, match in enumerate(matches):
-            if i not in aborted and not match.finished:
-                waiting.setdefault(match.current_player, []).append(i)
-        if not waiting:
-            break
-        for player, idxs in waiting.items():
-            seat = seats[player]
-            ready = [i for i in idxs if _show(seat, matches[i], player, records, pending, stopped, aborted, limits, groups[i], i)]
-            if not ready:
-                continue
-            trajs = [records[player][i] for i in ready]
-            budgets = [limits.max_total_tokens - len(t) for t in trajs]
-            completions = seat.engine.generate([t.token_ids for t in trajs], params, budgets)
-            for i, traj, comp in zip(ready, trajs, completions):
-                action = seat.chat.decode(comp.token_ids)
-                traj.policy_version = seat.engine.policy_version
-                traj.append_sampled(comp.token_ids, comp.logprobs, action)
-                traj.messages.append({"role": "assistant", "content": action})
-                stopped[(i, player)] = comp.finish_reason == "stop"
-                try:
-                    legal, message = matches[i].apply(player, action)
-                except Exception as err:  # noqa: BLE001 - a broken match costs that match only
-                    aborted[i] = f"apply: {type(err).__name__}: {err}"
-                    continue
-                pending[(i, player)] = None if legal else message
+    gens = generators or episode_generators(n, next(iter(seats.values())).engine)
+    each(list(range(n)), lambda i: _play(seats, matches[i], i, params, limits, groups[i], records, aborted, gens[i]))
     for i, match in enumerate(matches):
         for player in seats:
             traj = records[player][i]
@@ -80,6 +57,31 @@ def play_matches(seats: dict[str, Seat], matches: list[Match], params: SamplingP
             traj.info.update(match.info_for(player))
             traj.stop_reason = traj.stop_reason or "done"
     return records
+
+
+def _play(seats: dict[str, Seat], match: Match, i: int, params: SamplingParams, limits: EpisodeLimits, group: int,
+          records: dict[str, list[Trajectory | None]], aborted: dict[int, str], generator: Any) -> None:
+    """One match, move after move, until it finishes or breaks."""
+    pending: dict[tuple[int, str], str | None] = {}  # a message the player must see next (illegal move)
+    stopped: dict[tuple[int, str], bool] = {}
+    extra = {"generators": [generator]}
+    while not match.finished and i not in aborted:
+        player = match.current_player
+        seat = seats[player]
+        if not _show(seat, match, player, records, pending, stopped, aborted, limits, group, i):
+            return
+        traj = records[player][i]
+        (comp,) = seat.engine.generate([traj.token_ids], params, [limits.max_total_tokens - len(traj)], **extra)
+        action = seat.chat.decode(comp.token_ids)
+        traj.append_sampled(comp.token_ids, comp.logprobs, action, comp.versions or [seat.engine.policy_version] * len(comp.token_ids))
+        traj.messages.append({"role": "assistant", "content": action})
+        stopped[(i, player)] = comp.finish_reason == "stop"
+        try:
+            legal, message = match.apply(player, action)
+        except Exception as err:  # noqa: BLE001 - a broken match costs that match only
+            aborted[i] = f"apply: {type(err).__name__}: {err}"
+            return
+        pending[(i, player)] = None if legal else message
 
 
 def _show(seat: Seat, match: Match, player: str, records, pending, stopped, aborted, limits: EpisodeLimits, group: int, i: int) -> bool:

@@ -51,6 +51,8 @@ class PolicyLossOutput:
     kl: torch.Tensor
     clip_fraction: torch.Tensor
     ratio_mean: torch.Tensor
+    weight_mean: torch.Tensor  # the behaviour importance weight's mean (1 on-policy)
+    capped_fraction: torch.Tensor  # tokens whose weight was capped
 
 
 def ppo_clipped_loss(
@@ -64,11 +66,18 @@ def ppo_clipped_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     normalizer: float | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    weight_cap: float = 2.0,
 ) -> PolicyLossOutput:
-    """PPO's clipped surrogate against the sampling logprobs, plus an optional KL penalty.
+    """PPO's clipped surrogate, plus an optional KL penalty; off-policy, decoupled PPO.
 
     advantages are per token ([B, T]) or per sequence ([B], broadcast over its tokens).
-    per-token loss = -min(ratio * A, clip(ratio, 1-eps, 1+eps) * A) + kl_coef * KL.
+    per-token loss = -w * min(r * A, clip(r, 1-eps, 1+eps) * A) + kl_coef * KL, with
+    r = pi / pi_old. On-policy `old_logprobs` are the sampler's and w = 1. Off-policy
+    (`behaviour_logprobs` given: the sampler's), `old_logprobs` are the proximal policy's (the
+    policy before this update) and w = min(pi_old / pi_behaviour, weight_cap), a truncated
+    importance weight (no gradient) that corrects for tokens drawn by an older policy (AReaL's
+    decoupled PPO). With pi_old = pi_behaviour it is PPO's loss.
     """
     mask = mask.to(logprobs.dtype)
     if advantages.dim() == 1:
@@ -77,6 +86,10 @@ def ppo_clipped_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    weight = torch.ones_like(per_token)
+    if behaviour_logprobs is not None:
+        weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=weight_cap).detach()
+        per_token = per_token * weight
     pg_loss = aggregate(per_token, mask, aggregation, normalizer)
     if ref_logprobs is not None and kl_coef > 0:
         kl_tok = kl_estimate(logprobs, ref_logprobs, kl_estimator)
@@ -88,7 +101,10 @@ def ppo_clipped_loss(
     with torch.no_grad():
         clip_fraction = masked_mean((unclipped > clipped).to(logprobs.dtype), mask)
         ratio_mean = masked_mean(ratio, mask)
-    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), clip_fraction=clip_fraction, ratio_mean=ratio_mean)
+        weight_mean = masked_mean(weight, mask)
+        capped = masked_mean((weight >= weight_cap).to(logprobs.dtype), mask) if behaviour_logprobs is not None else torch.zeros(())
+    return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), clip_fraction=clip_fraction, ratio_mean=ratio_mean,
+                            weight_mean=weight_mean, capped_fraction=capped)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +66,7 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
 class ServerRolloutEngine:
     """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
 
-    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 16):
+    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128):
         import httpx  # only jobs that sample through a server need it
 
         self.server = server
@@ -73,6 +75,12 @@ class ServerRolloutEngine:
         self.client = httpx.Client(base_url=server.url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
         self.served = server.model  # what requests name: the base, then the newest verified adapter
+        # Requests in flight per adapter name: a version replaced while requests still name it (a
+        # step's evaluation as the producer moves on) is unloaded when its last request ends.
+        self._using: Counter[str] = Counter()
+        self._retired: set[str] = set()
+        self._names = threading.Lock()
+        self._syncing = threading.Lock()
         self.policy_version = 0
         self.synced_version: int | None = None
         self.generated_tokens = 0
@@ -80,14 +88,15 @@ class ServerRolloutEngine:
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
 
     # --- sampling ------------------------------------------------------------------------------
-    def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str) -> list[Completion]:
+    def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
+                 generator: torch.Generator | None = None) -> list[Completion]:
         body: dict[str, Any] = {
             "model": model, "prompt": prompts, "max_tokens": budget,
             "temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
             "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
-        if not params.greedy:  # reproducible from the job's seed, like the in-process engine
-            body["seed"] = int(torch.randint(0, 2**31 - 1, ()).item())
+        if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
+            body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self.client.post("/v1/completions", json=body)
         if not reply.is_success:
             raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
@@ -103,21 +112,35 @@ class ServerRolloutEngine:
         return out
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
-                 images: list[list[Any]] | None = None) -> list[Completion]:
-        """One completion per prompt, as `HFRolloutEngine.generate`; prompts that share a budget
-        go in one request. Text only: records with images sample in-process."""
+                 images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
+        """One completion per prompt, as `HFRolloutEngine.generate` (callable from many threads at
+        once: the server batches concurrent requests); prompts that share a budget and a generator
+        go in one request, seeded from that generator. Text only: records with images sample in-process."""
         if images is not None and any(images):
             raise ValueError("rollout.engine 'server' samples text only; a vision-language policy samples with engine 'local'")
         t0 = time.perf_counter()
         budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]
-        by_budget: dict[int, list[int]] = {}
+        gens = generators or [None] * len(prompts)
+        requests: dict[tuple[int, int], list[int]] = {}
         for i, b in enumerate(budgets):
-            by_budget.setdefault(max(1, b), []).append(i)
-        model = self.served
-        futures = {b: self.pool.submit(self._request, [prompts[i] for i in rows], params, b, model) for b, rows in by_budget.items()}
-        results: dict[int, Completion] = {}
-        for b, rows in by_budget.items():
-            results.update(zip(rows, futures[b].result()))
+            requests.setdefault((max(1, b), id(gens[i])), []).append(i)
+        with self._names:
+            model = self.served
+            self._using[model] += 1
+        try:
+            futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]])
+                       for key, rows in requests.items()}
+            results: dict[int, Completion] = {}
+            for key, rows in requests.items():
+                results.update(zip(rows, futures[key].result()))
+        finally:
+            with self._names:
+                self._using[model] -= 1
+                done = model in self._retired and not self._using[model]
+                if done:
+                    self._retired.discard(model)
+            if done:
+                self._unload(model)
         completions = [results[i] for i in range(len(prompts))]
         self.generated_tokens += sum(len(c.token_ids) for c in completions)
         self.generate_seconds += time.perf_counter() - t0
@@ -127,9 +150,17 @@ class ServerRolloutEngine:
         """Nothing to free here: the server manages its own cache."""
 
     # --- weights -------------------------------------------------------------------------------
-    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
+    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float | None:
         """Load the adapter (`adapter/…` files as `adapter_files` writes them) as `policy-v<version>`
-        and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise."""
+        and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise.
+        One sync at a time (the producer and an evaluation may both ask for the same version): None
+        when `version` is on the server already."""
+        with self._syncing:
+            if self.synced_version == version:
+                return None
+            return self._sync(version, files, probe)
+
+    def _sync(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
         name = f"policy-v{version}"
         folder = self._folders / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -147,12 +178,19 @@ class ServerRolloutEngine:
         if not gap <= self.tolerance:  # NaN fails too
             raise SyncError(f"adapter {name} answers the probe {gap:.3g} (mean |logprob difference|) away from the trainer's "
                             f"weights, over the tolerance {self.tolerance:g}: the server serves other (stale?) weights")
-        previous, self.served, self.synced_version = self.served, name, version
+        with self._names:
+            previous, self.served, self.synced_version = self.served, name, version
+            in_use = bool(self._using[previous])
+            if in_use and previous not in (self.server.model, name):
+                self._retired.add(previous)
         self.policy_version = version
-        if previous != self.server.model:
-            self.client.post("/v1/unload_lora_adapter", json={"lora_name": previous})
-            shutil.rmtree(self._folders / previous, ignore_errors=True)
+        if previous not in (self.server.model, name) and not in_use:
+            self._unload(previous)
         return gap
+
+    def _unload(self, name: str) -> None:
+        self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        shutil.rmtree(self._folders / name, ignore_errors=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)

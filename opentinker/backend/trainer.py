@@ -47,12 +47,14 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, L]
     targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, L-1]
-    old_logprobs: torch.Tensor  # [B, L-1]
+    old_logprobs: torch.Tensor  # [B, L-1]: the ratio's denominator (the proximal policy's off-policy, else the sampler's)
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # a VLM's: pixel_values, pixel_attention_mask
+    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] off-policy: the sampler's, for the importance weight
 
     def to(self, device: torch.device) -> PackedBatch:
         tensors = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs))
-        return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()})
+        behaviour = self.behaviour_logprobs.to(device) if self.behaviour_logprobs is not None else None
+        return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()}, behaviour)
 
 
 def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
@@ -61,14 +63,18 @@ def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
     attn = torch.zeros((len(trajs), width), dtype=torch.long)
     mask = torch.zeros((len(trajs), width), dtype=torch.float32)
     old = torch.zeros((len(trajs), width), dtype=torch.float32)
+    off_policy = any(t.prox_logprobs is not None for t in trajs)
+    behaviour = torch.zeros((len(trajs), width), dtype=torch.float32) if off_policy else None
     for row, t in enumerate(trajs):
         n = len(t)
         ids[row, :n] = torch.tensor(t.token_ids)
         attn[row, :n] = 1
         mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
+        old[row, :n] = torch.tensor(t.prox_logprobs if t.prox_logprobs is not None else t.sampling_logprobs, dtype=torch.float32)
+        if behaviour is not None:
+            behaviour[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
     pixels = pixel_batch([t.images for t in trajs], "cpu") if any(t.images for t in trajs) else {}
-    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels)
+    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels, behaviour[:, 1:] if behaviour is not None else None)
 
 
 def param_groups(model, trained: list, lr: float, vision_lr: float | None) -> list[dict]:
@@ -212,12 +218,26 @@ class PolicyTrainer:
         if not usable:
             self.version += 1
             return metrics | {"update/skipped": 1.0}
+        if self.algorithm.max_staleness > 0:
+            self.set_proximal(usable)
         metrics |= self.compute_gradients(usable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return metrics | {"update/grad_norm": float(grad_norm), "update/seconds": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def set_proximal(self, trajs: list[Trajectory]) -> None:
+        """Off-policy: each record's logprobs under the policy as it is before this update (the
+        proximal policy of decoupled PPO: the ratio's denominator; the sampler's logprobs then only
+        weigh each token, min(pi_prox / pi_behav, importance_cap))."""
+        self.model.eval()
+        for start, end in self._micro_batches(trajs):
+            batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+            lp, _ = self._logprobs(self.model, batch)
+            for row, t in enumerate(trajs[start:end]):
+                t.prox_logprobs = [0.0] + lp[row, : len(t) - 1].float().cpu().tolist()
 
     def compute_gradients(self, trajs: list[Trajectory]) -> dict[str, float]:
         """The loss's gradient over `trajs` (records with sampled tokens) in each trainable
@@ -232,7 +252,7 @@ class PolicyTrainer:
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint"), 0.0)
+        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint", "weight", "capped"), 0.0)
         shared = self.shares_prefixes()
         joint = self.joint if self.joint is not None and not shared else None
         try:
@@ -260,7 +280,8 @@ class PolicyTrainer:
             "update/positions_computed": sums["computed"],
             "update/positions_trained": sums["tokens"],
             "update/shared_prefix": float(shared),
-        }
+        } | ({"update/behaviour_weight_mean": sums["weight"] / n_tokens, "update/behaviour_weight_capped": sums["capped"] / n_tokens}
+             if self.algorithm.max_staleness > 0 else {})
 
     def _micro_batches(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
         """Consecutive (start, end) runs of at most `micro_batch_size` records and, with a pass
@@ -332,12 +353,13 @@ class PolicyTrainer:
         out = ppo_clipped_loss(
             lp, batch.old_logprobs, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
             aggregation=self.algorithm.loss_aggregation, ref_logprobs=ref, kl_coef=kl.coef, kl_estimator=kl.estimator,
-            normalizer=normalizer,
+            normalizer=normalizer, behaviour_logprobs=batch.behaviour_logprobs, weight_cap=self.algorithm.importance_cap,
         )
         tokens = float(batch.loss_mask.sum())
         return out.loss, {"tokens": tokens, "pg_loss": float(out.pg_loss), "kl": float(out.kl),
                           "clip_fraction": float(out.clip_fraction) * tokens, "ratio": float(out.ratio_mean) * tokens,
-                          "entropy": float(entropy.sum())}
+                          "entropy": float(entropy.sum()), "weight": float(out.weight_mean) * tokens,
+                          "capped": float(out.capped_fraction) * tokens}
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

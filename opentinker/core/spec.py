@@ -141,7 +141,9 @@ class AlgorithmSpec(Section):
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")
     kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the base model (LoRA: the base is the adapter switched off)")
     loss_aggregation: Literal["token-mean", "seq-mean"] = Field("token-mean", description="token-mean: each sampled token weighs the same; seq-mean: each sequence")
-    max_staleness: int = Field(0, ge=0, description="policy versions a rollout may lag behind the trainer")
+    max_staleness: int = Field(0, ge=0, le=64, description="k: every trained token was drawn by a policy at most k versions older "
+                               "(0: synchronous; k > 0: a producer plays up to k steps ahead while the trainer updates; decoupled PPO)")
+    importance_cap: float = Field(2.0, ge=1.0, description="k > 0: the cap C of each token's weight min(pi_prox / pi_behaviour, C)")
 
 
 class RolloutSpec(Section):
@@ -372,6 +374,9 @@ class JobSpec(BaseJobSpec):
                                           or not self.resources.colocate or self.rollout.engine != "local"):
             raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
                              "rollout.engine 'local' and not self-play, trains as an adapter of a shared base-model worker")
+        if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine != "local"):
+            raise ValueError("algorithm.max_staleness: off-policy streaming (k > 0) is served for single-agent jobs sampling with "
+                             "rollout.engine 'local' on a base of their own (not self-play, not resources.share_base); use 0 there")
         if self.resources.share_base and self.optimization.compile:
             raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                              "(resources.share_base) cannot compile them")

@@ -37,7 +37,9 @@ class VisualInput:
 
 @dataclass
 class Trajectory:
-    """An episode as tokens. `loss_mask[i] == 1` exactly where token i was sampled by the policy."""
+    """An episode as tokens. `loss_mask[i] == 1` exactly where token i was sampled by the policy;
+    `token_versions[i]` is the policy version that drew it (-1 where nothing was drawn), and
+    `policy_version` the oldest of them (a sequence may span versions: weights updated in flight)."""
 
     prompt_ids: list[int]
     group_id: int = 0
@@ -45,6 +47,11 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    env_seconds: list[float] = field(default_factory=list)  # how long each environment step took
+    # off-policy: the logprobs of the policy at the start of the update that trains on the record
+    # (decoupled PPO's proximal policy), per token as `sampling_logprobs`; None: on-policy
+    prox_logprobs: list[float] | None = None
     turns: list[Turn] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     task: dict[str, Any] = field(default_factory=dict)
@@ -59,18 +66,26 @@ class Trajectory:
             self.token_ids = list(self.prompt_ids)
             self.loss_mask = [0] * len(self.prompt_ids)
             self.sampling_logprobs = [0.0] * len(self.prompt_ids)
+        if len(self.token_versions) < len(self.token_ids):
+            self.token_versions += [-1] * (len(self.token_ids) - len(self.token_versions))
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def append_sampled(self, ids: list[int], logprobs: list[float], action: str) -> None:
-        """Add the policy's tokens (trainable) and open a new turn."""
-        if len(ids) != len(logprobs):
-            raise ValueError("each sampled token needs its sampling logprob")
+    def append_sampled(self, ids: list[int], logprobs: list[float], action: str, versions: list[int] | None = None) -> None:
+        """Add the policy's tokens (trainable), each with the version that drew it (default: the
+        record's `policy_version`), and open a new turn."""
+        if len(ids) != len(logprobs) or (versions is not None and len(versions) != len(ids)):
+            raise ValueError("each sampled token needs its sampling logprob (and its version)")
+        versions = [int(v) for v in versions] if versions is not None else [self.policy_version] * len(ids)
+        if versions:
+            drawn = [v for v in self.token_versions if v >= 0]
+            self.policy_version = min(drawn + versions)
         start = len(self.token_ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.sampling_logprobs.extend(float(x) for x in logprobs)
+        self.token_versions.extend(versions)
         self.turns.append(Turn(action=action, sampled_start=start, sampled_end=len(self.token_ids)))
 
     def append_observation(self, ids: list[int], observation: str, visual: VisualInput | None = None) -> None:
@@ -81,6 +96,7 @@ class Trajectory:
         self.token_ids.extend(ids)
         self.loss_mask.extend([0] * len(ids))
         self.sampling_logprobs.extend([0.0] * len(ids))
+        self.token_versions.extend([-1] * len(ids))
         if self.turns:
             self.turns[-1].observation = observation
 
@@ -132,6 +148,8 @@ class Trajectory:
             piece.token_ids.extend(self.token_ids[start:end])
             piece.loss_mask.extend(self.loss_mask[start:end])
             piece.sampling_logprobs.extend(self.sampling_logprobs[start:end])
+            piece.token_versions = [-1] * start + self.token_versions[start:end]
+            piece.policy_version = min(self.token_versions[start:end], default=self.policy_version)
             piece.turns.append(Turn(action=turn.action, observation=turn.observation, reward=ret, sampled_start=start, sampled_end=end))
             out.append(piece)
         return out

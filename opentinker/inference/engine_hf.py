@@ -3,17 +3,15 @@
 It reuses what training evaluation uses, so a served policy answers as it did in its job:
 `load_policy` (the checkpoint's base model with its adapter merged), `ChatFormat` (messages
 rendered by the model's own chat template, tokenized once, as the agent loop does) and
-`HFRolloutEngine` (batched generation with left padding, stopping at end-of-turn tokens).
-Requests that arrive while a batch runs are generated together in the next batch.
+`HFRolloutEngine` (continuous batching, stopping at end-of-turn tokens). A request that arrives
+while others run joins their batch at the next decode step.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from opentinker.agent import chat_format
 from opentinker.agent.chat import Chunk
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.packed_linear import pack_linears, repack
-from opentinker.backend.rollout import Completion, HFRolloutEngine, SamplingParams
+from opentinker.backend.rollout import HFRolloutEngine, SamplingParams
 
 
 class ModelLoadError(RuntimeError):
@@ -38,46 +36,45 @@ class ContextLengthError(ValueError):
                          f"{asked} tokens ({detail}). Please reduce the length of the prompt or the completion.")
 
 
-@dataclass
-class Request:
-    """One generate call waiting for a batch: its prompts, budgets, parameters and the future its completions go to."""
-    prompts: list[list[int]]
-    budgets: list[int]
-    params: SamplingParams
-    seed: int | None
-    future: Future
-    adapter: str | None = None  # a LoRA adapter loaded by name (None: the served model itself)
-    images: list[list[Any]] | None = None  # per prompt, the VisualInputs of a VLM's prompt
-    stop_rule: Any = None  # when a completion ends (None: the model's end-of-turn tokens); compared with ==
-    generator: Any = None  # a torch.Generator its draws come from (a hosted job's own stream); None: from `seed`, else torch's
+def gathered(futures: list[Future]) -> Future:
+    """One future of every result of `futures`, in order (the first failure fails it)."""
+    out: Future = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
 
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if out.done():
+            return
+        failure = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+        if failure is not None:
+            out.set_exception(failure)
+        elif last:
+            out.set_result([f.result() for f in futures])
 
-def request_generators(batch: list[Request], device: Any) -> list[Any] | None:
-    """Per prompt of a batch, the generator its draws come from: its request's own, or a new one
-    seeded with its seed (never torch's global generator reseeded, which other requests draw
-    from); None when no request has either (all draw from torch's global generator)."""
-    import torch
-
-    if all(item.generator is None and item.seed is None for item in batch):
-        return None
-    draws = []
-    for item in batch:
-        own = item.generator if item.generator is not None else (
-            torch.Generator(device=device).manual_seed(item.seed) if item.seed is not None else None)
-        draws += [own] * len(item.prompts)
-    return draws
+    for future in futures:
+        future.add_done_callback(done)
+    return out
 
 
 class HFEngine:
-    """Generation for the server: `generate` returns a Future, a worker thread batches the work."""
+    """Generation for the server: `generate` returns a Future at once; its rows join the engine's
+    running batch at the next decode step (continuous batching: opentinker/backend/stream.py), so a
+    request never waits for another's to end. One adapter at a time runs here (an engine made by
+    `for_adapters` merges it into the weights): a request for another waits until the batch holds
+    none of the current one's rows."""
 
     kind = "hf"
 
     def __init__(self, model, tokenizer, info: dict[str, Any] | None = None, checkpoint: str | None = None,
                  max_model_len: int | None = None, max_batch_size: int = 32, placement: Placement | None = None,
-                 prefix_cache_tokens: int = 65536):
+                 prefix_cache_tokens: int = 65536, run_step: Any = None):
+        """`run_step(fn)`: where each decode step's arithmetic runs (a base-model worker's compute thread)."""
         self.rollout = HFRolloutEngine(model, tokenizer, max_batch_size=max_batch_size, placement=placement,
-                                       prefix_cache_tokens=prefix_cache_tokens)
+                                       prefix_cache_tokens=prefix_cache_tokens, run_step=run_step, row_scope=self._row_scope,
+                                       admits=self._admits)
         if next(model.parameters()).device.type == "cpu":
             pack_linears(model)  # decode's few-row matmuls ~1.6x as fast on packed weights (opentinker.backend.packed_linear)
         self.chat = chat_format(tokenizer)
@@ -90,10 +87,6 @@ class HFEngine:
             raise ModelLoadError("the model states no context length: pass max_model_len")
         self.context_length = int(min(lengths))
         self.max_batch_size = max_batch_size
-        self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._model_lock = threading.Lock()  # adapters change only between batches
-        self._worker = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
-        self._worker.start()
 
     @classmethod
     def for_adapters(cls, model_name: str, init_from: str | None = None, where: Placement | None = None,
@@ -144,25 +137,29 @@ class HFEngine:
         folder = Path(path)
         if not (folder.is_absolute() and (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()):
             raise ValueError(f"{path}: not a LoRA adapter folder (an absolute path holding adapter_config.json and adapter_model.safetensors)")
-        with self._model_lock:
-            model = self.rollout.model
+        def load() -> None:
+            model = self.rollout.stream.model
             if self.merged is not None:  # layers take a new adapter unmerged
                 self._unmerge()
             if isinstance(model, PeftModel):
                 model.load_adapter(str(folder), adapter_name=name)
             else:
-                self.rollout.model = PeftModel.from_pretrained(model, str(folder), adapter_name=name)
-            self.rollout.model.eval()
+                self.rollout.stream.model = PeftModel.from_pretrained(model, str(folder), adapter_name=name)
+            self.rollout.stream.model.eval()
+
+        self.rollout.stream.between_steps(load)  # never under a running batch
         self.adapters[name] = str(folder)
 
     def unload_adapter(self, name: str) -> None:
         """Drop adapter `name` (KeyError when it is not loaded)."""
         if not self.adapters or name not in self.adapters:
             raise KeyError(name)
-        with self._model_lock:
+        def unload() -> None:
             if self.merged == name:
                 self._unmerge()
-            self.rollout.model.delete_adapter(name)
+            self.rollout.stream.model.delete_adapter(name)
+
+        self.rollout.stream.between_steps(unload)
         del self.adapters[name]
 
     def _unmerge(self) -> None:
@@ -230,98 +227,50 @@ class HFEngine:
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], budgets: list[int], params: SamplingParams, seed: int | None = None,
                  adapter: str | None = None, images: list[list[Any]] | None = None, stop_rule: Any = None,
-                 generator: Any = None) -> Future:
-        """Future of one Completion per prompt. A request with a seed is generated alone, so its
-        samples do not depend on what else was in the batch; `generator`: a torch.Generator its
-        draws come from instead (it may share a batch; see decode.Chooser); `adapter` names a loaded LoRA adapter;
-        `images[i]`: prompt i's VisualInputs (a VLM); `stop_rule(tokens) -> bool` ends a completion
-        in place of the end-of-turn tokens (requests batch together only with an equal rule)."""
-        future: Future = Future()
-        self._queue.put(Request(prompts, budgets, params, seed, future, adapter, images, stop_rule, generator))
-        return future
+                 generator: Any = None, version: Any = None) -> Future:
+        """Future of one Completion per prompt. The request's rows draw from `generator` (or one
+        seeded with `seed`), together and never with another request's, so what it samples does not
+        depend on what else runs; `adapter` names a loaded LoRA adapter; `images[i]`: prompt i's
+        VisualInputs (a VLM); `stop_rule(tokens) -> bool` ends a completion in place of the
+        end-of-turn tokens; `version()`: the policy version its tokens are drawn by (a hosted job's)."""
+        if adapter is not None and (not self.adapters or adapter not in self.adapters):
+            failed: Future = Future()
+            failed.set_exception(KeyError(adapter))
+            return failed
+        return gathered(self.rollout.stream.submit(prompts, params, budgets, stop_rule=stop_rule, generator=generator, seed=seed,
+                                                   adapters=[adapter] * len(prompts), images=images, version=version))
 
     def score_prompt(self, prompt: list[int], adapter: str | None = None, top_k: int = 0) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """Each prompt token's logprob given the tokens before it (NaN for the first), and, with
         `top_k`, the k likeliest tokens at each position with their logprobs (none at the first)."""
         import torch
 
-        with self._model_lock, self._adapter(adapter), torch.no_grad():
-            model = self.rollout.model
-            model.eval()
-            ids = torch.tensor([prompt], device=self.rollout.placement.device)
-            with self.rollout.placement.autocast():
-                logits = model(input_ids=ids).logits[0, :-1].float()
-            logp = torch.log_softmax(logits, dim=-1)
-            chosen = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
-            top: list[list[tuple[int, float]]] = []
-            if top_k > 0:
-                values, indices = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-                top = [[]] + [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
-        return [float("nan")] + chosen, top
+        def score() -> tuple[list[float], list[list[tuple[int, float]]]]:
+            with self._adapter(adapter), torch.no_grad():
+                model = self.rollout.model
+                model.eval()
+                ids = torch.tensor([prompt], device=self.rollout.placement.device)
+                with self.rollout.placement.autocast():
+                    logits = model(input_ids=ids).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                chosen = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+                top: list[list[tuple[int, float]]] = []
+                if top_k > 0:
+                    values, indices = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+                    top = [[]] + [list(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]
+            return [float("nan")] + chosen, top
 
-    def _loop(self) -> None:
-        pending: list[Request] = []
-        stopping = False
-        while True:
-            if not pending:
-                item = self._queue.get()
-                if item is None:
-                    return
-                pending.append(item)
-                self._gather()
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    pending.append(item)
-            batch, pending = self._take_batch(pending)
-            self._run(batch)
-            if stopping and not pending:
-                return
+        # between decode steps (each forward of the batch sets its own adapter again)
+        return self.rollout.stream.between_steps(score)
 
-    def _gather(self) -> None:
-        """After a request found the engine idle: a moment for others to join its batch (none here)."""
+    # --- the batch's adapter ----------------------------------------------------------------------
+    def _admits(self, seq: Any, running: list[Any]) -> bool:
+        """A row joins a batch of its own adapter's rows only (one adapter is in the weights at a time)."""
+        return not running or seq.adapter == running[0].adapter
 
-    def _joins(self, first: Request, item: Request) -> bool:
-        """Whether `item` may run in `first`'s batch: the same parameters, adapter and stop rule."""
-        return item.params == first.params and item.adapter == first.adapter and item.stop_rule == first.stop_rule
-
-    def _take_batch(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
-        """The oldest request and every later one that shares its sampling parameters (up to the batch size)."""
-        first = pending[0]
-        batch, rest, size = [first], [], len(first.prompts)
-        for item in pending[1:]:
-            fits = size + len(item.prompts) <= self.max_batch_size
-            if first.seed is None and item.seed is None and self._joins(first, item) and fits:
-                batch.append(item)
-                size += len(item.prompts)
-            else:
-                rest.append(item)
-        return batch, rest
-
-    def _run(self, batch: list[Request]) -> None:
-        prompts = [p for item in batch for p in item.prompts]
-        budgets = [b for item in batch for b in item.budgets]
-        images = [row for item in batch for row in (item.images or [[] for _ in item.prompts])]
-        params = replace(batch[0].params, max_new_tokens=max(budgets))
-        try:
-            with self._model_lock, self._adapter(batch[0].adapter):
-                completions: list[Completion] = self.rollout.generate(
-                    prompts, params, budgets, images if any(images) else None, stop_rule=batch[0].stop_rule,
-                    generators=request_generators(batch, self.rollout.placement.device))
-        except Exception as err:  # noqa: BLE001 - the requests fail, the engine keeps serving
-            for item in batch:
-                item.future.set_exception(err)
-            return
-        start = 0
-        for item in batch:
-            item.future.set_result(completions[start : start + len(item.prompts)])
-            start += len(item.prompts)
+    def _row_scope(self, names: list[str | None]) -> Any:
+        """Every forward runs under its rows' (one) adapter, merged in when it changes."""
+        return self._adapter(names[0])
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._worker.join(timeout=30)
+        self.rollout.close()

@@ -4,7 +4,8 @@ The actors are the runtime's own classes, hosted by Ray, with no wrapper in betw
 - colocated (`resources.colocate: true`, the default): one `RLJob` actor, the policy and the
   sampler sharing one model copy (on a GPU: one copy in device memory); weight sync is the
   version handshake;
-- split (`colocate: false`): a `Policy` actor and a `Sampler` actor with their own model copies;
+- split (`colocate: false`, and every job with `algorithm.max_staleness` > 0, whose producer plays
+  while the trainer updates): a `Policy` actor and a `Sampler` actor with their own model copies;
   after every update the policy's trainable weights go to the sampler, tagged with their version;
 - shared (`resources.share_base: true`, LoRA): hosted on the pool's base-model worker, its adapter
   on the worker's one copy of the base, its episodes batched with other tenants' there;
@@ -55,11 +56,20 @@ class JobActors:
                 ray.kill(handle)
 
 
+def streams_apart(spec: JobSpec) -> bool:
+    """Does the job's producer play while its trainer updates (max_staleness > 0)? Then the two
+    are actors of their own (the split layout), whatever `resources.colocate` says."""
+    algorithm = getattr(spec, "algorithm", None)  # an SFT job has none: no producer
+    return algorithm is not None and algorithm.max_staleness > 0
+
+
 def actor_options(spec: JobSpec, name: str) -> dict[str, Any]:
     """Ray options from the spec's resources; torch threads through OMP_NUM_THREADS (Ray would set
-    1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine)."""
+    1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine). A job whose
+    producer and trainer compute at once on the CPU splits the cores between them."""
     r = spec.resources
-    threads = str(r.torch_threads or os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    threads = str(r.torch_threads or (max(1, cores // 2) if streams_apart(spec) and r.num_gpus == 0 else cores))
     return {"name": name, "num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "max_restarts": 0,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}}
 
@@ -77,7 +87,7 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
         from opentinker.orchestration.on_base_worker import JobOnBaseWorker
 
         return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
-    if spec.resources.colocate:
+    if spec.resources.colocate and not streams_apart(spec):
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job)
@@ -105,8 +115,9 @@ def check_placeable(spec: JobSpec) -> None:
 
     total = ray.cluster_resources()
     r = spec.resources
-    need_cpu = r.num_cpus * (1 if r.colocate else 2)
-    need_gpu = r.num_gpus * (1 if r.colocate else 2)
+    apart = not r.colocate or streams_apart(spec)
+    need_cpu = r.num_cpus * (2 if apart else 1)
+    need_gpu = r.num_gpus * (2 if apart else 1)
     if need_gpu > total.get("GPU", 0):
         raise RuntimeError(f"resources.num_gpus: the job needs {need_gpu:g} GPU(s), the Ray cluster has {total.get('GPU', 0):g}")
     if need_cpu > total.get("CPU", 0):

@@ -1,7 +1,9 @@
 """An RL job in one process: the policy and the sampler share one model.
 
 This is the colocated layout, the default everywhere: no second copy of the weights, and weight
-sync is only the version handshake. The same object runs a job in this process (`run`: the CLI's
+sync is only the version handshake. Off-policy (`algorithm.max_staleness` > 0) the sampler's
+producer plays while the trainer updates, so it samples from a copy of its own that takes the
+policy's weights after each update. The same object runs a job in this process (`run`: the CLI's
 `opentinker run`, tests, benchmarks, notebooks) and, hosted in a Ray actor, the steps of a flow.
 """
 
@@ -44,14 +46,23 @@ class RLJob:
         # a hosted job's checkpoints keep its own generators: its sampling stream and its adapter's dropout
         own_rngs = None if own_rng is None else {"own": own_rng, "dropout": model.dropout_generator}
         self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rngs=own_rngs)
-        self.sampler = Sampler(spec, self.policy.model, self.policy.tokenizer, job_id=self.job_id, where=self.policy.placement,
-                               start_server=start_server, engine=rollout_engine)
+        # Off-policy (max_staleness > 0) the producer samples while the trainer updates: from a model copy of its own
+        self.own_copy = spec.algorithm.max_staleness > 0
+        shared = (None, None) if self.own_copy else (self.policy.model, self.policy.tokenizer)
+        self.sampler = Sampler(spec, *shared, job_id=self.job_id, where=self.policy.placement, start_server=start_server,
+                               engine=rollout_engine)
+        if self.own_copy:
+            self.sampler.sync(self.policy.weights())  # identical starting weights (LoRA init is random)
+
+    def _sync(self) -> None:
+        """The policy's version to the sampler (and its weights, to a copy of its own)."""
+        self.sampler.sync(self.policy.weights() if self.own_copy else self.policy.version)
 
     def restore(self) -> Restored | None:
         restored = self.policy.restore_latest()
         if restored is not None and restored.resumed:
             self.sampler.load_env_state(restored.env_state)
-            self.sampler.sync(self.policy.version)
+            self._sync()
         return restored
 
     def rollout(self, step: int) -> dict[str, float]:
@@ -59,7 +70,7 @@ class RLJob:
 
     def update(self, step: int) -> dict[str, float]:
         metrics = self.policy.update(self.sampler.batch(step))
-        self.sampler.sync(self.policy.version)  # shared model: the handshake is the version
+        self._sync()
         return metrics
 
     def evaluate(self, step: int) -> Evaluation:

@@ -106,11 +106,15 @@ def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None)
     loop_start = time.perf_counter()
     for step in range(start, total):
         done, t0 = step + 1, time.perf_counter()
-        metrics = runner.rollout(step) | runner.update(step)
+        metrics = runner.rollout(step)
+        t1 = time.perf_counter()
+        metrics |= runner.update(step)
+        t2 = time.perf_counter()
         evaluation = evaluate(done) if spec.evaluates_at(done) else None
         if evaluation is not None:
             metrics |= evaluation.metrics
         metrics["step/seconds"] = time.perf_counter() - t0
+        metrics["step/trainer_busy"] = (t2 - t1) / max(t2 - t0, 1e-9)  # the update's share of rollout wait + update
         pending.append((done, metrics))
         written = None
         if spec.checkpoints_at(done):

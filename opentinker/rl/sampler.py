@@ -1,12 +1,16 @@
 """The sampler: the job's environment played by an inference engine on the policy's model.
 
-It draws a step's tasks, runs the agent loop over them (training rollouts, or greedy validation
-episodes) and keeps the step's batch for the update. Beside the policy in one process it shares
-its model, and weight sync is only the version handshake; in a process of its own it loads its
-model and takes the policy's trainable weights after each update.
+It plays the job's groups of episodes through a producer (opentinker.rl.producer): continuously,
+each episode a stream of its own, at most `algorithm.max_staleness` policy versions ahead of the
+trainer (0: a step's groups start once the previous update is published); `rollout(step)` takes
+the step's groups and keeps them for the update. Validation episodes (greedy by default) play on
+the same engine. Beside the policy in one process it shares its model, and weight sync is only the
+version handshake; with its own model (in a process of its own, or any job with max_staleness > 0)
+it takes the policy's trainable weights after each update, between two decode steps, so an
+episode in flight goes on with the new weights and its tokens record the version that drew them.
 
 With `rollout.engine: server` the episodes are sampled by an inference server instead: before a
-phase plays, the newest version's adapter goes to the server and is verified there (see
+group plays, the newest version's adapter goes to the server and is verified there (see
 opentinker/backend/server_engine.py); the model here is then the trainer's reference for it.
 """
 
@@ -26,6 +30,7 @@ from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
 from opentinker.core.spec import JobSpec
 from opentinker.core.trajectory import Trajectory
+from opentinker.rl.producer import Producer
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.model import adapter_files
 from opentinker.tracking.metrics import episode_stats
@@ -73,6 +78,9 @@ def sync_tolerance(spec: JobSpec, where: Placement) -> float:
     return 1e-3 if where.compute_dtype == torch.float32 else 0.1
 
 
+EVAL_EPISODES = 2**40  # validation episodes are numbered apart from training ones (their generators' seeds)
+
+
 class Sampler:
     def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None,
                  where: Placement | None = None, start_server: StartServer | None = None, engine: Any = None):
@@ -101,6 +109,8 @@ class Sampler:
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self._batch: RolloutBatch | None = None
+        self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
+        self._last_take: float | None = None
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
@@ -119,13 +129,15 @@ class Sampler:
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
         t0 = time.perf_counter()
-        gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)
-        self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
+        gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)  # one sync at a time
+        if gap is not None:  # None: another thread's sync put this version there first
+            self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 
     def close(self) -> None:
-        """Stop what the sampler started (a server engine's own server), or leave the host's engine."""
-        if not isinstance(self.engine, HFRolloutEngine):
-            self.engine.close()
+        """Stop what the sampler started (its producer, its engine's thread, a server engine's own server)."""
+        if self.producer is not None:
+            self.producer.stop()
+        self.engine.close()
 
     def sync(self, version: int | tuple[int, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor] | None = None) -> int:
         """Weight-sync handshake: adopt the policy's version (and its trainable weights, when the
@@ -133,43 +145,86 @@ class Sampler:
         only go up."""
         if isinstance(version, tuple):
             version, weights = version
-        if weights is not None:
-            if version < self.wanted_version:
-                raise ValueError(f"refusing policy version {version}: the sampler is already at {self.wanted_version}")
-            named = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, tensor in weights.items():
-                    named[name].copy_(tensor)
-        self.wanted_version = version
-        if not isinstance(self.engine, ServerRolloutEngine):  # samples from self.model: nothing to move
-            self.engine.policy_version = version
+        if weights is not None and version < self.wanted_version:
+            raise ValueError(f"refusing policy version {version}: the sampler is already at {self.wanted_version}")
+
+        def load() -> None:  # between two decode steps: a sequence in flight goes on with the new weights
+            if weights is not None:
+                named = dict(self.model.named_parameters())
+                with torch.no_grad():
+                    for name, tensor in weights.items():
+                        named[name].copy_(tensor)
+            self.wanted_version = version
+            if not isinstance(self.engine, ServerRolloutEngine):  # samples from self.model: nothing to move
+                self.engine.policy_version = version
+
+        stream = getattr(self.engine, "stream", None)
+        stream.between_steps(load) if stream is not None else load()
+        if self.producer is not None:
+            self.producer.publish(version)
         return version
 
     def rollout(self, step: int) -> dict[str, float]:
-        """Play the step's training episodes (prompts × group size); the batch stays here for
-        `batch(step)`, the metrics are returned."""
+        """The step's groups from the producer (started at the first call: opentinker.rl.producer),
+        each played as streams; the batch stays here for `batch(step)`, the metrics are returned
+        (`rollout/seconds`: how long the trainer waited for them)."""
         t0 = time.perf_counter()
-        self._publish()
-        r = self.spec.rollout
-        tasks = self.env.train_tasks(r.prompts_per_step)
-        expanded = [t for t in tasks for _ in range(r.group_size)]
-        groups = [step * r.prompts_per_step + i for i in range(len(tasks)) for _ in range(r.group_size)]
-        tokens0, gen0 = self.engine.generated_tokens, self.engine.generate_seconds
+        r, k = self.spec.rollout, self.spec.algorithm.max_staleness
+        if self.producer is None:
+            self.producer = Producer(self._draw, self._play_group, r.prompts_per_step, k, step * r.prompts_per_step, self.wanted_version)
+        busy0, tokens0 = self.engine.generate_seconds, self.engine.generated_tokens
         decoded0, useful0 = (getattr(self.engine, name, 0) for name in ("decode_positions", "useful_positions"))  # local engine only
-        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in expanded], expanded, self.train_params, self.limits, groups)
-        self.engine.end_phase()  # the episodes are over: free their states before the update
+        since = self._last_take or t0
+        groups = self.producer.take(step)
+        kept = [g for g in groups if self._lag(g.trajectories) <= k]
+        trajs = [t for g in kept for t in g.trajectories]
+        waiting, playing = self.producer.waiting()
+        now = self._last_take = time.perf_counter()
+        sampled_versions = [v for t in trajs for v, m in zip(t.token_versions, t.loss_mask) if m]
+        lags = [self.wanted_version - v for v in sampled_versions] or [0]
+        env_seconds = sorted(s for t in trajs for s in t.env_seconds) or [0.0]
         gen_tokens = self.engine.generated_tokens - tokens0
-        gen_seconds = self.engine.generate_seconds - gen0
+        gen_seconds = self.engine.generate_seconds - busy0
         metrics = episode_stats(trajs, "rollout") | {
             "rollout/generated_tokens": float(gen_tokens),
             "rollout/tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0,
-            "rollout/seconds": time.perf_counter() - t0,
+            "rollout/seconds": now - t0,
             "rollout/decode_positions": float(getattr(self.engine, "decode_positions", 0) - decoded0),
             "rollout/useful_positions": float(getattr(self.engine, "useful_positions", 0) - useful0),
-            "rollout/policy_version": float(self.engine.policy_version),
+            "rollout/policy_version": float(self.wanted_version),
+            "rollout/version_lag_mean": sum(lags) / len(lags), "rollout/version_lag_max": float(max(lags)),
+            **{f"rollout/version_lag_share_{n}": lags.count(n) / len(lags) for n in range(k + 1)},
+            "rollout/groups_dropped": float(len(groups) - len(kept)),
+            "rollout/buffer_groups": float(waiting), "rollout/groups_in_flight": float(playing),
+            "rollout/producer_busy": min(1.0, gen_seconds / max(now - since, 1e-9)),
+            "rollout/env_step_p50": env_seconds[len(env_seconds) // 2],
+            "rollout/env_step_p95": env_seconds[min(len(env_seconds) - 1, int(0.95 * len(env_seconds)))],
         } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
-        self._batch = RolloutBatch(step=step, policy_version=self.engine.policy_version, trajectories=trajs, metrics=metrics)
+        self._batch = RolloutBatch(step=step, policy_version=self.wanted_version, trajectories=trajs, metrics=metrics)
         return metrics
+
+    def _lag(self, trajs: list[Trajectory]) -> int:
+        """How many versions behind the trainer a group's oldest sampled token is (0 when it sampled none)."""
+        versions = [v for t in trajs for v, m in zip(t.token_versions, t.loss_mask) if m]
+        return self.wanted_version - min(versions) if versions else 0
+
+    def _draw(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The producer's next task, and the environment's state before it was drawn."""
+        before = self.env.state()
+        return self.env.train_tasks(1)[0], before
+
+    def _play_group(self, group: Any) -> list[Trajectory]:
+        """One group's episodes (group size of its task), as streams."""
+        self._publish()
+        n = self.spec.rollout.group_size
+        return run_episodes(self.engine, self.chat, [self.env.make_game() for _ in range(n)], [group.task] * n, self.train_params, self.limits,
+                            [group.index] * n, self._generators(group.index * n, n))
+
+    def _generators(self, first: int, n: int) -> list[torch.Generator]:
+        """Episodes first..first+n-1's generators, seeded by (job seed, episode number): an episode
+        draws the same whenever it plays (before or after a resume, beside whatever else)."""
+        device = getattr(getattr(self.engine, "placement", None), "device", None) or torch.device("cpu")
+        return [torch.Generator(device=device).manual_seed((self.spec.seed * 1_000_003 + first + i) % 2**63) for i in range(n)]
 
     def batch(self, step: int) -> RolloutBatch:
         """The batch `rollout(step)` played (only the newest is kept)."""
@@ -184,13 +239,16 @@ class Sampler:
         e, r = self.spec.evaluation, self.spec.rollout
         tasks = self.env.validation_tasks(e.n_samples)
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
-        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits)
-        self.engine.end_phase()
+        trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits,
+                             generators=self._generators(EVAL_EPISODES + step * len(tasks), len(tasks)))
         metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
         return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs))
 
     def env_state(self) -> dict[str, Any]:
-        return self.env.state()
+        """The environment's state for a checkpoint: before the first task not trained on was drawn."""
+        if self.producer is None or self._batch is None:
+            return self.env.state()
+        return self.producer.env_state_after(self._batch.step, self.env.state)
 
     def load_env_state(self, state: dict[str, Any]) -> None:
         self.env.load_state(state)

@@ -169,6 +169,22 @@ def test_soft_targets_train_through_the_sdk(fresh):
     fresh.forward_backward_custom([soft], reverse_kl).result()
 
 
+def test_stability_info_and_provenance_spans_are_accepted(fresh):
+    """The cookbook's RL data carries provenance spans and may sample with record_stability_info:
+    both are taken (and not used: only stable_reinforce, refused, would read them); the loss is
+    the one computed without them."""
+    sampler = fresh.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    sample = sampler.sample(types.ModelInput.from_ints(seq(6, 5)), 1, types.SamplingParams(max_tokens=4, seed=1)).result()
+    tokens = seq(6, 5) + sample.sequences[0].tokens
+    plain = datum(tokens, logprobs=[0.0] * 4 + sample.sequences[0].logprobs, advantages=[0.0] * 4 + [1.0] * 4)
+    spans = plain.with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="s0", length=5), types.SampledProvenanceSpan(sequence_id="s0", length=3)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="s0", offset=1, length=4), types.SampledProvenanceSpan(sequence_id="s0", length=4)])
+    with_spans = fresh.forward([spans], "importance_sampling").result()
+    without = fresh.forward([plain], "importance_sampling").result()
+    assert with_spans.metrics["loss:sum"] == pytest.approx(without.metrics["loss:sum"], abs=1e-6)
+
+
 def test_unsupported_loss_is_refused_naming_the_supported_ones(fresh):
     """stable_reinforce fails the call at once with one line naming the losses served."""
     data = [datum(seq(3), logprobs=[0.0] * 11, advantages=[1.0] * 11)]
@@ -446,6 +462,29 @@ def test_a_sampler_checkpoint_serves_like_any_jobs(gateway, trainer):
     finally:
         engine.close()
     assert served[0].token_ids == greedy.sequences[0].tokens
+
+
+def test_inflight_samplers_follow_their_models_newest_inflight_save(fresh):
+    """kind="inflight" (save_weights_and_get_sampling_client; the POST save_weights_for_sampler
+    it sends without a path): every inflight sampler of a model samples its newest inflight save (the weights saved when it was
+    made, or newer: the SDK's contract), while a snapshot keeps the weights it saved."""
+    prompt, params = types.ModelInput.from_ints(seq(3, 6)), types.SamplingParams(max_tokens=6, temperature=0.0)
+
+    def greedy(sampler):
+        return sampler.sample(prompt, 1, params).result().sequences[0].logprobs
+
+    first = fresh.save_weights_and_get_sampling_client(kind="inflight").result()
+    snapshot = fresh.save_weights_and_get_sampling_client().result()
+    before = greedy(first)
+    assert greedy(snapshot) == pytest.approx(before, abs=1e-6)
+    fresh.forward_backward([datum(seq(4), weights=[1.0] * 11)], "cross_entropy").result()
+    fresh.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    assert greedy(first) == pytest.approx(before, abs=1e-6)  # no inflight save yet: the weights it was made with
+    second = fresh.save_weights_and_get_sampling_client(kind="inflight").result()
+    after = greedy(second)
+    assert after != pytest.approx(before, abs=1e-3)
+    assert greedy(first) == pytest.approx(after, abs=1e-6)  # the earlier inflight sampler moved to the newer save
+    assert greedy(snapshot) == pytest.approx(before, abs=1e-6)  # the snapshot did not
 
 
 def test_old_ephemeral_samplers_are_dropped(trainer):

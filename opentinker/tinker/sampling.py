@@ -201,11 +201,13 @@ class Samplers:
         self.pool, self.owns_engines = engines or SamplingEngines(placement), engines is None
         self.records: dict[str, SamplerRecord] = {}
         self.snapshots: OrderedDict[str, None] = OrderedDict()
+        self.inflight: dict[str, str] = {}  # an inflight sampler -> the snapshot of its model's newest inflight save
+        self.inflight_of: dict[str, list[str]] = {}  # a training model -> its inflight samplers
 
     def record(self, sampler_id: str) -> SamplerRecord:
         from opentinker.tinker.paths import NotFound
 
-        found = self.records.get(sampler_id)
+        found = self.records.get(self.inflight.get(sampler_id, sampler_id))
         if found is None:
             raise NotFound(f"no sampler {sampler_id!r} in this session (ephemeral samplers: only the {MAX_SNAPSHOTS} newest are kept)")
         return found
@@ -227,6 +229,18 @@ class Samplers:
         self.snapshots[sampler_id] = None
         while len(self.snapshots) > MAX_SNAPSHOTS:
             self._drop(self.snapshots.popitem(last=False)[0])
+
+    def add_inflight(self, sampler_id: str, model_id: str, base_model: str, loader_name: str, model: Any) -> None:
+        """The SDK's inflight contract: every inflight sampler of a training model samples its newest
+        inflight save. The save is a snapshot of its own (a request running on the previous one
+        finishes there), and this sampler and the model's earlier inflight ones move to it, so each
+        samples the weights saved when it was made, or newer."""
+        version = f"{sampler_id}:inflight"
+        self.add_snapshot(version, base_model, loader_name, model)
+        samplers = self.inflight_of.setdefault(model_id, [])
+        samplers.append(sampler_id)
+        for name in samplers:
+            self.inflight[name] = version
 
     def _drop(self, sampler_id: str) -> None:
         record = self.records.pop(sampler_id, None)
@@ -278,16 +292,17 @@ class Samplers:
     def sample(self, request: SampleRequest) -> bytes:
         from opentinker.backend.rollout import SamplingParams
 
-        record = self.record(request.sampler_id)
-        self._check_checkpoint(request.sampler_id, record)
-        engine = self._ensure_loaded(request.sampler_id, record)
+        sampler_id = self.inflight.get(request.sampler_id, request.sampler_id)  # an inflight one samples its model's newest save
+        record = self.record(sampler_id)
+        self._check_checkpoint(sampler_id, record)
+        engine = self._ensure_loaded(sampler_id, record)
         vocab = engine.rollout.model.get_output_embeddings().weight.shape[0]
         if any(t < 0 or t >= vocab for t in request.prompt):
             raise BadSample(f"prompt: token ids must be in [0, {vocab}) for {record.base_model}")
         if len(request.prompt) + request.max_tokens > engine.context_length:
             raise BadSample(f"prompt ({len(request.prompt)} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
                             f"model's context of {engine.context_length}")
-        adapter = request.sampler_id if record.folder is not None else None
+        adapter = sampler_id if record.folder is not None else None
         if request.stop is None:
             rule = StopRule(frozenset(engine.rollout.stop_ids))
         elif request.stop and isinstance(request.stop[0], str):

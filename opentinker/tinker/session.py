@@ -322,7 +322,11 @@ class TinkerSession:
             self._save(slot, path, body, with_optimizer=False)
             return {"path": str(path)}
         sampler_id = f"{self.session_id}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
-        self.samplers.add_snapshot(sampler_id, slot.base_name, resolve_base(self.models_folder, slot.base_name), slot.model)
+        loader = resolve_base(self.models_folder, slot.base_name)
+        if body.get("kind") == "inflight":  # samples use the weights saved now or newer (the SDK's contract): sampling.Samplers.add_inflight
+            self.samplers.add_inflight(sampler_id, body["model_id"], slot.base_name, loader, slot.model)
+        else:
+            self.samplers.add_snapshot(sampler_id, slot.base_name, loader, slot.model)
         return {"sampling_session_id": sampler_id}
 
     def save_weights_external(self, body: dict[str, Any]) -> dict[str, Any]:

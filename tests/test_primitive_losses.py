@@ -230,6 +230,24 @@ def test_soft_targets_score_each_candidate_and_train_like_their_weighted_hard_ta
     assert both[1]["logprobs"].shape == (3,) and np.allclose(both[1]["logprobs"], alone[0]["logprobs"], atol=1e-5)
 
 
+def test_the_head_in_chunks_computes_what_it_computes_at_once(monkeypatch):
+    """Logits a few positions at a time, recomputed in the backward (HEAD_CHUNK_POSITIONS: the
+    pass's memory bound), give the logprobs, loss and gradients of the head over all positions at once."""
+    import opentinker.backend.primitives as primitives
+
+    results = []
+    for chunk in (0, 3):  # 0: every position at once
+        monkeypatch.setattr(primitives, "HEAD_CHUNK_POSITIONS", chunk)
+        pm = make(seed=4)
+        outputs, metrics = pm.forward_backward(DATA, "cross_entropy", {})
+        results.append((outputs, metrics, grads(pm)))
+    (whole, m_whole, g_whole), (chunked, m_chunked, g_chunked) = results
+    assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-6) for a, b in zip(whole, chunked))
+    assert m_chunked["loss:sum"] == pytest.approx(m_whole["loss:sum"], rel=1e-6)
+    # float32 sums in another order: equal to 1e-5 of each tensor's largest gradient
+    assert all(float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()) + 1e-7 for a, b in zip(g_whole, g_chunked) if a is not None)
+
+
 def test_forward_only_leaves_gradients_alone():
     """forward_only computes the same logprobs but adds no gradient (none before, the same after a backward)."""
     pm = make()

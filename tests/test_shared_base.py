@@ -159,6 +159,38 @@ def test_each_tenant_gets_the_same_results_alone_or_sharing_a_pass():
         assert all(same(got, want) for got, want in zip(grads_of(adapters[name]), want_grads)), name
 
 
+def test_a_shared_pass_with_the_head_in_chunks_gets_the_same_results(monkeypatch):
+    """Per-row adapters on the head hold when its logits are computed (and recomputed in the
+    backward) a few positions at a time: each tenant's outputs and gradients are those of one chunk."""
+    import opentinker.backend.primitives as primitives
+
+    got = []
+    for chunk in (0, 4):
+        monkeypatch.setattr(primitives, "HEAD_CHUNK_POSITIONS", chunk)
+        sb = shared(gather_s=0.5)
+        adapters = _tenants(sb)
+        for adapter in adapters.values():
+            with_random_b(adapter, 1)
+        results, start = {}, threading.Barrier(len(TENANTS))
+
+        def call(name: str) -> None:
+            _, loss_fn, data = TENANTS[name]
+            start.wait()
+            results[name] = adapters[name].forward_backward(data + ([SOFT] if name == "ann" else []), loss_fn, {})
+
+        threads = [threading.Thread(target=call, args=(name,)) for name in TENANTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sb.stats.shared == 1
+        got.append({name: (results[name], grads_of(adapters[name])) for name in TENANTS})
+    for name in TENANTS:
+        ((out_a, _), g_a), ((out_b, _), g_b) = got[0][name], got[1][name]
+        assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(out_a, out_b)), name
+        assert all(same(a, b) for a, b in zip(g_b, g_a)), name
+
+
 def test_a_step_changes_only_its_own_adapter():
     sb = shared(gather_s=0.2)
     adapters = _tenants(sb)

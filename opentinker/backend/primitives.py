@@ -213,28 +213,45 @@ def adam_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], adam
     return norm
 
 
+HEAD_CHUNK_POSITIONS = 512  # positions whose logits ([P, vocab], float32) exist at once; 0: all of a pass's at once
+
+
 def target_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, active: torch.Tensor,
                     forward_only: bool, placement: Placement, head_rows: Any = None) -> torch.Tensor:
     """log p(target) [B, T] ([B, T, K] for soft targets) from the last hidden states: the
     unembedding with gradient at `active` positions only, without at the other real ones.
     `head_rows(positions)`: a context under which the head runs for those [P] flattened positions
-    (a shared base's per-row adapters)."""
+    (a shared base's per-row adapters).
+
+    The logits are computed HEAD_CHUNK_POSITIONS positions at a time, and with gradient each
+    chunk's are recomputed in the backward (activation checkpointing) rather than kept: a pass
+    never holds more than one chunk's [P, vocab] logits, their log-softmax and gradients (for
+    SmolLM2's 49,152-token vocabulary, 512 positions are 100 MB each), however long its rows."""
     from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
 
     lp = torch.zeros(targets.shape, device=mask.device)
 
-    def score(where: torch.Tensor, grad: bool) -> torch.Tensor:
-        with torch.set_grad_enabled(grad and not forward_only), placement.autocast(), (head_rows(where) if head_rows else nullcontext()):
-            logits = head(hidden[where] if grad else hidden[where].detach())
-        picked = targets[where]
+    def score(h: torch.Tensor, picked: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        with placement.autocast(), (head_rows(where) if head_rows else nullcontext()):
+            logits = head(h)
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, picked.reshape(len(picked), -1)).reshape(picked.shape)
 
-    rest = ~active & mask.bool()
-    if bool(rest.any()):
-        with torch.no_grad():
-            lp = lp.index_put((rest,), score(rest, grad=False))
-    if bool(active.any()):
-        lp = lp.index_put((active,), score(active, grad=True))
+    for positions, grad in ((~active & mask.bool(), False), (active, not forward_only)):
+        flat = positions.nonzero()
+        size = HEAD_CHUNK_POSITIONS or max(len(flat), 1)
+        for start in range(0, len(flat), size):
+            where = torch.zeros_like(positions)
+            where[flat[start : start + size, 0], flat[start : start + size, 1]] = True
+            if grad and len(flat) > size:  # several chunks: keep none of their logits for the backward
+                out = checkpoint(score, hidden[where], targets[where], where, use_reentrant=False)
+            elif grad:
+                out = score(hidden[where], targets[where], where)
+            else:
+                with torch.no_grad():
+                    out = score(hidden[where].detach(), targets[where], where)
+            lp = lp.index_put((where,), out)
     return lp
 
 

@@ -8,8 +8,9 @@ accuracy, reward, format rate and the share of distinct answers, beside the samp
 reward, so a collapse onto one well-formatted answer would show as format 100% with few distinct
 answers. Target: greedy held-out accuracy >= 75% and >= 30 points above step 0 within 25 steps.
 
-    python bench/learning_math.py [--steps 25] [--every 5]
-writes bench/results/learning_math.json and bench/results/learning_math.md
+    python bench/learning_math.py [--steps 25] [--every 5] [--seed 0]
+writes bench/results/learning_math.json and bench/results/learning_math.md (the curve moves with
+the seed: `--seed 1 --out bench/results/learning_math_seed1` for the others the docs quote)
 
 The recipe for a better curve, `--sft-first` (two jobs, as the service runs them: `opentinker sft
 examples/sft_math.yaml`, then `opentinker run examples/math_grpo_from_sft.yaml`): one SFT epoch on
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -68,6 +70,7 @@ def main() -> int:
     parser.add_argument("--sft-chats", type=int, default=64, help="--sft-first: generated chats (1/8 held out for the SFT eval loss)")
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=None, help="the RL learning rate (default: the spec's)")
+    parser.add_argument("--seed", type=int, default=None, help="the job's seed (default: the spec's, 0); the curve moves with it")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     recipe = "sft_rl" if args.sft_first else "rl"
@@ -94,6 +97,7 @@ def main() -> int:
             "optimization": spec.optimization.model_copy(update={"steps": args.steps, "lr": args.lr or spec.optimization.lr}),
             "evaluation": spec.evaluation.model_copy(update={"every": args.every}),
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
+            "seed": spec.seed if args.seed is None else args.seed,
         })
         t0 = time.perf_counter()
         job = RLJob(spec, job_id="bench-learning")
@@ -129,6 +133,7 @@ def main() -> int:
     reached = [c for c in curve if c["greedy_accuracy"] >= target["accuracy"] and c["greedy_accuracy"] >= first + target["gain"]]
     step_times = [h["step/seconds"] for h in result.history]
     out = {
+        "command": shlex.join(["python", "bench/learning_math.py", *sys.argv[1:]]),
         "spec": spec.model_dump(mode="json"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "recipe": recipe,

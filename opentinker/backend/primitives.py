@@ -145,7 +145,7 @@ def padded(rows: list[dict[str, torch.Tensor]], device: Any) -> tuple[dict[str, 
     of real positions. When a row has soft targets ([N, K]), every row's `target_tokens` and
     `weights` become [B, T, K] (K the widest; a hard target sits in slot 0, the other slots weigh 0)."""
     width = max(len(r["tokens"]) for r in rows)
-    k = max((r["target_tokens"].shape[1] for r in rows if r["target_tokens"].dim() == 2), default=0)
+    k = max((r["target_tokens"].shape[1] for r in rows if "target_tokens" in r and r["target_tokens"].dim() == 2), default=0)
     dtypes = {key: v.dtype for r in rows for key, v in r.items()}
     out = {key: torch.zeros((len(rows), width, k) if k and key in SLOTTED else (len(rows), width), dtype=dtype)
            for key, dtype in dtypes.items()}

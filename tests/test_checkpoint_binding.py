@@ -230,6 +230,7 @@ def _bobs_checkpoint(settings, tmp_path) -> str:
     return policy.save(12, environment_from_spec(spec).state(), [(12, {"rollout/reward_mean": 99.0, "update/policy_loss": 99.0})]).url
 
 
+@pytest.mark.slow  # the same resume through the stack (100 s); this file's in-process tests check every refusal in the default run
 def test_through_the_stack_resume_skips_each_tampered_folder_names_it_and_mlflow_holds_each_step_once(tenants, tmp_path):
     from opentinker.client.http import JobNotFound
 

@@ -152,6 +152,7 @@ def test_a_game_in_the_client_script_trains_through_the_gateway(service, tmp_pat
     assert status["checkpoint"].startswith(f"{settings.storage_url}/tenants/linkco/{job_id}/")
 
 
+@pytest.mark.slow  # a client killed mid-fit (76 s); test_a_game_in_the_client_script_trains_through_the_gateway keeps the link in the default run
 def test_killing_the_client_costs_its_episodes_and_fit_again_continues(service, tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -210,6 +210,7 @@ def test_a_job_the_cluster_cannot_place_fails_before_starting(stack_env, tmp_pat
         rl_train(tiny_spec(tmp_path, resources={"num_gpus": 1}), job_id="flow-gpu")
 
 
+@pytest.mark.slow  # self-play as a flow, then a resume (100 s); tests/test_multiagent.py checks the phases and barriers in process
 def test_self_play_flow_runs_phases_per_agent_and_resumes(stack_env, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId

@@ -116,6 +116,7 @@ def test_a_database_that_does_not_answer_is_refused_before_anything_starts(tmp_p
     assert not list((tmp_path / "pids").iterdir())
 
 
+@pytest.mark.slow  # a whole stack on Postgres (110 s); every other stack test runs the same code on SQLite
 def test_a_job_on_a_stack_with_prefect_and_mlflow_on_postgres_and_artifacts_on_s3(postgres, s3_server, s3_url, tmp_path):
     from mlflow.tracking import MlflowClient
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -150,6 +150,7 @@ def _wait_for_run(flow_name: str, match, deadline_s: float = 420.0):
     raise AssertionError(f"no finished {flow_name} run matching within {deadline_s} s")
 
 
+@pytest.mark.slow  # a training job and the evaluation it triggers (100 s); the promotion rule runs in test_champion_moves_only_when_the_margin_holds_and_a_loser_changes_nothing
 def test_a_completed_training_job_triggers_an_evaluation_that_promotes(stack_env, tmp_path, checkpoints):
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client

@@ -17,6 +17,7 @@ def _spec(tmp_path, steps: int):
                      evaluation={"every": 0, "n_samples": 8}, checkpoint={"every": 1})
 
 
+@pytest.mark.slow  # a job learning through its own inference server (77 s); the adapter sync and its checks stay in the default run
 def test_the_math_task_trains_through_the_jobs_own_server(tmp_path):
     """SmolLM2 on 1..20 addition (it answers some already, so the update has a signal), sampled
     through our server: each step's adapter verified there, every sampled logprob the trainer's

@@ -196,6 +196,7 @@ def test_a_burst_of_submissions_admits_exactly_the_queued_limit(service, tmp_pat
             assert client.cancel_job(job_id)["state"] == "CANCELLED"
 
 
+@pytest.mark.slow  # two tenants' jobs through the stack (110 s); test_a_burst_of_submissions_admits_exactly_the_queued_limit checks admission in the default run
 def test_two_tenants_share_the_slots_and_queued_cancels_end_cancelled_at_once(service, tmp_path):
     """acme's backlog (6 long jobs) fills both slots; globex's job then waits in a process of its
     own (acme's work queue takes at most 4 of the pool's 5 processes). When one of acme's running

@@ -320,6 +320,7 @@ except tinker.TinkerError as err:
 """
 
 
+@pytest.mark.slow  # a paused client's session expiring at its timeout (100 s); tests/test_tinker_sessions.py ends sessions whose clients are gone in the default run
 def test_a_quiet_session_expires_and_its_client_is_told_how_to_go_on(tenant):
     """A client paused (SIGSTOP, as a laptop closed) sends no heartbeat: past the timeout (20 s here)
     its session ends on its own, apart from a close() in Prefect (a Completed state named Expired,

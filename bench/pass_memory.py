@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     whole, chunked = one(0, args), one(-1, args)
     ratio = chunked["call_added_mib"] / whole["call_added_mib"]
-    result = {"model": args.model, "rows": args.rows, "tokens": args.tokens, "whole": whole, "chunked": chunked,
+    result = {"command": shlex.join(["python", "bench/pass_memory.py", *sys.argv[1:]]), "model": args.model, "rows": args.rows, "tokens": args.tokens, "whole": whole, "chunked": chunked,
               "call_memory_ratio": ratio, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(result, indent=2))

@@ -236,6 +236,7 @@ def test_sft_flow_tracks_in_mlflow_checkpoints_and_registers(stack_env, tmp_path
     assert run.data.tags["opentinker.registered_version"] == str(registered["version"])
 
 
+@pytest.mark.slow  # an SFT job submitted through the gateway (63 s); test_sft_flow_tracks_in_mlflow_checkpoints_and_registers runs the same flow in the default run
 def test_an_sft_job_runs_through_the_gateway_in_the_tenants_namespace(stack_env, tmp_path, data):
     """SchedulerClient.submit_job with an SFT spec: the data path is read from the tenant's own
     storage, the job runs as the sft flow and its checkpoint lands in the tenant's folder. It asks to

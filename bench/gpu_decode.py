@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_step import SHAPES, peak_flops  # noqa: E402
+from gpu_step import SHAPES, peak_flops, sync  # noqa: E402
 
 
 def model_of(shape: str, device: torch.device, lora: bool):
@@ -125,11 +125,6 @@ def run_shape(shape: str, device: torch.device) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def markdown(rows: list[dict], setup: dict) -> str:

@@ -140,6 +140,9 @@ def micro_batches(lengths: list[int], budget: int = MICRO_BATCH_TOKENS) -> list[
     return batches + [current] if current else batches
 
 
+SLOTTED = ("target_tokens", "weights")  # the keys that take a slot dimension with soft targets
+
+
 def padded(rows: list[dict[str, torch.Tensor]], device: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Rows right-padded to one width ([B, T] per key, zeros where a row lacks a key) and the mask
     of real positions. When a row has soft targets ([N, K]), every row's `target_tokens` and
@@ -160,9 +163,6 @@ def padded(rows: list[dict[str, torch.Tensor]], device: Any) -> tuple[dict[str, 
                 out[key][b, :n] = v
         mask[b, :n] = 1.0
     return {key: v.to(device) for key, v in out.items()}, mask.to(device)
-
-
-SLOTTED = ("target_tokens", "weights")  # the keys that take a slot dimension with soft targets
 
 
 def row_logprobs(values: np.ndarray, r: int, row: dict[str, torch.Tensor]) -> np.ndarray:

@@ -31,8 +31,9 @@ print(trainer.model_id.split(":")[0], flush=True)
 def gateway(tmp_path_factory):
     from opentinker.control.gateway.tinker_local import local_gateway
 
-    url, keys, sessions, server = local_gateway(tmp_path_factory.mktemp("sessions"), tinker_max_sessions=1, tinker_absent_after_s=ABSENT_S)
-    yield url, keys["alice"], sessions
+    url, keys, sessions, server = local_gateway(tmp_path_factory.mktemp("sessions"), tenants=("alice", "bob"), tinker_max_sessions=1,
+                                                tinker_absent_after_s=ABSENT_S)
+    yield url, keys, sessions
     server.stop()
     sessions.close()
 
@@ -42,7 +43,8 @@ def _open(url: str, key: str):
 
 
 def test_a_live_idle_client_keeps_its_session(gateway):
-    url, key, _ = gateway
+    url, keys, _ = gateway
+    key = keys["alice"]
     service = tinker.ServiceClient(base_url=url, api_key=key)
     service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
     time.sleep(ABSENT_S + 4)  # idle: no call, only the SDK's heartbeats
@@ -52,11 +54,16 @@ def test_a_live_idle_client_keeps_its_session(gateway):
 
 
 def test_a_finished_scripts_session_gives_its_place_once_its_client_is_gone(gateway):
-    url, key, sessions = gateway
-    script = subprocess.run([sys.executable, "-c", FINISHED_SCRIPT, url, key], capture_output=True, text=True, timeout=120,
-                            env=os.environ | {"TINKER_TELEMETRY": "0"})
-    assert script.returncode == 0, script.stderr[-2000:]
-    left_behind = script.stdout.split()[0]
+    """Only the tenant's own gone sessions give places: Bob's, as gone as Alice's, stays."""
+    url, keys, sessions = gateway
+    key = keys["alice"]
+    left = {}
+    for name in ("bob", "alice"):
+        script = subprocess.run([sys.executable, "-c", FINISHED_SCRIPT, url, keys[name]], capture_output=True, text=True, timeout=120,
+                                env=os.environ | {"TINKER_TELEMETRY": "0"})
+        assert script.returncode == 0, script.stderr[-2000:]
+        left[name] = script.stdout.split()[0]
+    left_behind = left["alice"]
     ended = time.monotonic()
     assert left_behind in sessions.live  # nothing closed it
     with pytest.raises(Exception, match=r"a session whose client is gone gives its place 12 s after its last heartbeat"):
@@ -64,5 +71,6 @@ def test_a_finished_scripts_session_gives_its_place_once_its_client_is_gone(gate
     time.sleep(max(0.0, ABSENT_S + 1 - (time.monotonic() - ended)))
     trainer = _open(url, key)  # the place is given at once, seconds (not minutes) after the script ended
     assert left_behind not in sessions.live and trainer.model_id.split(":")[0] in sessions.live
+    assert left["bob"] in sessions.live  # another tenant's session is not Alice's to end
     assert re.fullmatch(r"expired: no call or heartbeat for 1\d s, and a new session of its tenant needed its place "
                         r"\(OPENTINKER_TINKER_ABSENT_AFTER_S: 12 s\)", sessions.ended[left_behind]), sessions.ended[left_behind]

@@ -454,3 +454,47 @@ def test_a_training_client_on_a_base_of_its_own_stops_its_call_at_the_next_micro
         with pytest.raises(BadRequest, match="the model was closed while its call ran"):
             model.forward_backward(rows, "cross_entropy", {})
     assert len(batches) == 2
+
+
+def test_the_pass_memory_rule_counts_what_its_docstring_says():
+    """pass_bytes(t) = CALIBRATION * t * L * (10 h + 4 i) * s + 3 * min(t, chunk) * V * 4, by hand for the tiny model."""
+    from opentinker.backend.pass_memory import CALIBRATION, PassMemory
+
+    sb = shared()
+    text = sb.lm.config.get_text_config()
+    L, h, i, V = text.num_hidden_layers, text.hidden_size, text.intermediate_size, text.vocab_size
+    rule = PassMemory.of(sb.lm.config, 4, 8)
+    assert rule.pass_bytes(20) == pytest.approx(CALIBRATION * 20 * L * (10 * h + 4 * i) * 4 + 3 * 8 * V * 4)
+    assert rule.pass_bytes(5) == pytest.approx(CALIBRATION * 5 * L * (10 * h + 4 * i) * 4 + 3 * 5 * V * 4)
+    room = rule.pass_bytes(20) + 1
+    assert rule.tokens_within(room) == 20 and rule.tokens_within(rule.pass_bytes(5) + 1) == 5 and rule.tokens_within(1.0) == 0
+    assert sb.pass_memory.head_chunk == 512 and sb.pass_room() is None and sb.pass_budget() == sb.pass_tokens
+
+
+def test_passes_are_sized_to_the_memory_left_and_a_datum_no_pass_can_hold_is_refused_before_it_runs():
+    """With the worker's memory bound set so that a pass holds 6 tokens, a call runs in pieces that
+    fit (the same results as one pass), and a datum whose own pass would not fit is refused in one
+    line, with nothing run and no gradient added."""
+    from opentinker.backend.pass_memory import PASS_SHARE
+
+    data = _long_call(5) + CE
+    whole = shared()
+    alone = _tenants(whole)["ann"]
+    want_out, want_metrics = alone.forward_backward(data, "cross_entropy", {})
+    sb = shared()
+    mine = _tenants(sb)["ann"]
+    room = sb.pass_memory.pass_bytes(6) + 1.0  # 6 tokens fit, 7 do not
+    sb.memory_bytes = sb.base_bytes() + sb.held_bytes() + room / PASS_SHARE
+    assert sb.pass_room() == pytest.approx(room) and sb.pass_budget() == 6
+    passes = sb.stats.passes
+    got_out, got_metrics = mine.forward_backward(data, "cross_entropy", {})
+    assert sb.stats.passes - passes == len(data)  # every row (5 or 6 tokens) a pass of its own
+    assert all(np.allclose(a["logprobs"], b["logprobs"], atol=1e-5) for a, b in zip(got_out, want_out))
+    assert all(got_metrics[k] == pytest.approx(want_metrics[k], rel=1e-5, abs=1e-6) for k in want_metrics)
+    before, passes = grads_of(mine), sb.stats.passes
+    too_long = datum(list(range(100, 107)), weights=[1.0] * 7)
+    with pytest.raises(BadRequest, match=r"^data\[1\]: 7 tokens need about [\d,]+ MiB in a pass and the worker of tiny-random has "
+                                         r"[\d,]+ MiB for passes \(docs/tinker.md, 'Pass memory'\): send shorter datums, or ask "
+                                         r"the operator for more worker memory$"):
+        mine.forward_backward([CE[1], too_long], "cross_entropy", {})
+    assert sb.stats.passes == passes and all(same(a, b) for a, b in zip(grads_of(mine), before))

@@ -54,9 +54,11 @@ from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
+from opentinker.backend.pass_memory import PASS_SHARE, PassMemory, room_line
 from opentinker.backend.shared_calls import JOINT_PASS_TOKENS, JobPass, PassStats, Piece, TinkerCall, Turns, overfills
 from opentinker.backend.primitives import (
     ATTENTION,
+    HEAD_CHUNK_POSITIONS,
     LORA_ALPHA,
     MLP,
     UNEMBED,
@@ -106,6 +108,9 @@ class SharedBase:
         self.joint_updates = self.placement.device.type != "cpu" if joint is None else joint
         # The most tokens of one pass, every tenant's pieces together (a row longer than that runs alone)
         self.pass_tokens = JOINT_PASS_TOKENS if self.placement.device.type != "cpu" else SHARED_PASS_TOKENS
+        # ... and no more than the memory left holds (opentinker.backend.pass_memory states the rule)
+        activation_bytes = torch.empty((), dtype=self.placement.compute_dtype).element_size()
+        self.pass_memory = PassMemory.of(self.lm.config, activation_bytes, HEAD_CHUNK_POSITIONS)
         self.updating: set[str] = set()  # hosted jobs in the middle of a joint update
         self.turns = Turns(base_name)  # per tenant its calls in order, the tenants in turn
         self._calls: queue.Queue[Any] = queue.Queue()
@@ -132,8 +137,7 @@ class SharedBase:
     def _check_room(self, rank: int, targets: list[str], field: str, whose: str, other: str) -> None:
         if self.memory_bytes is None:
             return
-        need, base = self.training_bytes(rank, targets), self.base_bytes()
-        held = sum(ADAPTER_BYTES_PER_PARAMETER * a.num_parameters() for a in self.multi.adapters.values())
+        need, base, held = self.training_bytes(rank, targets), self.base_bytes(), self.held_bytes()
         if base + held + need > self.memory_bytes:
             mib = 2**20
             raise BadRequest(f"{field} {rank}: {whose} adapter needs {need / mib:.0f} MiB (weights, gradients, "
@@ -147,6 +151,31 @@ class SharedBase:
         paths = self.multi.target_paths(tuple(targets))
         return ADAPTER_BYTES_PER_PARAMETER * sum(rank * (self.multi.linears[p].in_features + self.multi.linears[p].out_features)
                                                  for p in paths)
+
+    def held_bytes(self) -> int:
+        """The training state of the adapters attached now."""
+        return sum(ADAPTER_BYTES_PER_PARAMETER * a.num_parameters() for a in self.multi.adapters.values())
+
+    def pass_room(self) -> float | None:
+        """Bytes a pass may fill: PASS_SHARE of what the base and the adapters leave (None: no bound)."""
+        if self.memory_bytes is None:
+            return None
+        return PASS_SHARE * (self.memory_bytes - self.base_bytes() - self.held_bytes())
+
+    def pass_budget(self) -> int:
+        """Padded tokens of one pass: `pass_tokens`, or fewer where the memory left holds fewer."""
+        room = self.pass_room()
+        return self.pass_tokens if room is None else max(1, min(self.pass_tokens, self.pass_memory.tokens_within(room)))
+
+    def check_pass(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        """BadRequest, in one line, for a datum that no pass on this worker can hold (it runs alone at best)."""
+        room = self.pass_room()
+        if room is None or not rows:
+            return
+        i = max(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))
+        tokens = len(rows[i]["tokens"])
+        if (need := self.pass_memory.pass_bytes(tokens)) > room:
+            raise BadRequest(f"data[{i}]: {room_line(tokens, need, room, self.base_name)}")
 
     def base_bytes(self) -> int:
         """The base's parameters, and on a CPU the packed copy of its linears the sampling engine makes (packed_linear)."""
@@ -210,7 +239,7 @@ class SharedBase:
             for head in self.turns.heads():
                 if head is not leader and head.kind == leader.kind and head.adapter not in {m.adapter for m in members}:
                     members.append(head)
-        share = max(1, self.pass_tokens // max(sharing, len(members)))
+        share = max(1, self.pass_budget() // max(sharing, len(members)))
         return [(call, call.take(share)) for call in members]
 
     def _job_batch(self, leader: JobPass) -> list[Piece]:
@@ -308,7 +337,7 @@ class SharedBase:
         outputs: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in pieces]
         sums: list[dict[str, float]] = [{} for _ in pieces]
         tokens = [0.0] * len(pieces)
-        for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items]):
+        for batch in micro_batches([len(calls[c].rows[i]["tokens"]) for c, i in items], self.pass_budget()):
             members = [items[k] for k in batch]
             names = [calls[c].adapter for c, _ in members]
             inputs, mask = padded([calls[c].rows[i] for c, i in members], self.placement.device)
@@ -389,6 +418,7 @@ class SharedAdapter(LoraTrainer):
                          ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         config = loss_config(loss_fn, config)
         rows = checked_rows(data, loss_fn, self.vocab_size, self.context_length, self.base_name)
+        self.shared.check_pass(rows)
         outputs, metrics = self.shared.submit(TinkerCall(self.name, rows, loss_fn, config, forward_only, tenant=self.tenant))
         if not forward_only:
             self.pending_tokens += sum(len(r["tokens"]) for r in rows)

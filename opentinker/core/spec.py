@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
 from opentinker.core.model_names import folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, format_errors, input_problem, read_spec_file
@@ -270,35 +271,30 @@ class RegistrySpec(Section):
 
 
 class EnvSpec(Section):
-    """Where episodes are played. Exactly one of: a shipped game class imported on the worker
-    (`game`), a served environment (`url`, see `opentinker env serve`), or a game in the user's
-    own process reached through the client link (`link`: the game's name; `ServiceClient.fit`
-    sets it when it hosts the game)."""
+    """Where episodes are played. Exactly one of: a shipped game class imported on the worker (`game`,
+    or `source`: a collection the service adapts, e.g. reasoning_gym and its `dataset`), a served environment
+    (`url`, see `opentinker env serve`), or a game in the user's own process reached through the client link
+    (`link`: the game's name; `ServiceClient.fit` sets it when it hosts the game). Checks: core/env_sources.py."""
 
     game: str | None = Field(None, description="import path of an AbstractGame subclass, 'package.module:ClassName'")
     url: str | list[str] | None = Field(None, description="base URL of a served environment, or a list of shards")
     link: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$", description="name of a game hosted by the client through the gateway")
+    source: Literal["reasoning_gym"] | None = Field(None, description="a collection the service adapts (its game becomes env.game): reasoning_gym")
+    dataset: str | dict[str, Any] | None = Field(None, validate_default=True, description="env.source: a dataset's name, or a weighted mix {name: weight or {weight, config}}")
     timeout_s: float = Field(30.0, gt=0, description="env.url / env.link: seconds per call")
     retries: int = Field(2, ge=0, description="env.url: retries of a request that did not get through (a step that was sent is never re-sent)")
     link_timeout_s: float = Field(300.0, gt=0, description="env.link: how long the job waits for its client to (re)connect before it fails")
     config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
 
-    @field_validator("game")
+    @model_validator(mode="before")
     @classmethod
-    def _import_path(cls, v: str | None) -> str | None:
-        if v is not None and (":" not in v or not all(v.split(":", 1))):
-            raise ValueError("must look like 'package.module:ClassName'")
-        return v
+    def _source_is_a_game(cls, data: Any) -> Any:
+        return resolve_source(data)
 
-    @field_validator("url")
+    @field_validator("game", "url", "source", "dataset", "config")
     @classmethod
-    def _http(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v == []:
-            raise ValueError("give at least one URL")
-        for url in [v] if isinstance(v, str) else v or []:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{url!r} must start with http:// or https://")
-        return v
+    def _checked(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_env_field(info.field_name, v, info.data)
 
     @model_validator(mode="after")
     def _one_source(self) -> EnvSpec:

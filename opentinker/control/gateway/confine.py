@@ -7,8 +7,8 @@
 - Models: a `model.name` is a known name or a folder in the operator's model directory; a
   `models:/` name must be a registered model owned by the tenant (the `opentinker.tenant` tag the
   gateway's jobs set), and is pinned here to the checkpoint it names now.
-- Code: `env.game` only from the operator's allowlist, and an AbstractGame subclass (imported
-  here, in the gateway: allowlisted modules only).
+- Code: `env.game` (or the adapter game an `env.source` names) only from the operator's allowlist,
+  and an AbstractGame subclass (imported here, in the gateway: allowlisted modules only).
 - Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway);
   `rollout.server_url` is refused: a job's inference server is the one its worker starts (it
   would get the job's adapter folders and its key otherwise).
@@ -21,6 +21,7 @@ import posixpath
 from typing import Any
 from urllib.parse import urlsplit
 
+from opentinker.core.env_sources import resolve_source
 from opentinker.core.model_names import KNOWN_MODELS
 from opentinker.core.settings import Settings
 from opentinker.core.spec import SpecError, storage_url
@@ -99,7 +100,7 @@ def env_url(settings: Settings, urls: list[str]) -> None:
 
 
 def confine_env(settings: Settings, tenant: str, env: dict[str, Any]) -> dict[str, Any]:
-    env = dict(env)
+    env = dict(resolve_source(env))  # env.source names a shipped adapter game: the allowlist decides it too
     if env.get("game"):
         game(settings, env["game"])
     if env.get("url"):

@@ -83,7 +83,7 @@ class TenantJobs:
         data = dict(config)
         sft = is_sft_spec(data)
         env = dict(data.get("env") or {})
-        awaiting_env = not sft and not any(env.get(k) for k in ("game", "url", "link"))  # fit() will say where the game is
+        awaiting_env = not sft and not any(env.get(k) for k in ("game", "url", "link", "source"))  # fit() will say where the game is
         if num_gpus is not None:
             data["resources"] = {**dict(data.get("resources") or {}), "num_gpus": num_gpus}
         name = str(data.get("job_id") or uuid.uuid4().hex[:8])

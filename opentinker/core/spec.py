@@ -278,6 +278,8 @@ class EnvSpec(Section):
 
     game: str | None = Field(None, description="import path of an AbstractGame subclass, 'package.module:ClassName'")
     url: str | list[str] | None = Field(None, description="base URL of a served environment, or a list of shards")
+    protocol: Literal["opentinker", "openenv"] = Field("opentinker", description="env.url: what its servers speak: ours "
+                                                       "(opentinker env serve) or OpenEnv's (openenv-core's /ws and /schema)")
     link: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_.]{0,99}$", description="name of a game hosted by the client through the gateway")
     source: Literal["reasoning_gym"] | None = Field(None, description="a collection the service adapts (its game becomes env.game): reasoning_gym")
     dataset: str | dict[str, Any] | None = Field(None, validate_default=True, description="env.source: a dataset's name, or a weighted mix {name: weight or {weight, config}}")
@@ -301,6 +303,8 @@ class EnvSpec(Section):
         if sum(x is not None for x in (self.game, self.url, self.link)) != 1:
             raise ValueError("give exactly one of env.game (a shipped game run on the worker), env.url (a served "
                              "environment) or env.link (a game in your process, set by ServiceClient.fit)")
+        if self.protocol != "opentinker" and self.url is None:
+            raise ValueError(f"env.protocol {self.protocol!r} says how env.url's servers are spoken to: give it with env.url")
         return self
 
     @property

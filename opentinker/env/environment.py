@@ -172,8 +172,8 @@ def import_game(path: str, allowed: tuple[str, ...] | None = None) -> type:
 
 def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironment:
     """The spec's game: a shipped class imported here (`env.game`, only from the operator's
-    allowlist), a served environment (`env.url`) or the user's own process through the gateway
-    (`env.link`). The job shows its job token to both of the latter."""
+    allowlist), a served environment (`env.url`; an OpenEnv server with `env.protocol: openenv`) or
+    the user's own process through the gateway (`env.link`). The job shows its job token to all but the first."""
     from opentinker.core.settings import get_settings
     from opentinker.core.tokens import job_token
 
@@ -183,7 +183,13 @@ def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironme
         game_class = import_game(env.game, settings.allowed_games)
     else:
         token = job_token(settings.stack_secret(), job_id) if job_id else None
-        if env.url:  # the HTTP clients load only here: a job with a shipped game needs no httpx
+        if env.url and env.protocol == "openenv":  # an OpenEnv server (openenv-core): see env.openenv_client
+            try:
+                from opentinker.env.openenv_client import OpenEnvGameClass
+            except ImportError as err:
+                raise ValueError(f"env.protocol: openenv needs openenv-core where the job runs (pip install 'opentinker[openenv]'): {err}") from None
+            game_class = OpenEnvGameClass(env.urls, env.timeout_s, env.retries, token)
+        elif env.url:  # the HTTP clients load only here: a job with a shipped game needs no httpx
             from opentinker.env.remote import RemoteGameClass
 
             game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries, token)

@@ -58,9 +58,13 @@ class PassMemory:
             return max(0, int(room // (self.per_token + self.head / self.head_chunk)))
         return self.head_chunk + int((room - full) // self.per_token)
 
-
-def room_line(tokens: int, need: float, room: float, base_name: str) -> str:
-    """The one line a caller gets for a datum no pass can hold."""
-    return (f"{tokens} tokens need about {need / MIB:,.0f} MiB in a pass and the worker of {base_name} has "
-            f"{max(room, 0) / MIB:,.0f} MiB for passes (docs/tinker.md, 'Pass memory'): send shorter datums, or ask the "
-            f"operator for more worker memory")
+    def refusal(self, lengths: list[int], room: float | None, base_name: str) -> str | None:
+        """The one line for the longest datum when no pass of `room` bytes holds it (None: every datum fits)."""
+        if room is None or not lengths:
+            return None
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        if (need := self.pass_bytes(lengths[i])) <= room:
+            return None
+        return (f"data[{i}]: {lengths[i]} tokens need about {need / MIB:,.0f} MiB in a pass and the worker of {base_name} has "
+                f"{max(room, 0) / MIB:,.0f} MiB for passes (docs/tinker.md, 'Pass memory'): send shorter datums, or ask the "
+                f"operator for more worker memory")

@@ -54,26 +54,10 @@ from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.device import Placement, cpu
 from opentinker.backend.multi_lora import MultiLora
 from opentinker.backend.packed_linear import available as packed_available
-from opentinker.backend.pass_memory import PASS_SHARE, PassMemory, room_line
+from opentinker.backend.pass_memory import PASS_SHARE, PassMemory
 from opentinker.backend.shared_calls import JOINT_PASS_TOKENS, JobPass, PassStats, Piece, TinkerCall, Turns, overfills
-from opentinker.backend.primitives import (
-    ATTENTION,
-    HEAD_CHUNK_POSITIONS,
-    LORA_ALPHA,
-    MLP,
-    UNEMBED,
-    BadRequest,
-    LoraShape,
-    LoraTrainer,
-    add_metrics,
-    averaged,
-    checked_rows,
-    graded_positions,
-    micro_batches,
-    padded,
-    row_logprobs,
-    target_logprobs,
-)
+from opentinker.backend.primitives import (ATTENTION, HEAD_CHUNK_POSITIONS, LORA_ALPHA, MLP, UNEMBED, BadRequest, LoraShape, LoraTrainer,
+                                            add_metrics, averaged, checked_rows, graded_positions, micro_batches, padded, row_logprobs, target_logprobs)
 from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.model.vision import hidden_states
 
@@ -108,7 +92,6 @@ class SharedBase:
         self.joint_updates = self.placement.device.type != "cpu" if joint is None else joint
         # The most tokens of one pass, every tenant's pieces together (a row longer than that runs alone)
         self.pass_tokens = JOINT_PASS_TOKENS if self.placement.device.type != "cpu" else SHARED_PASS_TOKENS
-        # ... and no more than the memory left holds (opentinker.backend.pass_memory states the rule)
         activation_bytes = torch.empty((), dtype=self.placement.compute_dtype).element_size()
         self.pass_memory = PassMemory.of(self.lm.config, activation_bytes, HEAD_CHUNK_POSITIONS)
         self.updating: set[str] = set()  # hosted jobs in the middle of a joint update
@@ -158,9 +141,7 @@ class SharedBase:
 
     def pass_room(self) -> float | None:
         """Bytes a pass may fill: PASS_SHARE of what the base and the adapters leave (None: no bound)."""
-        if self.memory_bytes is None:
-            return None
-        return PASS_SHARE * (self.memory_bytes - self.base_bytes() - self.held_bytes())
+        return None if self.memory_bytes is None else PASS_SHARE * (self.memory_bytes - self.base_bytes() - self.held_bytes())
 
     def pass_budget(self) -> int:
         """Padded tokens of one pass: `pass_tokens`, or fewer where the memory left holds fewer."""
@@ -169,13 +150,8 @@ class SharedBase:
 
     def check_pass(self, rows: list[dict[str, torch.Tensor]]) -> None:
         """BadRequest, in one line, for a datum that no pass on this worker can hold (it runs alone at best)."""
-        room = self.pass_room()
-        if room is None or not rows:
-            return
-        i = max(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))
-        tokens = len(rows[i]["tokens"])
-        if (need := self.pass_memory.pass_bytes(tokens)) > room:
-            raise BadRequest(f"data[{i}]: {room_line(tokens, need, room, self.base_name)}")
+        if line := self.pass_memory.refusal([len(r["tokens"]) for r in rows], self.pass_room(), self.base_name):
+            raise BadRequest(line)
 
     def base_bytes(self) -> int:
         """The base's parameters, and on a CPU the packed copy of its linears the sampling engine makes (packed_linear)."""

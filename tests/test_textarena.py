@@ -258,3 +258,19 @@ def test_every_verified_one_player_id_resets_and_takes_a_move(env_id):
     assert game.reset(env_id=env_id, seed=2)
     result = game.step("[0]")
     assert result.info["game_errors"] == 0 and isinstance(result.reward, float)
+
+
+def test_the_gateway_refuses_a_game_that_downloads_data_at_submission():
+    """confine_env (the gateway's check of a spec's env before submission) asks the game class's
+    check_config: a refused env id is one line naming the field; a verified one passes."""
+    from opentinker.control.gateway.confine import confine_env
+    from opentinker.core.settings import Settings
+    from opentinker.core.spec_limits import SpecError
+
+    settings = Settings()
+    with pytest.raises(SpecError, match=r"^env\.config: .*Wordle-v0.*NLTK"):
+        confine_env(settings, "alice", {"game": "envs.textarena:TextArenaGame", "config": {"env_id": "Wordle-v0"}})
+    with pytest.raises(SpecError, match=r"^env\.config: .*one-player game; use envs.textarena:TextArenaGame"):
+        confine_env(settings, "alice", {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "GuessTheNumber-v0"}})
+    kept = confine_env(settings, "alice", {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "TicTacToe-v0"}})
+    assert kept["config"] == {"env_id": "TicTacToe-v0"}

@@ -80,14 +80,20 @@ def model_name(settings: Settings, given: str) -> str:
     return str(candidate)
 
 
-def game(settings: Settings, path: str) -> None:
-    """Refuse a game the workers would not import (allowlist first: importing runs code)."""
+def game(settings: Settings, path: str, config: dict[str, Any] | None = None) -> None:
+    """Refuse a game the workers would not import (allowlist first: importing runs code), and a
+    config its class refuses (a game may check `env.config` with a `check_config` classmethod, e.g.
+    the TextArena adapters refuse games that download data)."""
     from opentinker.env.environment import import_game
 
     try:
-        import_game(path, settings.allowed_games)
+        found = import_game(path, settings.allowed_games)
     except ValueError as err:
         raise SpecError(str(err)) from None
+    try:
+        getattr(found, "check_config", lambda _: None)(config or {})
+    except ValueError as err:
+        raise SpecError(f"env.config: {err}") from None
 
 
 def env_url(settings: Settings, urls: list[str]) -> None:
@@ -102,7 +108,7 @@ def env_url(settings: Settings, urls: list[str]) -> None:
 def confine_env(settings: Settings, tenant: str, env: dict[str, Any]) -> dict[str, Any]:
     env = dict(resolve_source(env))  # env.source names a shipped adapter game: the allowlist decides it too
     if env.get("game"):
-        game(settings, env["game"])
+        game(settings, env["game"], env.get("config"))
     if env.get("url"):
         env_url(settings, [env["url"]] if isinstance(env["url"], str) else list(env["url"]))
     config = dict(env.get("config") or {})

@@ -25,16 +25,19 @@ install: $(STAMP)
 # the Inkling/Kimi-K3 renderers), and resolving its torch/transformers requirements could replace
 # the pinned CPU torch. The three listed are what rl.train and the arithmetic env import that the
 # project lacks, the next two what recipes.math_rl grades answers with; pyrage (weights download)
-# and tiktoken are not imported on those paths.
+# and tiktoken are not imported on those paths. textarena (the cookbook's multiplayer-rl extra) is
+# what recipes.multiplayer_rl.text_arena plays; recipes.preference and recipes.distillation need
+# datasets and pandas, which the project has already (tests/test_cookbook_recipes.py runs them).
 COOKBOOK_STAMP := $(VENV)/.cookbook-stamp
 
 $(COOKBOOK_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	$(PY) -m pip install --quiet 'chz>=0.4.0' 'termcolor>=2.0.0' 'blobfile>=3.0.0'
 	$(PY) -m pip install --quiet 'pylatexenc==2.11' 'math-verify==0.9.0'  # recipes.math_rl's grading (sympy comes with torch)
+	$(PY) -m pip install --quiet 'textarena==0.7.4'  # recipes.multiplayer_rl.text_arena (no data to download)
 	touch $(COOKBOOK_STAMP)
 
-cookbook: $(COOKBOOK_STAMP)  ## tinker-cookbook, to drive the gateway with its own RL loop
+cookbook: $(COOKBOOK_STAMP)  ## tinker-cookbook and what its recipes import, to drive the gateway with its own recipes
 
 demo: install  ## SmolLM2-135M learns arithmetic (LoRA + GRPO) as a Prefect flow on Ray, tracked in MLflow
 	$(VENV)/bin/opentinker train examples/math_grpo.yaml --steps $(STEPS)

@@ -10,8 +10,8 @@ per way, one after the other, in the same run:
     shared:  the call on a shared base (a base-model worker's) whose memory bound leaves room for
              passes of --pass-tokens tokens by the rule of opentinker/backend/pass_memory.py.
 
-Per way: the process's peak resident memory (ru_maxrss) after the model is loaded and after the
-call, their difference (what the call added), what the rule predicts for the way's largest pass,
+Per way: the process's peak resident memory (ru_maxrss) after the model is loaded (and a first
+16-token call made) and after the call, their difference (what the call added), what the rule predicts for the way's largest pass,
 the call's seconds, and the loss (the same every way).
 
     python bench/pass_memory.py                    # 16 x 1,024 tokens (about 25 minutes on 2 cores)
@@ -62,6 +62,9 @@ data = []
 for _ in range(rows):
     ids = gen.integers(100, 30000, tokens + 1)
     data.append(TokenDatum(ids[:-1].tolist(), {"target_tokens": ids[1:].astype(np.int64), "weights": np.ones(tokens, np.float32)}))
+warm = gen.integers(100, 30000, 17)  # a first short call: what any first call allocates (packed weights, thread pools) is not the pass's
+pm.forward_backward([TokenDatum(warm[:-1].tolist(), {"target_tokens": warm[1:].astype(np.int64), "weights": np.ones(16, np.float32)})],
+                    "cross_entropy", {})
 loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t0 = time.perf_counter()
 _, metrics = pm.forward_backward(data, "cross_entropy", {})
@@ -69,7 +72,8 @@ seconds = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({"head_chunk_positions": primitives.HEAD_CHUNK_POSITIONS, "loaded_mib": loaded, "peak_mib": peak,
                   "call_added_mib": peak - loaded, "largest_pass_tokens": largest, "rule_mib": predicted,
-                  "seconds": seconds, "loss": metrics["loss:sum"]}))
+                  "seconds": seconds, "loss": metrics["loss:sum"]}), flush=True)
+import os; os._exit(0)  # a shared base's runner thread would abort the interpreter's exit
 """
 
 

@@ -93,7 +93,10 @@ def test_resume_from_s3_reproduces_straight_training(s3_url, tmp_path, tiny_path
     assert result.resumed_from == 2 and result.steps_done == 3
     assert result.checkpoint.url == f"{s3_url}/resumed/step-00000003"
     a, b = straight.policy.trainer.trainable_state(), second.policy.trainer.trainable_state()
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    # the same tokens either way; their logprobs carry the float noise of how the streaming engine's batches
+    # happened to form (a run's decode steps join rows as they come), so the weights agree to 1e-5 (a step
+    # lost or run twice would move them by about the learning rate, 1e-2); a full run once measured 1.09e-6
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-5
     assert straight.sampler.env.state() == second.sampler.env.state()
 
 

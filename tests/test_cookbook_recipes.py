@@ -4,11 +4,11 @@ process, its own `chz` CLI reading the flags), or, where a recipe has no CLI for
 training `main` with its own dataset builder. On SmolLM2 under its Hub id (the local tokenizer
 registered for it, renderer `qwen3_instruct`), with tiny batches and two or three steps each.
 
-Nothing is downloaded: TINKER_BASE_URL and TINKER_API_KEY point the SDK at an in-process gateway
-(`local_gateway`, sessions sharing one base as on the stack), and where a recipe loads a Hub data
+Nothing is downloaded: TINKER_BASE_URL and TINKER_API_KEY point the SDK at the test stack's gateway
+(each session a Prefect flow on the pool's base-model worker, sessions sharing one base), and where a recipe loads a Hub data
 set a few rows are written to a folder of the Hub id's name under the test's folder, its working
 directory (`datasets.load_dataset("owner/name")` reads that folder), with HF_HUB_OFFLINE and
-HF_DATASETS_OFFLINE set. Each test gets a tenant of its own, whose sessions end with the test.
+HF_DATASETS_OFFLINE set. Each test gets a tenant of its own.
 
 What a test checks: the recipe's completion line in its logs.log, the steps of its metrics.jsonl,
 its final checkpoint in checkpoints.jsonl, and what shows that the feature ran (the KL against the
@@ -40,14 +40,13 @@ pytestmark = pytest.mark.slow
 @dataclass
 class Gateway:
     url: str
-    keys: dict[str, str]
-    sessions: object
+    store: object  # the stack's TenantStore: a tenant per test
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    """One in-process gateway for the module, a tenant per test, the SmolLM2 tokenizer registered
-    under the Hub id the recipes name."""
+def gateway(stack_env):
+    """The test stack's gateway (each recipe's sessions are flows on its base-model worker, sharing
+    one base), a tenant per test, the SmolLM2 tokenizer registered under the Hub id the recipes name."""
     try:
         import tinker_cookbook  # noqa: F401
         from tinker_cookbook.tokenizer_utils import register_tokenizer, unregister_tokenizer
@@ -55,19 +54,18 @@ def gateway(tmp_path_factory):
         pytest.skip(f"tinker-cookbook 0.6.1 is not importable ({e}); install it with `make cookbook`")
     from transformers import AutoTokenizer
 
-    from opentinker.control.gateway.tinker_local import local_gateway
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
     from opentinker.model.loading import resolve_model
 
+    settings, _ = stack_env
+    deploy(settings)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
     register_tokenizer(MODEL, lambda: tokenizer)
-    tenants = tuple(f"recipe{i}" for i in range(12))
-    url, keys, sessions, server = local_gateway(tmp_path_factory.mktemp("gateway"), tenants=tenants, shared_bases=True)
     try:
-        yield Gateway(url, keys, sessions)
+        yield Gateway(settings.gateway_url, TenantStore(settings.state_dir / "tenants.json"))
     finally:
         unregister_tokenizer(MODEL)
-        server.stop()
-        sessions.close()
 
 
 _tenants = itertools.count()
@@ -84,7 +82,7 @@ def run_dir(gateway, tmp_path, monkeypatch):
     tenant = f"recipe{next(_tenants)}"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TINKER_BASE_URL", gateway.url)
-    monkeypatch.setenv("TINKER_API_KEY", gateway.keys[tenant])
+    monkeypatch.setenv("TINKER_API_KEY", gateway.store.create(tenant, rotate=True))
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -104,8 +102,7 @@ def run_dir(gateway, tmp_path, monkeypatch):
             handler.close()
         root.handlers[:] = handlers
         root.setLevel(level)
-        for session_id in [s for s in list(gateway.sessions.live) if s.startswith(f"{tenant}-")]:
-            gateway.sessions.end(session_id, "the test ended")
+        # the recipes never close their clients: their sessions end as any finished script's do (docs/tinker.md)
 
 
 def _run_recipe(monkeypatch, module: str, **flags) -> None:

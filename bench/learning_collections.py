@@ -33,7 +33,10 @@ System prompt: reasoning-gym's default asks the model to think step by step, the
 the tag, and a batch that scores 0 everywhere gives GRPO no signal. So the game's own override
 (`game_kwargs.system_prompt`) is set to PROMPT, one sentence that shows the tag around a number
 (as the math bench shows 'Answer: 7' in an example turn); what is learned is then the arithmetic,
-not the tag. `--system-prompt default` (or any reasoning-gym prompt name) runs reasoning-gym's own.
+not the tag. The prompt alone is not enough for SmolLM2-135M (checked by hand: it answers "The
+answer is 47." and never writes the tag, so every reward is 0), so the game also shows `--few-shot`
+(default 1) answered exchanges first (`game_kwargs.few_shot`), after which it writes the tag in some
+replies. `--system-prompt default` (or any reasoning-gym prompt name) runs reasoning-gym's own.
 
 (textarena) `--game` (default TicTacToe-v0) trained by self-play: a SelfPlayJob on
 envs.textarena:TextArenaMatch with `multiagent: {players: [P0, P1], opponent: self}` (one policy
@@ -268,7 +271,7 @@ def reasoning_gym_run(args, name: str) -> dict:
 
     prompt = PROMPT if args.system_prompt == "short" else args.system_prompt
     env = {"source": "reasoning_gym", "dataset": name,
-           "config": {**PRESETS[name], "val_size": args.eval_n, "game_kwargs": {"system_prompt": prompt}}}
+           "config": {**PRESETS[name], "val_size": args.eval_n, "game_kwargs": {"system_prompt": prompt, "few_shot": args.few_shot}}}
     with tempfile.TemporaryDirectory() as tmp:
         spec = parse_spec(spec_data(args, tmp, env, prompts=args.prompts, rollout=RG_ROLLOUT, lr=args.lr, micro_batch=16, eval_n=args.eval_n))
         overlap = heldout_overlap(spec, args.steps * args.prompts)
@@ -479,6 +482,7 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--datasets", default="chain_sum,leg_counting", help=f"reasoning-gym presets, of {', '.join(PRESETS)}")
     parser.add_argument("--system-prompt", default="short", help="'short' (PROMPT) or a reasoning-gym prompt name (default, direct, ...)")
+    parser.add_argument("--few-shot", type=int, default=1, help="answered example exchanges shown before each question (game_kwargs.few_shot)")
     parser.add_argument("--prompts", type=int, default=8, help="reasoning-gym questions per step")
     parser.add_argument("--group", type=int, default=4, help="samples per question / matches per seed")
     parser.add_argument("--lr", type=float, default=2e-4, help="reasoning-gym learning rate")

@@ -128,7 +128,7 @@ def test_the_source_resolves_to_the_shipped_adapter_and_round_trips():
      "env.config: reasoning-gym spell_backward: data_file: refused here, it names a file on the worker"),
     ({"dataset": "chain_sum", "config": {"data_path": "tasks.jsonl"}}, "env.config: data_path: a reasoning-gym environment draws its own tasks"),
     ({"dataset": "chain_sum", "config": {"size": 10**9}}, "env.config: size: a whole number between 1 and 1,000,000"),
-    ({"dataset": "chain_sum", "config": {"game_kwargs": {"prompt": "x"}}}, "env.config: game_kwargs: the reasoning-gym game takes system_prompt and answer_tag"),
+    ({"dataset": "chain_sum", "config": {"game_kwargs": {"prompt": "x"}}}, "env.config: game_kwargs: the reasoning-gym game takes system_prompt and answer_tag (text) and few_shot"),
     ({"dataset": "chain_sum", "url": "http://127.0.0.1:8300"}, "env.source: names the environment itself: give it without env.game, env.url or env.link"),
     ({"dataset": "chain_sum", "game": "envs.math:MathGame"}, "env.source: names the environment itself"),
     ({"source": "textarenas", "dataset": "chain_sum"}, "env.source: Input should be 'reasoning_gym'"),
@@ -268,3 +268,25 @@ def test_the_job_lives_on_when_episodes_fail(tmp_path, monkeypatch):
     assert result.steps_done == 2 and result.not_registrable is None
     failed = sum(r.metrics["rollout/failed_episodes"] for r in seen)
     assert 0 < failed < 32 and all(r.metrics["rollout/episodes"] == 16 for r in seen)
+
+
+def test_few_shot_shows_the_pools_own_items_answered_in_the_tag():
+    """few_shot exchanges come before the question: the pool's last items with their answers in the
+    answer tag, which the game's own scoring then accepts; out of range is refused in one line."""
+    import numpy as np
+
+    task = ReasoningGymGame.generate_task(np.random.default_rng(0), rg_dataset="chain_sum", size=50)
+    game = ReasoningGymGame(few_shot=2, answer_tag="final")
+    assert game.get_example_turns() == []  # no pool before reset
+    game.reset(**task)
+    turns = game.get_example_turns()
+    pool = game.pool
+    assert [t["role"] for t in turns] == ["user", "assistant", "user", "assistant"]
+    assert turns[0]["content"] == pool[49]["question"] and turns[1]["content"] == f"<final>{pool[49]['answer']}</final>"
+    assert turns[2]["content"] == pool[48]["question"]
+    assert pool.score_answer(pool[49]["answer"], pool[49]) == 1.0
+    with pytest.raises(ValueError, match=r"few_shot: 0 to 8"):
+        ReasoningGymGame(few_shot=9)
+    spec_for("chain_sum", {"game_kwargs": {"few_shot": 2}})  # accepted before submission
+    with pytest.raises(Exception, match=r"few_shot \(0 to 8\)"):
+        spec_for("chain_sum", {"game_kwargs": {"few_shot": "2"}})

@@ -5,7 +5,9 @@ drawn by the job's generator: `reset` regenerates the entry from the package its
 scored is what the package produced, never data that travelled with the task. The model's answer
 is taken from its text as reasoning-gym documents it (`extract_answer`: the last
 `<answer>...</answer>`), under reasoning-gym's own default system prompt; both can be changed
-(`game_kwargs: {system_prompt, answer_tag}`). The reward is the score, 0 to 1 (some datasets give
+(`game_kwargs: {system_prompt, answer_tag}`), and `few_shot` example exchanges (the pool's last
+items, answered in the tag) may come first: a small model that ignores the prompt's format often
+follows an example. The reward is the score, 0 to 1 (some datasets give
 partial credit); `correct` is a score of 1.
 
 A spec names it `env: {source: reasoning_gym, dataset: <name or {name: weight}>, config: {...}}`
@@ -18,7 +20,7 @@ import re
 import threading
 from typing import Any
 
-from opentinker.core.env_sources import POOL_SIZE, build_dataset
+from opentinker.core.env_sources import MAX_FEW_SHOT, POOL_SIZE, build_dataset
 from opentinker.env import AbstractGame, StepResult
 
 _TAG = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,31}")
@@ -30,13 +32,17 @@ global generator, an instance's own) while generating an item, so one item is ge
 class ReasoningGymGame(AbstractGame):
     """One reasoning-gym question per episode. `system_prompt`: a name of reasoning-gym's
     SYSTEM_PROMPTS (default, DeepSeekZero, simple, direct, chain_of_draft) or your own text;
-    `answer_tag`: the tag the answer is read from (say it in your prompt if you change it)."""
+    `answer_tag`: the tag the answer is read from (say it in your prompt if you change it);
+    `few_shot`: how many example exchanges (a question, its answer in the tag) come first."""
 
-    def __init__(self, system_prompt: str = "default", answer_tag: str = "answer"):
+    def __init__(self, system_prompt: str = "default", answer_tag: str = "answer", few_shot: int = 0):
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
         if not _TAG.fullmatch(answer_tag):
             raise ValueError(f"answer_tag: a tag name like 'answer', got {answer_tag!r}")
+        if not 0 <= few_shot <= MAX_FEW_SHOT:
+            raise ValueError(f"few_shot: 0 to {MAX_FEW_SHOT}, got {few_shot!r}")
+        self.few_shot = few_shot
         self.system_prompt = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
         self.answer_tag = answer_tag
         self.pool: Any = None
@@ -50,6 +56,16 @@ class ReasoningGymGame(AbstractGame):
 
     def get_system_prompt(self) -> str:
         return self.system_prompt
+
+    def get_example_turns(self) -> list[dict[str, str]]:
+        """The pool's last `few_shot` items as answered exchanges (read after reset, which builds the pool)."""
+        if not self.few_shot or self.pool is None:
+            return []
+        with _GENERATING:
+            items = [self.pool[len(self.pool) - 1 - k] for k in range(self.few_shot)]
+        tag = self.answer_tag
+        return [turn for item in items for turn in ({"role": "user", "content": item["question"]},
+                                                    {"role": "assistant", "content": f"<{tag}>{item['answer']}</{tag}>"})]
 
     def reset(self, dataset: Any, config: dict[str, Any], index: int, **_: Any) -> str:
         self.pool = build_dataset(dataset, config)

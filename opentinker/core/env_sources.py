@@ -28,7 +28,8 @@ POOL_SEED = 0
 """reasoning-gym's own `seed` of the pool (the job's seed draws from it; `env.config.seed` is the
 environment's seed, as for every game)."""
 
-GAME_KWARGS = ("system_prompt", "answer_tag")
+GAME_KWARGS = ("system_prompt", "answer_tag")  # text
+MAX_FEW_SHOT = 8  # game_kwargs.few_shot: example exchanges shown first (0 to this)
 ENVIRONMENT_KEYS = frozenset({"dataset", "data_path", "val_dataset", "val_data_path", "val_fraction", "val_size",
                               "epoch_size", "game_kwargs", "seed"})
 """GameEnvironment's own keys of `env.config` (opentinker.env.environment); the rest is the dataset's."""
@@ -132,8 +133,11 @@ def check_config(config: dict[str, Any]) -> None:
     if static := sorted(k for k in ("dataset", "data_path", "val_dataset", "val_data_path", "val_fraction") if k in config):
         raise ValueError(f"{', '.join(static)}: a reasoning-gym environment draws its own tasks (use size and val_size)")
     kwargs = config.get("game_kwargs") or {}
-    if not isinstance(kwargs, dict) or set(kwargs) - set(GAME_KWARGS) or not all(isinstance(v, str) for v in kwargs.values()):
-        raise ValueError(f"game_kwargs: the reasoning-gym game takes {' and '.join(GAME_KWARGS)} (text), got {kwargs!r}")
+    few = kwargs.get("few_shot", 0) if isinstance(kwargs, dict) else None
+    if (not isinstance(kwargs, dict) or set(kwargs) - {*GAME_KWARGS, "few_shot"} or not all(isinstance(kwargs.get(k, ""), str) for k in GAME_KWARGS)
+            or not isinstance(few, int) or isinstance(few, bool) or not 0 <= few <= MAX_FEW_SHOT):
+        raise ValueError(f"game_kwargs: the reasoning-gym game takes {' and '.join(GAME_KWARGS)} (text) and few_shot "
+                         f"(0 to {MAX_FEW_SHOT}), got {kwargs!r}")
     dataset_config = {k: v for k, v in config.items() if k not in ENVIRONMENT_KEYS and k != DATASET_KEY}
     size = dataset_config.get("size", POOL_SIZE)
     if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_POOL_SIZE:

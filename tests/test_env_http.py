@@ -2,15 +2,12 @@
 
 Every server here is a real uvicorn on 127.0.0.1, in a background thread of the test process."""
 
-import socket
 import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 import typer
-import uvicorn
 from typer.testing import CliRunner
 
 from envs.math import MathGame
@@ -23,39 +20,17 @@ from opentinker.env.server import create_app
 from opentinker.tracking.metrics import episode_stats
 from opentinker.core.spec import SpecError, parse_spec
 from tests.games import NanRewardGame, RaisingGame, ScriptedTurns
+from tests.served import ServedApp, free_port
 
 MATH_CONFIG = {"low": 1, "high": 30, "operations": ["+", "-", "*"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
+class Served(ServedApp):
     """One game behind a real server; `stop()` then `start()` restarts it on the same port."""
 
     def __init__(self, game_class):
         self.game_class = game_class
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start()
-
-    def start(self) -> None:
-        config = uvicorn.Config(create_app(self.game_class), host="127.0.0.1", port=self.port, log_level="warning", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+        super().__init__(lambda: create_app(game_class))
 
     def sessions(self) -> int:
         return httpx.get(f"{self.url}/health").json()["sessions"]
@@ -252,6 +227,6 @@ def test_cli_serve_with_a_bad_import_path_says_so_in_one_line():
     root = typer.Typer()
     root.add_typer(env_app, name="env")
     for path in ("envs.nope:X", "envs.math:NoSuchGame", "envs.math", "envs.math.game:parse_answer"):
-        result = CliRunner().invoke(root, ["env", "serve", path, "--port", str(_free_port())])
+        result = CliRunner().invoke(root, ["env", "serve", path, "--port", str(free_port())])
         assert result.exit_code == 2, result.output
         assert result.output.startswith(f"cannot serve {path}:") and len(result.output.strip().splitlines()) == 1

@@ -4,7 +4,6 @@ policy with the real tokenizer: no language model). A refused action costs its t
 that raises or hangs costs its episode, counted, and the next episode plays on."""
 
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -36,36 +35,18 @@ from opentinker.model.loading import tokenizer_path  # noqa: E402
 from opentinker.tracking.metrics import episode_stats  # noqa: E402
 from tests import openenv_games  # noqa: E402
 from tests.openenv_games import EchoEnv, GuessEnv, TroubleEnv  # noqa: E402
+from tests.served import ServedApp, free_port  # noqa: E402
 
 TOKEN = "openenv-test-token"
 JOB_ID = "job-openenv"
 LIMITS = EpisodeLimits(max_turns=6, max_total_tokens=2048, step_timeout_s=20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
+class Served(ServedApp):
     """OpenEnv's app for one Environment class behind a real uvicorn, in a thread of this process."""
 
     def __init__(self, env_cls, tokens=(TOKEN,)):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = create_openenv_app(env_cls, tokens=list(tokens) or None)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", ws_max_size=1024**2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+        super().__init__(lambda: create_openenv_app(env_cls, tokens=list(tokens) or None))
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +131,7 @@ def test_a_redirect_is_refused_not_followed(servers):
             await send({"type": "websocket.http.response.start", "status": 307, "headers": [(b"location", target.encode())]})
             await send({"type": "websocket.http.response.body", "body": b""})
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(redirector, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -240,8 +221,8 @@ def test_raising_and_hanging_environments_cost_one_episode_each(servers, tok):
 
 
 def test_an_unreachable_server_costs_episodes_not_the_job(tok):
-    game_class = OpenEnvGameClass(f"http://127.0.0.1:{_free_port()}", timeout_s=1, retries=1, token=TOKEN)
-    env = environment_from_spec(_spec(f"http://127.0.0.1:{_free_port()}"), job_id=JOB_ID)  # tasks are seeds: the job starts
+    game_class = OpenEnvGameClass(f"http://127.0.0.1:{free_port()}", timeout_s=1, retries=1, token=TOKEN)
+    env = environment_from_spec(_spec(f"http://127.0.0.1:{free_port()}"), job_id=JOB_ID)  # tasks are seeds: the job starts
     assert len(env.validation_tasks()) == 4
     (traj,) = _play(tok, game_class, {5: ["stop"]})
     assert traj.failed and traj.failure.startswith("reset: ") and "ConnectError" in traj.failure
@@ -275,7 +256,7 @@ def test_env_serve_openenv_refuses_in_one_line():
 
 def test_env_serve_openenv_serves_over_the_command_line():
     """`opentinker env serve --openenv` in its own process, reached by our adapter with its token."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "env", "serve", "tests.openenv_games:GuessEnv", "--openenv",
                              "--port", str(port), "--token", TOKEN], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

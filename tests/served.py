@@ -1,0 +1,43 @@
+"""A real uvicorn server for an ASGI app in a thread of the test process (env servers, OpenEnv apps)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServedApp:
+    """`make_app()` behind uvicorn on 127.0.0.1; `stop()` then `start()` restarts it on the same port."""
+
+    def __init__(self, make_app: Callable[[], Any]):
+        self.make_app = make_app
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        config = uvicorn.Config(self.make_app(), host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+                                ws_max_size=1024**2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        assert not self.thread.is_alive()

@@ -233,7 +233,9 @@ def test_addresses_the_operator_has_not_allowed_are_refused_at_submission():
     for port in (settings.gateway_port, settings.mlflow_port, settings.prefect_port):
         with pytest.raises(SpecError, match=r"^env\.url: .* is one of this service's own servers, not an environment$"):
             confine_env(settings, "alice", {"url": f"http://127.0.0.1:{port}", "protocol": "openenv"})
-    kept = confine_env(settings, "alice", {"url": "http://10.0.0.7:8000", "protocol": "openenv"})
+    with pytest.raises(SpecError, match=r"^env\.url: http://10\.0\.0\.7:8000 \(10\.0\.0\.7\) is not among the addresses .*\(OPENTINKER_ENV_URL_ALLOW\)$"):
+        confine_env(settings, "alice", {"url": "http://10.0.0.7:8000", "protocol": "openenv"})  # loopback only, by default
+    kept = confine_env(Settings(env_url_allow="10.0.0.0/8"), "alice", {"url": "http://10.0.0.7:8000", "protocol": "openenv"})
     assert kept["protocol"] == "openenv"
     with pytest.raises(SpecError, match="env.protocol"):
         parse_spec({"model": {"name": "tiny-random"}, "env": {"game": "envs.math:MathGame", "protocol": "openenv"}})

@@ -7,10 +7,13 @@ and the tests all agree on one place and one set of ports without passing argume
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from opentinker.core.env_hosts import EnvHosts
 
 
 class Settings(BaseSettings):
@@ -175,6 +178,24 @@ class Settings(BaseSettings):
     game_allowlist: str = "envs"
     """Comma-separated module prefixes whose games workers import (`env.game`); anything else is
     refused before it is imported. Tenants' own games run in their process (the client link)."""
+
+    env_url_allow: str = "127.0.0.0/8,::1"
+    """Comma-separated addresses environment servers (`env.url`) may be reached at: IP addresses,
+    networks (CIDR, IPv4 or IPv6), host names (exact, any case), `*.domain` (any name under domain)
+    or `*` (anywhere). A host not named must resolve only to allowed addresses. The gateway checks
+    it before submission and the worker again before its first request, so no spec sends our
+    workers into the operator's network (cloud metadata, internal services). Default: loopback only."""
+
+    @field_validator("env_url_allow")
+    @classmethod
+    def _env_hosts_parse(cls, value: str) -> str:
+        EnvHosts.parse(value)  # a malformed entry fails here, when the settings load, not at the first job
+        return value
+
+    @cached_property
+    def env_hosts(self) -> EnvHosts:
+        """`env_url_allow`, parsed (see opentinker.core.env_hosts)."""
+        return EnvHosts.parse(self.env_url_allow)
 
     @field_validator("state_dir")
     @classmethod

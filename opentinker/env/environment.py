@@ -173,7 +173,9 @@ def import_game(path: str, allowed: tuple[str, ...] | None = None) -> type:
 def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironment:
     """The spec's game: a shipped class imported here (`env.game`, only from the operator's
     allowlist), a served environment (`env.url`; an OpenEnv server with `env.protocol: openenv`) or
-    the user's own process through the gateway (`env.link`). The job shows its job token to all but the first."""
+    the user's own process through the gateway (`env.link`). The job shows its job token to all but the first.
+    Served environments are checked against this machine's OPENTINKER_ENV_URL_ALLOW before any request
+    (the gateway checked it too, but a spec may come without it: `opentinker run`, an edited spec)."""
     from opentinker.core.settings import get_settings
     from opentinker.core.tokens import job_token
 
@@ -182,6 +184,7 @@ def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironme
     if env.game:
         game_class = import_game(env.game, settings.allowed_games)
     else:
+        settings.env_hosts.check(env.urls)  # ValueError, one line; nothing was sent
         token = job_token(settings.stack_secret(), job_id) if job_id else None
         if env.url and env.protocol == "openenv":  # an OpenEnv server (openenv-core): see env.openenv_client
             try:

@@ -9,7 +9,8 @@
   gateway's jobs set), and is pinned here to the checkpoint it names now.
 - Code: `env.game` (or the adapter game an `env.source` names) only from the operator's allowlist,
   and an AbstractGame subclass (imported here, in the gateway: allowlisted modules only).
-- Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway);
+- Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway),
+  nor at an address the operator has not allowed (OPENTINKER_ENV_URL_ALLOW: core/env_hosts.py);
   `rollout.server_url` is refused: a job's inference server is the one its worker starts (it
   would get the job's adapter folders and its key otherwise).
 Refusals are SpecError lines (`field: reason`, HTTP 422) that name only what the tenant gave.
@@ -97,12 +98,16 @@ def game(settings: Settings, path: str, config: dict[str, Any] | None = None) ->
 
 
 def env_url(settings: Settings, urls: list[str]) -> None:
+    """Refuse a URL of the stack's own services, then one outside the operator's allowlist (workers
+    check that again before their first request: a spec may reach them without the gateway)."""
     own = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
     local = {settings.host, settings.listen_host, settings.dial_host, "localhost", "127.0.0.1", "::1", "0.0.0.0"}
     for url in urls:
         parts = urlsplit(url)
         if parts.hostname in local and parts.port in own:
             raise SpecError(f"env.url: {url} is one of this service's own servers, not an environment")
+        if why := settings.env_hosts.refusal(url):
+            raise SpecError(why)
 
 
 def confine_env(settings: Settings, tenant: str, env: dict[str, Any]) -> dict[str, Any]:

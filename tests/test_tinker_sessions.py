@@ -39,7 +39,9 @@ def gateway(tmp_path_factory):
 
 
 def _open(url: str, key: str):
-    return tinker.ServiceClient(base_url=url, api_key=key).create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+    """(service, trainer) of a new session; close the service (its heartbeats outlive the gateway otherwise)."""
+    service = tinker.ServiceClient(base_url=url, api_key=key)
+    return service, service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
 
 
 def test_a_live_idle_client_keeps_its_session(gateway):
@@ -69,8 +71,9 @@ def test_a_finished_scripts_session_gives_its_place_once_its_client_is_gone(gate
     with pytest.raises(Exception, match=r"a session whose client is gone gives its place 12 s after its last heartbeat"):
         _open(url, key)  # too soon: it may be a live client between two heartbeats
     time.sleep(max(0.0, ABSENT_S + 1 - (time.monotonic() - ended)))
-    trainer = _open(url, key)  # the place is given at once, seconds (not minutes) after the script ended
+    service, trainer = _open(url, key)  # the place is given at once, seconds (not minutes) after the script ended
     assert left_behind not in sessions.live and trainer.model_id.split(":")[0] in sessions.live
     assert left["bob"] in sessions.live  # another tenant's session is not Alice's to end
     assert re.fullmatch(r"expired: no call or heartbeat for 1\d s, and a new session of its tenant needed its place "
                         r"\(OPENTINKER_TINKER_ABSENT_AFTER_S: 12 s\)", sessions.ended[left_behind]), sessions.ended[left_behind]
+    service.close("success")

@@ -168,8 +168,13 @@ def test_shared_prompt_prefill_changes_nothing_but_speed(tiny):
     prompts = [chat.prompt_ids([{"role": "user", "content": f"question {i // 4}"}]) for i in range(8)]
     params = SamplingParams(max_new_tokens=5, temperature=0.9)
     rows = []
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
-    shared = engine.generate(prompts, params, generators=[torch.Generator().manual_seed(i) for i in range(8)])
+    # every embedding call, of the model or of the engine's decode copy (slots.py)
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: rows.append(args[0].shape[0]) if isinstance(module, torch.nn.Embedding) else None)
+    try:
+        shared = engine.generate(prompts, params, generators=[torch.Generator().manual_seed(i) for i in range(8)])
+    finally:
+        hook.remove()
     assert rows[0] == 2  # the first forward: the two distinct prompts, once each
     alone = [engine.generate([p], params, generators=[torch.Generator().manual_seed(i)])[0] for i, p in enumerate(prompts)]
     assert [c.token_ids for c in shared] == [c.token_ids for c in alone]

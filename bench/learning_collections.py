@@ -67,6 +67,7 @@ about 2-2.5 hours; peak RSS a few GB.
     python bench/learning_collections.py --parts timing                      # the adapter cost only (~1 min)
     python bench/learning_collections.py --parts reasoning_gym --datasets chain_sum,basic_arithmetic
     python bench/learning_collections.py --model tiny-random --steps 2 --every 1 --eval-n 4 --out /tmp/lc_smoke
+    python bench/learning_collections.py --rerender --out bench/results/learning_collections_leg_counting   # its table again, no run
 writes bench/results/learning_collections.json and .md (or --out)
 """
 
@@ -96,6 +97,7 @@ PRESETS = {  # reasoning-gym configs (its own names); the first two are the defa
                          "allow_parentheses": False, "allow_negation": False},
 }
 TARGET_GAIN = {"reasoning_gym": 0.10, "textarena": 0.15}
+COLLAPSE_SHARE = 0.10  # fewer distinct answers than this share of the held-out items, and fewer than the base's: no target met
 RG_ROLLOUT = {"max_new_tokens": 32, "temperature": 0.7, "max_turns": 1, "max_total_tokens": 512}
 TA_ROLLOUT = {"max_new_tokens": 16, "temperature": 1.0, "max_turns": 8, "max_total_tokens": 1280}
 PARTS = ("timing", "reasoning_gym", "textarena")
@@ -418,9 +420,24 @@ def compare(run: dict) -> dict:
     k0, n0 = first.get("successes", first.get("wins")), first.get("n", first.get("games"))
     k1, n1 = last.get("successes", last.get("wins")), last.get("n", last.get("games"))
     gain, target = last["success"] - first["success"], TARGET_GAIN[run["kind"]]
+    collapsed = collapse(first, last)
     return {"env": run["env"], "measure": run["measure"], "base_step": first["step"], "base": first["success"], "final_step": last["step"],
-            "final": last["success"], "gain": gain, "target_gain": target, "target_met": gain >= target,
-            "p_value": fisher_gain((k0, n0), (k1, n1)), "base_counts": [k0, n0], "final_counts": [k1, n1]}
+            "final": last["success"], "gain": gain, "target_gain": target, "target_met": gain >= target and collapsed is None,
+            "collapsed": collapsed, "p_value": fisher_gain((k0, n0), (k1, n1)), "base_counts": [k0, n0], "final_counts": [k1, n1]}
+
+
+def collapse(first: dict, last: dict) -> str | None:
+    """Why a reasoning-gym gain is not learning the task (None: it may be): the trained policy gives
+    fewer distinct answers than the base model, under COLLAPSE_SHARE of the items, so its successes
+    are a frequent answer guessed everywhere (reward hacking of the answer distribution)."""
+    before, after = first.get("distinct_answer_share"), last.get("distinct_answer_share")
+    if before is None or after is None or after >= min(before, COLLAPSE_SHARE):
+        return None
+    return f"answers collapsed: {round(after * last['n'])} distinct over {last['n']} items (base {round(before * first['n'])})"
+
+
+def met(c: dict) -> str:
+    return "yes" if c["target_met"] else f"no ({c['collapsed']})" if c.get("collapsed") else "no"
 
 
 def markdown(args, out: dict) -> list[str]:
@@ -466,7 +483,7 @@ def markdown(args, out: dict) -> list[str]:
                   "| environment | measure | base (step 0) | final | change | target | met | one-sided Fisher p |",
                   "|---|---|---:|---:|---:|---:|---|---:|"]
         lines += [f"| {c['env']} | {c['measure']} | {c['base']:.1%} | {c['final']:.1%} (step {c['final_step']}) | {c['gain'] * 100:+.1f} pts | "
-                  f"+{c['target_gain'] * 100:.0f} pts | {'yes' if c['target_met'] else 'no'} | {c['p_value']:.3g} |" for c in out["comparison"]]
+                  f"+{c['target_gain'] * 100:.0f} pts | {met(c)} | {c['p_value']:.3g} |" for c in out["comparison"]]
         lines.append("")
     return lines
 
@@ -494,7 +511,15 @@ def main() -> int:
     parser.add_argument("--timing-n", type=int, default=100, help="episodes per timing round")
     parser.add_argument("--timing-rounds", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "learning_collections"))
+    parser.add_argument("--rerender", action="store_true", help="rebuild --out's comparison and .md from its recorded .json (no run)")
     args = parser.parse_args()
+    if args.rerender:
+        out = json.loads(Path(args.out + ".json").read_text())
+        recorded = parser.parse_args(shlex.split(out["command"])[2:])  # the run's own arguments, for its text
+        out["comparison"] = [compare(run) for run in out["runs"]]
+        Path(args.out + ".json").write_text(json.dumps(out, indent=2))
+        Path(args.out + ".md").write_text("\n".join(markdown(recorded, out)))
+        return 0
     parts = [p for p in args.parts.split(",") if p]
     if unknown := sorted(set(parts) - set(PARTS)) + sorted(set(args.datasets.split(",")) - set(PRESETS)):
         parser.error(f"unknown part or dataset: {', '.join(unknown)}")
@@ -527,7 +552,8 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     for c in out["comparison"]:
         print(f"{c['env']}: {c['measure']} {c['base']:.1%} at step 0 -> {c['final']:.1%} at step {c['final_step']} "
-              f"({c['gain'] * 100:+.1f} pts, target +{c['target_gain'] * 100:.0f}: {'met' if c['target_met'] else 'NOT met'}; "
+              f"({c['gain'] * 100:+.1f} pts, target +{c['target_gain'] * 100:.0f}: {'met' if c['target_met'] else 'NOT met'}"
+              f"{' (' + c['collapsed'] + ')' if c.get('collapsed') else ''}; "
               f"p = {c['p_value']:.3g})")
     print(f"total {out['wall_seconds']:.0f} s, peak RSS {out['peak_rss_mb']:.0f} MB", flush=True)
     return 0

@@ -86,6 +86,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/shared_jobs.py
 	$(PY) bench/joint_updates.py --device cpu --shape smollm2-135m --prompt-len 64 --new-tokens 16
 	$(PY) bench/tinker_fairness.py
+	$(PY) bench/stream_slots.py
 
 clean:
 	rm -rf $(VENV) runs .opentinker .pytest_cache

@@ -274,3 +274,22 @@ def test_the_gateway_refuses_a_game_that_downloads_data_at_submission():
         confine_env(settings, "alice", {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "GuessTheNumber-v0"}})
     kept = confine_env(settings, "alice", {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "TicTacToe-v0"}})
     assert kept["config"] == {"env_id": "TicTacToe-v0"}
+
+
+def test_self_play_players_that_are_not_the_matchs_are_refused_before_submission_and_on_the_worker():
+    """The seats are the match's players: `multiagent.players` left at its default [X, O] for a
+    TextArena match (players P0, P1) would leave every match unplayable. The gateway refuses it in
+    one line, and so does the self-play job where a spec comes without the gateway."""
+    from opentinker.control.gateway.confine import confine_env
+    from opentinker.core.settings import Settings
+    from opentinker.core.spec import parse_spec
+    from opentinker.core.spec_limits import SpecError
+    from opentinker.rl.selfplay import SelfPlayJob
+
+    env = {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "TicTacToe-v0"}}
+    with pytest.raises(SpecError, match=r"^multiagent\.players: \['X', 'O'\] are not the players of TextArenaMatch \(P0, P1\)$"):
+        confine_env(Settings(), "alice", env, ["X", "O"])
+    assert confine_env(Settings(), "alice", env, ["P1", "P0"])["game"] == env["game"]  # either seat first
+    spec = parse_spec({"model": {"name": "tiny-random"}, "env": env, "multiagent": {"opponent": "self"}})  # players: the default [X, O]
+    with pytest.raises(ValueError, match=r"^multiagent\.players: \['X', 'O'\] are not the players of TextArenaMatch"):
+        SelfPlayJob(spec, job_id="players-check")

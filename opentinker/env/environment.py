@@ -170,6 +170,16 @@ def import_game(path: str, allowed: tuple[str, ...] | None = None) -> type:
     return found
 
 
+def check_players(game_class: Any, players: list[str] | tuple[str, ...]) -> None:
+    """A self-play spec's `multiagent.players` must name its match's players (the seats are theirs:
+    a name the match never says moves would leave every match unplayable); ValueError, one line. A
+    served match (env.url, env.link) states its players only as it plays: not checked here."""
+    own = getattr(game_class, "players", None)
+    if isinstance(own, tuple) and own and sorted(own) != sorted(players):
+        name = getattr(game_class, "__name__", str(game_class))
+        raise ValueError(f"multiagent.players: {list(players)} are not the players of {name} ({', '.join(own)})")
+
+
 def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironment:
     """The spec's game: a shipped class imported here (`env.game`, only from the operator's
     allowlist), a served environment (`env.url`; an OpenEnv server with `env.protocol: openenv`) or

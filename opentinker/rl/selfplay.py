@@ -29,6 +29,7 @@ from opentinker.agent.coordinator import Coordinator
 from opentinker.agent.selfplay import Seat, play_matches
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.env import environment_from_spec
+from opentinker.env.environment import check_players
 from opentinker.env.hosting import start_episode
 from opentinker.core.ids import check_folder_name, job_id_for
 from opentinker.core.seeding import seed_everything
@@ -75,6 +76,7 @@ class SelfPlayJob:
             check_folder_name(player, "multiagent.players: player")
         seed_everything(spec.seed)
         self.env = environment_from_spec(spec, self.job_id)
+        check_players(self.env.game_class, self.ma.players)
         players = self.ma.players
         self.learners = learner_names(self.ma)
         self.policies = {name: Policy(spec, job_id=self.agent_job_id(name), tenant=tenant) for name in self.learners}

@@ -81,11 +81,12 @@ def model_name(settings: Settings, given: str) -> str:
     return str(candidate)
 
 
-def game(settings: Settings, path: str, config: dict[str, Any] | None = None) -> None:
-    """Refuse a game the workers would not import (allowlist first: importing runs code), and a
+def game(settings: Settings, path: str, config: dict[str, Any] | None = None, players: list[str] | None = None) -> None:
+    """Refuse a game the workers would not import (allowlist first: importing runs code), a
     config its class refuses (a game may check `env.config` with a `check_config` classmethod, e.g.
-    the TextArena adapters refuse games that download data)."""
-    from opentinker.env.environment import import_game
+    the TextArena adapters refuse games that download data), and self-play `players` that are not
+    the match's."""
+    from opentinker.env.environment import check_players, import_game
 
     try:
         found = import_game(path, settings.allowed_games)
@@ -95,6 +96,11 @@ def game(settings: Settings, path: str, config: dict[str, Any] | None = None) ->
         getattr(found, "check_config", lambda _: None)(config or {})
     except ValueError as err:
         raise SpecError(f"env.config: {err}") from None
+    if players is not None:
+        try:
+            check_players(found, players)
+        except ValueError as err:
+            raise SpecError(str(err)) from None
 
 
 def env_url(settings: Settings, urls: list[str]) -> None:
@@ -110,10 +116,11 @@ def env_url(settings: Settings, urls: list[str]) -> None:
             raise SpecError(why)
 
 
-def confine_env(settings: Settings, tenant: str, env: dict[str, Any]) -> dict[str, Any]:
+def confine_env(settings: Settings, tenant: str, env: dict[str, Any], players: list[str] | None = None) -> dict[str, Any]:
+    """`players`: a self-play spec's `multiagent.players` (checked against its match's)."""
     env = dict(resolve_source(env))  # env.source names a shipped adapter game: the allowlist decides it too
     if env.get("game"):
-        game(settings, env["game"], env.get("config"))
+        game(settings, env["game"], env.get("config"), players)
     if env.get("url"):
         env_url(settings, [env["url"]] if isinstance(env["url"], str) else list(env["url"]))
     config = dict(env.get("config") or {})

@@ -24,7 +24,7 @@ from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, QU
                                           ensure_tenant_limit, ensure_tenant_queue, flow_for, job_state, job_tags, parked_state,
                                           prefect_client)
 from opentinker.core.settings import Settings
-from opentinker.core.spec import SpecError, parse_spec
+from opentinker.core.spec import MultiAgentSpec, SpecError, parse_spec
 from opentinker.core.spec_limits import input_problem
 from opentinker.core.tokens import job_token
 from opentinker.sft.spec import is_sft_spec, parse_sft_spec
@@ -98,7 +98,10 @@ class TenantJobs:
             confine.registry_name(self.settings, self.tenant, model_name_for(
                 {"registry": {"model_name": spec.registry.model_name or f"{self.tenant}-sft"}}, self.tenant, self.tenant))
             return spec, False
-        data["env"] = {**env, **_PLACEHOLDER_ENV} if awaiting_env else confine.confine_env(self.settings, self.tenant, env)
+        players = data["multiagent"].get("players", MultiAgentSpec.model_fields["players"].default_factory()) \
+            if isinstance(data.get("multiagent"), dict) else None
+        players = players if isinstance(players, list) and all(isinstance(p, str) for p in players) else None  # else parse_spec says why
+        data["env"] = {**env, **_PLACEHOLDER_ENV} if awaiting_env else confine.confine_env(self.settings, self.tenant, env, players)
         confine.confine_rollout(data)
         spec = parse_spec(data)
         if spec.registry.model_name:  # the default name (<tenant>-<game>) is the tenant's own by construction

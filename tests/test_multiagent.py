@@ -168,6 +168,27 @@ def test_a_broken_match_is_a_draw_for_both_and_spares_the_others(two_seats):
     assert records["X"][1].reward == -1.0 and records["O"][1].reward == 1.0
 
 
+def test_a_match_that_hangs_is_abandoned_at_the_step_deadline_and_spares_the_others(two_seats):
+    seats, _ = two_seats
+    release = threading.Event()
+
+    class Hangs(ScriptedMatch):
+        def apply(self, player, action):
+            if len(self.played) == 2:
+                release.wait(30)  # a game stuck in a loop
+            return super().apply(player, action)
+
+    matches = [Hangs(moves=6), ScriptedMatch(moves=2, winner="O")]
+    try:
+        records = play_matches(seats, matches, SamplingParams(max_new_tokens=3),
+                               EpisodeLimits(max_turns=8, max_total_tokens=512, step_timeout_s=0.5))
+    finally:
+        release.set()
+    assert records["X"][0].info["aborted"] == "apply: timed out after 0.5s"
+    assert records["X"][0].reward == 0.0 and records["O"][0].reward == 0.0
+    assert records["X"][1].reward == -1.0 and records["O"][1].reward == 1.0
+
+
 # --- per-turn credit -------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentinker.agent.chat import ChatFormat
+from opentinker.agent.guard import call_with_timeout
 from opentinker.agent.loop import EpisodeLimits, each, episode_generators
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.core.trajectory import Trajectory
@@ -76,11 +77,12 @@ def _play(seats: dict[str, Seat], match: Match, i: int, params: SamplingParams, 
         traj.append_sampled(comp.token_ids, comp.logprobs, action, comp.versions or [seat.engine.policy_version] * len(comp.token_ids))
         traj.messages.append({"role": "assistant", "content": action})
         stopped[(i, player)] = comp.finish_reason == "stop"
-        try:
-            legal, message = match.apply(player, action)
-        except Exception as err:  # noqa: BLE001 - a broken match costs that match only
-            aborted[i] = f"apply: {type(err).__name__}: {err}"
+        # a match that raises or hangs costs that match only (a hung call is abandoned, the match never touched again)
+        outcome = call_with_timeout(match.apply, limits.step_timeout_s, player, action)
+        if outcome.error is not None:
+            aborted[i] = f"apply: {outcome.error}"
             return
+        legal, message = outcome.value
         pending[(i, player)] = None if legal else message
 
 

@@ -58,10 +58,12 @@ class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens():
+@pytest.mark.parametrize("slots", [False, True], ids=["growing", "slots"])
+def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens(slots):
     """Full fine-tuning samples from float32 weights under bfloat16 autocast: the engine's busy
     stretch of steps is one autocast region, so each weight is cast once (autocast keeps the cast),
-    not at every token (a region per step did: 37% of a decode step's GPU time, profiled on an H100)."""
+    not at every token (a region per step did: 37% of a decode step's GPU time, profiled on an H100).
+    Over slots the decode copy holds the weights cast already (refilled by copy, not cast)."""
     from types import SimpleNamespace
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -74,7 +76,8 @@ def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens()
                          num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config)  # float32, every weight trained
     tokens = SimpleNamespace(pad_token_id=0, eos_token_id=255)
-    engine = HFRolloutEngine(model, tokens, max_batch_size=8, prefix_cache_tokens=0, placement=Placement(torch.device("cpu"), torch.bfloat16))
+    engine = HFRolloutEngine(model, tokens, max_batch_size=8, prefix_cache_tokens=0, placement=Placement(torch.device("cpu"), torch.bfloat16),
+                             slots=slots)
     engine.stop_ids = []  # every row runs its whole budget
     weights = [p for p in model.parameters() if p.dim() == 2]
     counts = {}
@@ -85,4 +88,5 @@ def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens()
         engine.stream.on_thread(lambda: casts.__exit__(None, None, None)).result()
         assert all(len(c.token_ids) == new_tokens for c in out)
         counts[new_tokens] = casts.count
-    assert 0 < counts[2] == counts[8] <= 2 * len(weights)  # the prefill's region and the loop's, each once
+    assert counts[2] == counts[8] <= 2 * len(weights)  # the prefill's region and the loop's, each once
+    assert counts[2] > 0 or slots

@@ -188,12 +188,10 @@ def _next_steps(trainer, data) -> list[float]:
     return [first, trainer.forward(data, "cross_entropy").result().metrics["loss:sum"]]
 
 
-def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
+def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     """Through the stack's gateway: the session's flow run holds a slot while the client trains;
     a gateway killed and restarted mid-session costs nothing; every optimizer step reaches MLflow;
-    close() ends the run; a state saved in that session trains on in a new one after the whole stack
-    (Prefect, MLflow, Ray, gateway, worker) went down and came up again, exactly as it would have
-    trained on in the first."""
+    close() ends the run."""
     from mlflow.tracking import MlflowClient
 
     from opentinker.control.scheduler import SLOTS_HELD_TAG
@@ -217,8 +215,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
     losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[-2]
-    state = trainer.save_state("after-4").result().path
-    uninterrupted = _next_steps(trainer, data)  # what the client would do next had nothing stopped
+    _next_steps(trainer, data)
     trainer.save_weights_for_sampler("final").result()
     sample = trainer.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(tokens[:5]), 2, types.SamplingParams(max_tokens=4, stop=[])).result()
@@ -236,8 +233,26 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant, stack):
     assert resolve_model_uri("models:/tinkerer-tinker@champion").endswith(f"{session_id}:train:0/sampler_weights/final")
     _a_registered_checkpoint_is_not_deleted(settings, key, f"tinker://{session_id}:train:0/sampler_weights/final")
 
+
+@pytest.mark.slow  # the whole stack down and up (about a minute); in the default run tests/test_stack.py restarts a stack and test_tinker_api resumes a saved state exactly
+def test_a_saved_state_trains_on_after_the_whole_stack_restarts(tenant, stack):
+    """A state saved in a session trains on in a new one after the whole stack (Prefect, MLflow,
+    Ray, gateway, worker) went down and came up again, exactly as it would have in the first."""
     from opentinker.control.stack import Stack
 
+    settings, key = tenant
+    service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
+    trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+    session_id = trainer.model_id.split(":")[0]
+    tokens = list(range(100, 120))
+    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 19})]
+    for _ in range(2):
+        _next_steps(trainer, data)
+    state = trainer.save_state("after-2").result().path
+    uninterrupted = _next_steps(trainer, data)  # what the client would do next had nothing stopped
+    service.close("success")
+    _wait_final(session_id, timeout=60)
     services = Stack(settings)
     services.down()
     stack[1].update(services.up(timeout=180))  # nothing of the session survives but its storage

@@ -215,6 +215,7 @@ def test_a_session_is_a_job_that_trains_samples_logs_and_ends(tenant):
     losses.append(trainer.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
     trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[-2]
+    trainer.save_state("after-4").result()  # the run keeps a checkpoint once "final" is deleted below (its last one would take the run)
     _next_steps(trainer, data)
     trainer.save_weights_for_sampler("final").result()
     sample = trainer.save_weights_and_get_sampling_client().result().sample(

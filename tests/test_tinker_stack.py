@@ -242,15 +242,9 @@ def test_a_saved_state_trains_on_after_the_whole_stack_restarts(tenant, stack):
     from opentinker.control.stack import Stack
 
     settings, key = tenant
-    service = tinker.ServiceClient(base_url=settings.gateway_url, api_key=key)
-    trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
-    session_id = trainer.model_id.split(":")[0]
-    tokens = list(range(100, 120))
-    data = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 19})]
-    for _ in range(2):
-        _next_steps(trainer, data)
-    state = trainer.save_state("after-2").result().path
+    service, trainer, session_id, data = _a_live_session(settings, key)
+    _next_steps(trainer, data)
+    state = trainer.save_state("after-1").result().path
     uninterrupted = _next_steps(trainer, data)  # what the client would do next had nothing stopped
     service.close("success")
     _wait_final(session_id, timeout=60)

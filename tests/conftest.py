@@ -1,4 +1,7 @@
+import faulthandler
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -13,6 +16,30 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # the tinker SDK in tests sends 
 # test writes a secret file into a developer's state folder.
 os.environ.setdefault("OPENTINKER_SECRET", "opentinker-test-secret")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+EXIT_GRACE_S = 60  # after the summary: a process still alive this long is stuck on a thread (CI once hung ~40 min here)
+_exit_status = {"code": 0}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status["code"] = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    """Arm a watchdog for the interpreter's exit: if a thread (an executor's, a client's) keeps the
+    process alive after the session ended, print every thread's stack and exit with the session's
+    own status, so the verdict stands and the culprit is named in the log instead of a silent hang."""
+
+    def watchdog() -> None:
+        time.sleep(EXIT_GRACE_S)
+        alive = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+        os.write(2, (f"\npytest: still alive {EXIT_GRACE_S} s after the session ended (status {_exit_status['code']}); "
+                     f"non-daemon threads: {alive}; every thread's stack follows\n").encode())
+        faulthandler.dump_traceback(file=2, all_threads=True)
+        os._exit(_exit_status["code"])
+
+    threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 
 @pytest.fixture(scope="session")

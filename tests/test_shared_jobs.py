@@ -486,3 +486,19 @@ def test_an_sft_job_trains_the_same_whoever_shares_the_worker_and_a_rerun_reuses
     reused = _train(worker, again)
     assert reused[0] == {"reused": True, "done": True} and len(reused) == 2
     assert reused[-1]["reused"] and reused[-1]["checkpoint"] == alone[-1]["checkpoint"]
+
+
+def test_an_idle_worker_built_in_process_closes_without_starting_ray():
+    """The idle exit kills the worker's own actor; a worker built in-process (as these tests build it)
+    has none, so it closes and leaves Ray as it was (it once started a Ray instance at the end of a
+    test session, whose process then hung)."""
+    import ray
+
+    from opentinker.orchestration.base_worker import BaseModelWorker
+
+    before = ray.is_initialized()
+    worker = BaseModelWorker(num_gpus=0, idle_s=0.2)
+    wait_for(lambda: worker.closing or None, interval=0.1, timeout=15, what="the idle worker to close")
+    ticking = lambda: any(t.name == "base-worker-tick" and t.is_alive() for t in threading.enumerate())  # noqa: E731
+    wait_for(lambda: None if ticking() else True, interval=0.1, timeout=30, what="the worker's tick to end")
+    assert ray.is_initialized() == before

@@ -342,7 +342,8 @@ class BaseModelWorker:
                 self.bases.close()
                 import ray
 
-                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                if ray.is_initialized() and ray.get_runtime_context().get_actor_id():  # not a worker built in-process
+                    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
 
     def _stale_jobs(self, idle_s: float) -> list[tuple[str, HostedJob]]:

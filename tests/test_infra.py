@@ -362,6 +362,10 @@ def test_files_agree_with_the_code():
         assert env["MLFLOW_TRACKING_URI"] == f"http://{env['OPENTINKER_HOST']}:{env['OPENTINKER_MLFLOW_PORT']}"
         # what the embedded stack gives its workers and MLflow clients, the deployed ones get too
         assert WORKER_PREFECT_ENV.items() <= env.items()
+        # the env.url allowlist is stated, parses, and stays off the cluster's own networks
+        hosts = Settings(env_url_allow=env["OPENTINKER_ENV_URL_ALLOW"]).env_hosts
+        assert hosts.refusal("http://127.0.0.1:9000") is None
+        assert hosts.refusal("http://10.0.0.5:9000") and hosts.refusal("http://169.254.169.254/latest")
         assert {k: v for k, v in mlflow_env(Settings()).items() if k != "MLFLOW_TRACKING_URI"}.items() <= env.items()
     assert callable(importlib.import_module("opentinker.control.gateway.app").create_app)
 

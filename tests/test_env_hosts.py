@@ -180,3 +180,42 @@ def test_the_gateway_answers_422_with_the_line_before_submission(tmp_path):
                         response.json()["detail"])
     finally:
         server.stop()
+
+
+def test_a_worker_reaches_the_checked_host_itself_not_through_a_proxy_of_the_environment(monkeypatch):
+    """HTTP(S)_PROXY in a worker's environment would carry a job's requests to wherever the proxy
+    reaches: the env client connects to the checked address itself (OpenEnv's client too, below)."""
+    counting, served = _served(lambda: create_app(MathGame))
+    proxy, proxied = _served(lambda: create_app(MathGame))
+    try:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
+            monkeypatch.setenv(name, proxied.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        env = environment_from_spec(_spec(served.url), job_id="job-hosts")
+        assert len(env.validation_tasks()) == 2
+        assert counting.requests >= 1 and proxy.requests == 0
+    finally:
+        served.stop()
+        proxied.stop()
+
+
+def test_an_openenv_worker_reaches_the_checked_host_itself_not_through_a_proxy(monkeypatch):
+    pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
+    from opentinker.env.openenv_server import create_openenv_app
+    from tests.openenv_games import EchoEnv
+
+    counting, served = _served(lambda: create_openenv_app(EchoEnv))
+    proxy, proxied = _served(lambda: create_openenv_app(EchoEnv))
+    try:
+        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "WS_PROXY", "http_proxy", "all_proxy", "ws_proxy"):
+            monkeypatch.setenv(name, proxied.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        game = environment_from_spec(_spec(served.url, protocol="openenv"), job_id="job-hosts").make_game()
+        assert "ready (seed 1)" in game.reset(__seed__=1)
+        game.close()
+        assert counting.requests >= 2 and proxy.requests == 0  # the schema and the episode's WebSocket
+    finally:
+        served.stop()
+        proxied.stop()

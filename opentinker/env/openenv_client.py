@@ -56,8 +56,9 @@ class _NoRedirect(ws_connect):
 
 
 class ConfinedEnvClient(GenericEnvClient):
-    """OpenEnv's client, connecting with the job's token and without redirects; it also leaves
-    the process's NO_PROXY alone (the package's connect() rewrites it, racing other threads)."""
+    """OpenEnv's client, connecting with the job's token, without redirects and without the
+    process's proxy settings (straight to the checked host); it also leaves the process's NO_PROXY
+    alone (the package's connect() rewrites it, racing other threads)."""
 
     def __init__(self, base_url: str, timeout_s: float, token: str | None):
         super().__init__(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s,
@@ -68,7 +69,7 @@ class ConfinedEnvClient(GenericEnvClient):
         if self._ws is None:
             try:
                 self._ws = await _NoRedirect(self._ws_url, additional_headers=self._headers, open_timeout=self._connect_timeout,
-                                             max_size=self._max_message_size, close_timeout=_CLOSE_TIMEOUT_S)
+                                             max_size=self._max_message_size, close_timeout=_CLOSE_TIMEOUT_S, proxy=None)
             except (OSError, TimeoutError) as err:  # refused, reset, no answer: nothing was sent, worth another try
                 raise ConnectionError(f"{type(err).__name__}: {err}") from None
             except Exception as err:  # noqa: BLE001 - a 401/403, a redirect, not a WebSocket server: an answer
@@ -165,7 +166,7 @@ class _Server:
                 headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
                 for attempt in range(self.retries + 1):
                     try:
-                        response = httpx.get(f"{self.url}/schema", headers=headers, timeout=self.timeout_s)
+                        response = httpx.get(f"{self.url}/schema", headers=headers, timeout=self.timeout_s, trust_env=False)
                         break
                     except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                         if attempt == self.retries:

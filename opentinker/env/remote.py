@@ -54,7 +54,7 @@ class _Shard:
         self.retries = retries
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        self.client = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, trust_env=False)  # no proxy: straight to the checked host
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False, retries: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         where = f"{method} {self.url}{path}"

@@ -46,7 +46,7 @@ def add_tinker_routes(app: FastAPI, settings: Any, store: Any, sessions: Any) ->
     `storage_url`), the stack's Prefect flow runs (tinker_sessions.PrefectSessions). Returns the
     gateway's hook for bodies its limit refuses (asgi.BodyLimit's `on_refused`)."""
     router = APIRouter(prefix="/api/v1")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0))
+    client = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0), trust_env=False)  # to our own session servers, never via a proxy
 
     def tenant(request: Request) -> str:
         name = store.authenticate(request.headers.get("x-api-key"))

@@ -9,7 +9,10 @@ Ways, each in a process of its own, one after another:
 - `k=0`: this code, algorithm.max_staleness 0: episodes are streams, a step's groups start once
   the previous update is published (the synchronous job); torch on every core;
 - `k=2`: this code, max_staleness 2: the producer plays up to two steps ahead while the trainer
-  updates, on its own model copy; the cores split between the two (torch: one thread each);
+  updates, on its own model copy; the cores split between the two (torch: one thread each), both
+  threads of one process (`opentinker run`'s layout);
+- `k=2 actors`: the same job as a flow runs it: the flow's step calls (tasks/steps.py, without
+  Prefect) on a Policy and a Sampler Ray actor, two processes of a core each;
 - `lockstep`: the synchronous job of the code before streaming (`--lockstep-ref`, checked out in a
   git worktree of this repository): every turn of every episode waits for the slowest.
 
@@ -52,7 +55,26 @@ from opentinker.core.spec import parse_spec
 from opentinker.rl import RLJob
 quiet_libraries()
 spec = parse_spec(json.loads(sys.argv[2]))
-job = RLJob(spec, job_id="bench")
+if sys.argv[4] == "actors":  # the service's layout: the flow's step calls on the job's Ray actors, without Prefect
+    import ray
+    from opentinker.orchestration.actors import create_actors
+    from opentinker.rl import LoopHooks, run_steps
+    from tasks.steps import TaskSteps
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    class OverActors(TaskSteps):
+        def _run(self, step_task, step, **kwargs):
+            return step_task.fn(actors=self.actors, job_id=self.job_id, step=step, **kwargs)
+    class ActorJob:
+        def __init__(self):
+            self.actors = create_actors(spec, "bench")
+        def run(self, on_step, on_eval):
+            return run_steps(spec, OverActors(self.actors, "bench"), LoopHooks(on_step=on_step, on_eval=on_eval))
+        def close(self):
+            self.actors.kill()
+            ray.shutdown()
+    job = ActorJob()
+else:
+    job = RLJob(spec, job_id="bench")
 t0 = time.perf_counter()
 curve, steps = [], []
 def on_eval(e):
@@ -72,8 +94,11 @@ print("RESULT " + json.dumps({"curve": curve, "steps": steps, "wall_s": time.per
 """
 
 
-def run_way(code_root: Path, data: dict, threads: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN, str(code_root), json.dumps(data), str(threads)], capture_output=True, text=True,
+def run_way(code_root: Path, data: dict, threads: int, layout: str = "process") -> dict:
+    """One way in a fresh process: the job in that process ("process"), or on Ray actors of their
+    own ("actors": what a flow runs; with max_staleness > 0 the producer and the trainer are two
+    processes, a core each on this machine)."""
+    out = subprocess.run([sys.executable, "-c", RUN, str(code_root), json.dumps(data), str(threads), layout], capture_output=True, text=True,
                          env=os.environ | {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}, cwd=str(code_root))
     line = next((line for line in out.stdout.splitlines() if line.startswith("RESULT ")), None)
     if line is None:
@@ -157,18 +182,25 @@ def main() -> None:
     parser.add_argument("--lockstep-ref", default=LOCKSTEP_REF, help="the commit whose agent loop is the lock-step one ('' to skip)")
     parser.add_argument("--demo", action="store_true", help="also examples/math_grpo.yaml, k=0 and k against 75%% accuracy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", default="", help="ways left out, comma-separated: 'k=k' (in one process), 'k=k actors', 'lockstep'")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_rl"))
     args = parser.parse_args()
+    skip = {w.strip() for w in args.skip.split(",") if w.strip()}
     import torch
 
     cores = os.cpu_count() or 1
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         task = str(ROOT / "examples" / "math_tool_grpo.yaml")
-        for way, k, threads in (("k=0", 0, cores), (f"k={args.k}", args.k, max(1, cores // 2))):
+        ways = (("k=0", 0, cores, "process"), (f"k={args.k}", args.k, max(1, cores // 2), "process"),
+                (f"k={args.k} actors", args.k, max(1, cores // 2), "actors"))
+        for way, k, threads, layout in ways:
+            if way.replace(f"={args.k}", "=k") in skip:
+                continue
             print(f"{way} ...", flush=True)
-            results[way] = run_way(ROOT, spec_data(task, args.model, args.steps, args.every, args.eval_n, k, f"{tmp}/{way}", LATENCY, args.seed), threads)
-        if args.lockstep_ref:
+            data = spec_data(task, args.model, args.steps, args.every, args.eval_n, k, f"{tmp}/{way}", LATENCY, args.seed)
+            results[way] = run_way(ROOT, data, threads, layout)
+        if args.lockstep_ref and "lockstep" not in skip:
             print("lockstep ...", flush=True)
             tree = lockstep_tree(args.lockstep_ref)
             try:
@@ -183,11 +215,15 @@ def main() -> None:
                 print(f"{way} ...", flush=True)
                 results[way] = run_way(ROOT, spec_data(demo, args.model, 25, 5, 64, k, f"{tmp}/{way}", None, args.seed), threads)
     stats = {way: summary(r) for way, r in results.items()}
-    sync, fast = stats["k=0"], stats[f"k={args.k}"]
+    sync = stats["k=0"]
     target = sync["final_accuracy"]
-    reach_sync, reach_fast = time_to(results["k=0"]["curve"], target), time_to(results[f"k={args.k}"]["curve"], target)
-    ratios = {"episodes_per_s": fast["episodes_per_s"] / sync["episodes_per_s"] if sync["episodes_per_s"] else None,
-              "time_to_sync_final_accuracy": reach_fast / reach_sync if reach_fast and reach_sync else None}
+    reach_sync = time_to(results["k=0"]["curve"], target)
+    ratios = {}
+    for way, suffix in ((f"k={args.k}", ""), (f"k={args.k} actors", "_actors")):
+        if way in stats:
+            reach = time_to(results[way]["curve"], target)
+            ratios["episodes_per_s" + suffix] = stats[way]["episodes_per_s"] / sync["episodes_per_s"] if sync["episodes_per_s"] else None
+            ratios["time_to_sync_final_accuracy" + suffix] = reach / reach_sync if reach and reach_sync else None
     if "lockstep" in stats:
         lock = stats["lockstep"]["episodes_per_s"]
         ratios["streaming_vs_lockstep_episodes_per_s"] = sync["episodes_per_s"] / lock if lock else None
@@ -209,11 +245,15 @@ def main() -> None:
     for way, st in stats.items():
         md.append(f"| {way} | {st['episodes_per_s']:.3f} | {st['train_s']:.0f} | {st['final_accuracy']:.1%} | "
                   f"{st['lag_mean']:.2f} / {st['lag_max']:.0f} | {st['dropped']:.0f} |")
-    histogram = lag_histogram(results[f"k={args.k}"]["steps"])
-    md += ["", f"Version lag of the tokens k={args.k} trained on (trainer version - the version that drew them): "
-           + ", ".join(f"{lag}: {share:.1%}" for lag, share in histogram.items()) + "."]
-    md += ["", f"- k={args.k} against k=0, episodes/s: **{fmt(ratios['episodes_per_s'])}** (goal >= 1.6)",
-           f"- k={args.k} against k=0, wall time to k=0's final accuracy ({target:.1%}): **{fmt(ratios['time_to_sync_final_accuracy'])}** (goal <= 0.7)"]
+    for way, suffix, where in ((f"k={args.k}", "", "in one process"), (f"k={args.k} actors", "_actors", "on Ray actors, as a flow runs it")):
+        if way not in results:
+            continue
+        histogram = lag_histogram(results[way]["steps"])
+        md += ["", f"Version lag of the tokens {way} trained on (trainer version - the version that drew them): "
+               + ", ".join(f"{lag}: {share:.1%}" for lag, share in histogram.items()) + "."]
+        md += ["", f"- k={args.k} {where} against k=0, episodes/s: **{fmt(ratios['episodes_per_s' + suffix])}** (goal >= 1.6)",
+               f"- k={args.k} {where} against k=0, wall time to k=0's final accuracy ({target:.1%}): "
+               f"**{fmt(ratios['time_to_sync_final_accuracy' + suffix])}** (goal <= 0.7)"]
     if "streaming_vs_lockstep_episodes_per_s" in ratios:
         md.append(f"- streaming (k=0) against the lock-step loop ({args.lockstep_ref}), episodes/s: "
                   f"**{fmt(ratios['streaming_vs_lockstep_episodes_per_s'])}** (goal >= 2)")

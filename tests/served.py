@@ -18,16 +18,17 @@ def free_port() -> int:
 
 
 class ServedApp:
-    """`make_app()` behind uvicorn on 127.0.0.1; `stop()` then `start()` restarts it on the same port."""
+    """`make_app()` behind uvicorn on 127.0.0.1 (or another loopback `host`, on a given `port`);
+    `stop()` then `start()` restarts it on the same port."""
 
-    def __init__(self, make_app: Callable[[], Any]):
-        self.make_app = make_app
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, make_app: Callable[[], Any], host: str = "127.0.0.1", port: int | None = None):
+        self.make_app, self.host = make_app, host
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
         self.start()
 
     def start(self) -> None:
-        config = uvicorn.Config(self.make_app(), host="127.0.0.1", port=self.port, log_level="warning", access_log=False,
+        config = uvicorn.Config(self.make_app(), host=self.host, port=self.port, log_level="warning", access_log=False,
                                 ws_max_size=1024**2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

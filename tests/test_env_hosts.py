@@ -4,6 +4,7 @@ single request to a real server on 127.0.0.1 once 127.0.0.1 is not allowed (the 
 every request it gets), while the default (loopback) plays."""
 
 import re
+import socket
 
 import pytest
 from pydantic import ValidationError
@@ -14,6 +15,7 @@ from opentinker.core.env_hosts import EnvHosts
 from opentinker.core.settings import Settings
 from opentinker.core.spec import SpecError, parse_spec
 from opentinker.env import environment_from_spec
+from opentinker.env.remote import RemoteGameError
 from opentinker.env.server import create_app
 from tests.served import ServedApp
 
@@ -111,9 +113,60 @@ class Counting:
         await self.app(scope, receive, send)
 
 
-def _served(make_app):
+def _served(make_app, host="127.0.0.1", port=None):
     counting = Counting(make_app())
-    return counting, ServedApp(lambda: counting)
+    return counting, ServedApp(lambda: counting, host, port)
+
+
+def _rebinding(monkeypatch, name: str, first: str, then: str) -> None:
+    """DNS a tenant controls: `name` answers `first` to the first lookup (the spec's check), `then` after."""
+    real, asked = socket.getaddrinfo, []
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host != name:
+            return real(host, *args, **kwargs)
+        asked.append(host)
+        return real(first if len(asked) == 1 else then, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.mark.parametrize("protocol", ["opentinker", "openenv"])
+def test_a_name_that_answers_another_address_after_the_check_reaches_nothing_there(monkeypatch, protocol):
+    """DNS rebinding, attempted: env.url names a host whose DNS answers an allowed address when the
+    spec is checked and the operator's internal server (127.0.0.2 here, not allowed) afterwards. The
+    client checks again as it connects and connects only to what it checked: the internal server
+    receives nothing, and the episode fails with the line."""
+    if protocol == "openenv":
+        pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
+        from opentinker.env.openenv_server import create_openenv_app
+        from tests.openenv_games import EchoEnv
+
+        make = lambda: create_openenv_app(EchoEnv)  # noqa: E731
+    else:
+        make = lambda: create_app(MathGame)  # noqa: E731
+    allowed, served = _served(make)
+    internal, hidden = _served(make, host="127.0.0.2", port=served.port)
+    try:
+        monkeypatch.setenv("OPENTINKER_ENV_URL_ALLOW", "127.0.0.1/32")
+        _rebinding(monkeypatch, "env.tenant.test", first="127.0.0.1", then="127.0.0.2")
+        url = f"http://env.tenant.test:{served.port}"
+        # the spec's check passes (127.0.0.1); then our protocol's job cannot draw its tasks (it does not start),
+        # an OpenEnv job's episode fails at its reset: both with the line
+        with pytest.raises((RuntimeError, RemoteGameError), match=r"env\.tenant\.test resolves to 127\.0\.0\.2 now, not among the addresses"):
+            env = environment_from_spec(_spec(url, protocol=protocol), job_id="job-hosts")
+            env.make_game().reset(**env.validation_tasks()[0])
+        assert internal.requests == 0
+        # the same name answering the allowed address every time plays
+        _rebinding(monkeypatch, "env.tenant.test", first="127.0.0.1", then="127.0.0.1")
+        env = environment_from_spec(_spec(url, protocol=protocol), job_id="job-hosts")
+        game = env.make_game()
+        assert isinstance(game.reset(**env.validation_tasks()[0]), str)
+        game.close()
+        assert allowed.requests >= 1 and internal.requests == 0
+    finally:
+        served.stop()
+        hidden.stop()
 
 
 def _spec(url, **env):

@@ -12,10 +12,10 @@ case; `*.domain`: any name under domain) or whose every address lies inside an a
 network (an IP literal is itself; a name is resolved with getaddrinfo, and one that does not
 resolve is refused). `*` allows any URL of those schemes.
 
-Limit (DNS rebinding): a name is resolved here, and the client resolves it again when it
-connects, so a name whose answer changes in between may reach an address never checked. IP
-literals have no such gap; a name entry trusts the name, so list only names whose DNS the
-operator controls.
+DNS rebinding: a name checked here could answer differently when the client connects. So the
+clients (opentinker.env.confined_net) check again as each connection is made and connect to the
+very address they checked (`address_to_connect`), never to a second answer. A name entry trusts
+the name (the system resolves it), so list only names whose DNS the operator controls.
 """
 
 from __future__ import annotations
@@ -125,6 +125,20 @@ class EnvHosts:
                 return (f"{field}: {url} ({shown}) is not among the addresses this service's operator allows "
                         f"for environments ({SETTING})")
         return None
+
+    def address_to_connect(self, host: str) -> str:
+        """Where a connection to `host` goes, checked now: an address every answer of `host` lies in
+        the allowed networks of (the first answer), or `host` itself for a name entry or `*`.
+        OSError with one line when the rule refuses it (a DNS answer changed since the spec's check)."""
+        name = host.lower().rstrip(".")
+        if self.anything or name in self.names or name.endswith(self.suffixes):
+            return host
+        found = addresses(name)  # OSError: it resolves to nothing
+        for address in found:
+            if not any(address in network for network in self.networks):
+                raise OSError(f"{host} resolves to {address} now, not among the addresses this service's operator allows "
+                              f"for environments ({SETTING})")
+        return str(found[0])
 
     def check(self, urls: str | Iterable[str], field: str = "env.url") -> None:
         """Raise ValueError with the refusal of the first URL the rule refuses."""

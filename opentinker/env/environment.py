@@ -201,11 +201,11 @@ def environment_from_spec(spec: Any, job_id: str | None = None) -> GameEnvironme
                 from opentinker.env.openenv_client import OpenEnvGameClass
             except ImportError as err:
                 raise ValueError(f"env.protocol: openenv needs openenv-core where the job runs (pip install 'opentinker[openenv]'): {err}") from None
-            game_class = OpenEnvGameClass(env.urls, env.timeout_s, env.retries, token)
+            game_class = OpenEnvGameClass(env.urls, env.timeout_s, env.retries, token, settings.env_hosts)
         elif env.url:  # the HTTP clients load only here: a job with a shipped game needs no httpx
             from opentinker.env.remote import RemoteGameClass
 
-            game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries, token)
+            game_class = RemoteGameClass(env.urls, env.timeout_s, env.retries, token, settings.env_hosts)
         else:
             from opentinker.env.linked import LinkedGameClass
 

@@ -30,12 +30,16 @@ import re
 import threading
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect as ws_connect
 
+from opentinker.core.env_hosts import EnvHosts
+from opentinker.core.settings import get_settings
 from opentinker.env.base import SEED_KEY, AbstractGame, StepResult, seed_task
+from opentinker.env.confined_net import confined_client
 from opentinker.env.remote import RemoteGameError
 
 _BACKOFF_S = 0.1
@@ -57,20 +61,23 @@ class _NoRedirect(ws_connect):
 
 class ConfinedEnvClient(GenericEnvClient):
     """OpenEnv's client, connecting with the job's token, without redirects and without the
-    process's proxy settings (straight to the checked host); it also leaves the process's NO_PROXY
-    alone (the package's connect() rewrites it, racing other threads)."""
+    process's proxy settings, to the address checked as it connects; it also leaves the process's
+    NO_PROXY alone (the package's connect() rewrites it, racing other threads)."""
 
-    def __init__(self, base_url: str, timeout_s: float, token: str | None):
+    def __init__(self, base_url: str, timeout_s: float, token: str | None, hosts: EnvHosts | None = None):
         super().__init__(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s,
                          max_message_size_mb=_MAX_MESSAGE_BYTES / 1024**2, mode="simulation")
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._hosts = hosts or get_settings().env_hosts
 
     async def connect(self) -> ConfinedEnvClient:
         if self._ws is None:
             try:
+                # the TCP connection goes to the address checked now (opentinker.env.confined_net); TLS and Host keep the URL's name
+                address = await asyncio.to_thread(self._hosts.address_to_connect, urlsplit(self._ws_url).hostname or "")
                 self._ws = await _NoRedirect(self._ws_url, additional_headers=self._headers, open_timeout=self._connect_timeout,
-                                             max_size=self._max_message_size, close_timeout=_CLOSE_TIMEOUT_S, proxy=None)
-            except (OSError, TimeoutError) as err:  # refused, reset, no answer: nothing was sent, worth another try
+                                             max_size=self._max_message_size, close_timeout=_CLOSE_TIMEOUT_S, proxy=None, host=address)
+            except (OSError, TimeoutError) as err:  # refused, reset, no answer, an address not allowed: nothing was sent
                 raise ConnectionError(f"{type(err).__name__}: {err}") from None
             except Exception as err:  # noqa: BLE001 - a 401/403, a redirect, not a WebSocket server: an answer
                 raise ConnectionAnswered(f"{type(err).__name__}: {err}") from None
@@ -154,8 +161,8 @@ def observation_text(observation: Any) -> str:
 class _Server:
     """One OpenEnv server: its base URL, the job's token, and its action schema (read once)."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None):
-        self.url, self.timeout_s, self.retries, self.token = url.rstrip("/"), timeout_s, retries, token
+    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None, hosts: EnvHosts):
+        self.url, self.timeout_s, self.retries, self.token, self.hosts = url.rstrip("/"), timeout_s, retries, token, hosts
         self._schema: tuple[dict[str, Any], Any] | None = None
         self._lock = threading.Lock()
 
@@ -166,7 +173,8 @@ class _Server:
                 headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
                 for attempt in range(self.retries + 1):
                     try:
-                        response = httpx.get(f"{self.url}/schema", headers=headers, timeout=self.timeout_s, trust_env=False)
+                        with confined_client(self.hosts, timeout=self.timeout_s) as client:
+                            response = client.get(f"{self.url}/schema", headers=headers)
                         break
                     except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                         if attempt == self.retries:
@@ -218,7 +226,7 @@ class OpenEnvGame(AbstractGame):
         kwargs = {("seed" if k == SEED_KEY else k): v for k, v in task.items()}
         for attempt in range(self._server.retries + 1):
             self.close()
-            self._client = ConfinedEnvClient(self._server.url, self._server.timeout_s, self._server.token)
+            self._client = ConfinedEnvClient(self._server.url, self._server.timeout_s, self._server.token, self._server.hosts)
             try:
                 ClientLoop.run(self._client.connect(), 2 * self._server.timeout_s)
                 break
@@ -276,11 +284,14 @@ class OpenEnvGameClass:
     """OpenEnv servers in the place of a game class; several URLs are shards of one environment.
     Tasks are seeds (data-free) unless the job gives a dataset: a task's keys go to OpenEnv's reset."""
 
-    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None):
+    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None,
+                 hosts: EnvHosts | None = None):
+        """`hosts`: where connections may go (default: this machine's OPENTINKER_ENV_URL_ALLOW)."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("env.url: give at least one URL")
-        self.servers = [_Server(url, timeout_s, retries, token) for url in urls]
+        hosts = hosts or get_settings().env_hosts
+        self.servers = [_Server(url, timeout_s, retries, token, hosts) for url in urls]
         self.__name__ = f"OpenEnv({', '.join(s.url for s in self.servers)})"
         self._turn = itertools.count()
 

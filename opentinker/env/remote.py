@@ -22,7 +22,10 @@ from typing import Any
 
 import httpx
 
+from opentinker.core.env_hosts import EnvHosts
+from opentinker.core.settings import get_settings
 from opentinker.env.base import UNAVAILABLE, AbstractGame, StepResult
+from opentinker.env.confined_net import confined_client
 from opentinker.env.observation import Observation, from_wire
 
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -49,12 +52,12 @@ def _detail(response: httpx.Response) -> str:
 class _Shard:
     """One environment server: a pooled HTTP client with retries and readable errors."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None = None):
+    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None, hosts: EnvHosts):
         self.url = url.rstrip("/")
         self.retries = retries
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, trust_env=False)  # no proxy: straight to the checked host
+        self.client = confined_client(hosts, base_url=self.url, timeout=timeout_s, headers=headers)  # only to checked addresses
 
     def request(self, method: str, path: str, body: Any = None, *, idempotent: bool = False, retries: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
         where = f"{method} {self.url}{path}"
@@ -129,11 +132,14 @@ class RemoteGame(AbstractGame):
 class RemoteGameClass:
     """A served environment in the place of a game class; several URLs are shards of one game."""
 
-    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None):
+    def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None,
+                 hosts: EnvHosts | None = None):
+        """`hosts`: where connections may go (default: this machine's OPENTINKER_ENV_URL_ALLOW)."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("env.url: give at least one URL")
-        self.shards = [_Shard(url, timeout_s, retries, token) for url in urls]
+        hosts = hosts or get_settings().env_hosts
+        self.shards = [_Shard(url, timeout_s, retries, token, hosts) for url in urls]
         self.__name__ = f"RemoteGame({', '.join(s.url for s in self.shards)})"
         self._turn = itertools.count()  # next() on a count is atomic: safe from many threads
 

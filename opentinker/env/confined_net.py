@@ -1,0 +1,45 @@
+"""Connections to environment servers made only to addresses the operator allows, checked as
+each connection is made.
+
+The gateway and the worker check env.url before any request (opentinker.core.env_hosts), but a
+tenant who controls a name's DNS could answer an allowed address then and another one (cloud
+metadata, an internal service) when the client connects: DNS rebinding. So the clients resolve
+and check once more at each connection and connect to that checked address; TLS still verifies
+the URL's own host name, and the Host header stays the URL's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpcore
+import httpx
+
+from opentinker.core.env_hosts import EnvHosts
+
+
+class _CheckedBackend(httpcore.SyncBackend):
+    """httpcore's sockets, opened only to the address the rule checked at this connection."""
+
+    def __init__(self, hosts: EnvHosts):
+        self.hosts = hosts
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        try:
+            address = self.hosts.address_to_connect(host)
+        except OSError as err:
+            raise httpcore.ConnectError(str(err)) from None
+        return super().connect_tcp(address, port, timeout=timeout, local_address=local_address, socket_options=socket_options)
+
+
+def confined_client(hosts: EnvHosts, **kwargs: Any) -> httpx.Client:
+    """An httpx.Client whose connections go only where `hosts` allows, without the environment's
+    proxies. httpx (0.28) has no public hook for the network backend, so its transport's pool is
+    replaced by httpcore's own with ours (tests/test_env_hosts.py rebinds a name to catch a change)."""
+    limits = httpx.Limits()
+    transport = httpx.HTTPTransport(trust_env=False, limits=limits)
+    transport._pool = httpcore.ConnectionPool(network_backend=_CheckedBackend(hosts), max_connections=limits.max_connections,
+                                              max_keepalive_connections=limits.max_keepalive_connections,
+                                              keepalive_expiry=limits.keepalive_expiry)
+    return httpx.Client(transport=transport, trust_env=False, **kwargs)

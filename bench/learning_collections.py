@@ -334,7 +334,7 @@ class VsScripted:
         self.samplers = {}
         for seat in TextArenaMatch.players:
             env = TextArenaMatch.evaluation_env(seat, {"env_id": args.game, "val_size": per_seat})
-            spec = parse_spec(spec_data(args, tmp, env, prompts=args.ta_prompts, rollout=TA_ROLLOUT, lr=args.ta_lr, micro_batch=2,
+            spec = parse_spec(spec_data(args, tmp, env, prompts=args.ta_prompts, rollout=TA_ROLLOUT, lr=args.ta_lr, micro_batch=args.ta_micro_batch,
                                         eval_n=per_seat))
             self.samplers[seat] = Sampler(spec, policy.model, policy.tokenizer)
         self.env_section = {seat: s.spec.env.model_dump(mode="json") for seat, s in self.samplers.items()}
@@ -372,7 +372,7 @@ def textarena_run(args) -> dict:
     env = {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": args.game, "val_size": per_seat}}
     multiagent = {"players": ["P0", "P1"], "opponent": args.sp_opponent, "snapshot_every": args.sp_snapshot_every, "credit": "episode"}
     with tempfile.TemporaryDirectory() as tmp:
-        spec = parse_spec(spec_data(args, tmp, env, prompts=args.ta_prompts, rollout=TA_ROLLOUT, lr=args.ta_lr, micro_batch=2,
+        spec = parse_spec(spec_data(args, tmp, env, prompts=args.ta_prompts, rollout=TA_ROLLOUT, lr=args.ta_lr, micro_batch=args.ta_micro_batch,
                                     eval_n=per_seat, multiagent=multiagent))
         print(f"[{args.game}] self-play ({args.sp_opponent}), {args.steps} steps of {args.ta_prompts} seeds x {args.group} matches; "
               f"evaluated greedily against the scripted random opponent, {per_seat} held-out games per seat", flush=True)
@@ -399,7 +399,7 @@ def textarena_run(args) -> dict:
             sampled[step + 1] = {k: m.get(f"{me}/rollout/{k}") for k in ("reward_mean", "illegal_move_rate", "draw_rate", "game_length")}
             print(f"[{args.game}] step {step + 1:>3}: self-play illegal {m.get(f'{me}/rollout/illegal_move_rate', 0):.2f} "
                   f"draw {m.get(f'{me}/rollout/draw_rate', 0):.2f} length {m.get(f'{me}/rollout/game_length', 0):.1f} "
-                  f"({steps_s[-1]:.0f}s)", flush=True)
+                  f"({steps_s[-1]:.0f}s, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GB)", flush=True)
             if spec.evaluates_at(step + 1):
                 evaluate(step + 1)
         scripted.close()
@@ -506,6 +506,7 @@ def main() -> int:
     parser.add_argument("--game", default="TicTacToe-v0", help="a two-player TextArena id of envs/textarena/registry.py VERIFIED")
     parser.add_argument("--ta-prompts", type=int, default=4, help="TextArena seeds per step (x --group matches)")
     parser.add_argument("--ta-lr", type=float, default=5e-4)
+    parser.add_argument("--ta-micro-batch", type=int, default=1, help="records per update pass (a match record is up to 1,280 tokens: 2 a pass took ~10 GB, and the run was killed at 23 GB)")
     parser.add_argument("--sp-opponent", choices=["self", "snapshot"], default="self")
     parser.add_argument("--sp-snapshot-every", type=int, default=5, help="--sp-opponent snapshot: refresh every k steps")
     parser.add_argument("--timing-n", type=int, default=100, help="episodes per timing round")

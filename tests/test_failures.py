@@ -57,6 +57,7 @@ def test_a_job_that_ends_unhealthy_is_not_registrable(tmp_path, test_games):
     assert result.not_registrable.startswith("not registered: 100% of the last step's episodes failed; reset: RuntimeError")
 
 
+@pytest.mark.slow  # a job through the stack (40 s); the default run keeps its in-process halves just above
 def test_the_stack_fails_such_a_job_with_its_reason_and_registers_nothing(stack_env, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -285,6 +286,19 @@ def full_disk(tmp_path):
     subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+def test_a_full_disk_under_a_jobs_checkpoints_raises_enospc_with_the_path_and_leaves_no_half_step(tmp_path, full_disk):
+    """In this process (the stack's one-line message of the same failure: the slow test below)."""
+    from opentinker.rl import RLJob
+
+    spec = tiny_spec(tmp_path, optimization={"steps": 2}, checkpoint={"every": 1, "base_url": f"file://{full_disk}"})
+    with pytest.raises(OSError) as caught:
+        RLJob(spec, job_id="disk-full").run()
+    assert f"cannot write checkpoint file://{full_disk}/disk-full/step-" in str(caught.value)
+    assert "[Errno 28] No space left on device" in str(caught.value)
+    assert not list((full_disk / "disk-full").glob("step-*"))
+
+
+@pytest.mark.slow  # a job through the stack (40 s); the in-process failure above stays in the default run
 def test_a_full_disk_under_the_checkpoints_fails_in_one_line_with_enospc_and_the_path(stack_env, tmp_path, full_disk):
     from opentinker.control.follow import follow
     from opentinker.control.submit import deploy, submit_job

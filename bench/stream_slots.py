@@ -1,9 +1,10 @@
 """The stream engine's two ways of holding the running rows' key/values, side by side on the CPU.
 
-- `slots` (the default for an engine of one policy, opentinker/backend/slots.py): fixed slots a
-  joining row copies its own prefill into and a leaving row frees;
-- `growing` (what engines of several adapters keep, stream.py `_join` / `_retire`): one cache
-  left-padded to the widest row, so every join re-pads and every leave re-slices all running rows.
+- `slots` (a GPU's default for an engine of one policy, opentinker/backend/slots.py, run eagerly
+  here): fixed slots a joining row copies its own prefill into and a leaving row frees;
+- `growing` (the CPU's default, and what engines of several adapters keep, stream.py `_join` /
+  `_retire`): one cache left-padded to the widest row, so every join re-pads and every leave
+  re-slices all running rows. (Why the CPU keeps it: memory, see docs/benchmarks.md.)
 
 Task: examples/math_tool_grpo.yaml (SmolLM2-135M-Instruct, LoRA r16, GRPO, 8 prompts x 4 samples,
 up to 4 turns) with the calculator's lognormal latency (mean 0.5 s, sigma 1.0, seeded), k = 0,

@@ -39,6 +39,8 @@ def pytest_unconfigure(config):
         faulthandler.dump_traceback(file=2, all_threads=True)
         os._exit(_exit_status["code"])
 
+    if alive := [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]:
+        os.write(2, f"\npytest: threads the interpreter will wait for at exit: {alive}\n".encode())
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 
 

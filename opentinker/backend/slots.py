@@ -1,5 +1,5 @@
-"""Decoding over fixed key/value slots: on a GPU each decode step is one CUDA graph replay; on the
-CPU the same slots run eagerly (a joining or leaving row moves only its own key/values).
+"""Decoding over fixed key/value slots: on a GPU each decode step is one CUDA graph replay (on the
+CPU the same slots run eagerly when asked for: StreamEngine(slots=True); not by default, for memory).
 
 Why: a transformers decode step launches a few hundred small kernels per layer from Python (36,079
 launches for a 32-token rollout; the GPU busy 23% of a step at batch 128, measured). A captured

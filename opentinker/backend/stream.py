@@ -73,14 +73,16 @@ class StreamEngine:
         base); `run_step(fn)`: where a step's arithmetic runs (default: this engine's thread);
         `admits(seq, running)`: whether `seq` may join `running` now (default: always);
         `before_admit(seqs)`: called before new rows are prefilled (an adapter to merge, say);
-        `slots`: decode over fixed key/value slots, as CUDA graphs on a GPU (slots.py; default: for an
-        engine of one policy, on any device: no row scope, step runner or adapter merging. On the CPU
-        a row joining or leaving then copies only its own key/values, where the growing cache copies
-        every running row's: bench/stream_slots.py, math_tool's streamed rollouts 0.91x the time)."""
+        `slots`: decode over fixed key/value slots, as CUDA graphs on a GPU (slots.py; default: on a
+        GPU, for an engine of one policy: no row scope, step runner or adapter merging). Not by default
+        on the CPU: the slots hold max_batch_size rows over the span of columns of the oldest running
+        row, which multi-turn streams stretch (TextArena self-play's rollout took 5.1 GB over slots, 2.2 GB
+        with the growing cache), for rollouts 0.91x the time (bench/stream_slots.py)."""
         self.model, self.tokenizer, self.placement = model, tokenizer, placement
         self.max_batch_size = max_batch_size
         if slots is None:
-            slots = row_scope is None and run_step is None and before_admit is None and supports_slots(model) is None
+            slots = (placement.device.type == "cuda" and row_scope is None and run_step is None and before_admit is None
+                     and supports_slots(model) is None)
         self.slots = SlotDecoder(max_batch_size, placement) if slots else None
         self.prefix_cache = PrefixCache(model, prefix_cache_tokens)
         self.row_scope, self.run_step, self.admits, self.before_admit = row_scope, run_step, admits, before_admit

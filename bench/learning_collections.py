@@ -57,11 +57,11 @@ evaluation minus step 0): +10 points on each reasoning-gym dataset, +15 points o
 the TextArena game (TARGET_GAIN); the one-sided Fisher exact p-value of the difference is
 printed beside it.
 
-Cost (estimates for this 2-core CPU, not measured yet): timing ~1 min; a reasoning-gym step
-~15 s (as bench/learning_math.py's 11 s, with longer prompts), ~10 min for 30 steps and 7
-evaluations of 64 items, per dataset; a TicTacToe step ~3 min (16 matches of ~700 tokens per
-seat record, both seats trained), ~1.5-2 h for 30 steps with 7 evaluations of 64 games. In all
-about 2-2.5 hours; peak RSS a few GB.
+Cost on this 2-core CPU (measured): timing ~1 min; a reasoning-gym dataset's 25 steps with 6
+evaluations of 64 items 9-12 min; TicTacToe's steps grow with the games: 80 s at step 1 (1.1 moves
+a seat), 340-430 s by steps 6-8 (4 moves a seat: the update over 32 records of up to 1,280 tokens
+dominates), an evaluation of 32 games 54-201 s, so its 25 steps take about 2.5-3 hours, peak RSS
+12.6 GB by step 6 (a 25-step run was stopped at step 8 for time).
 
     python bench/learning_collections.py [--steps 30] [--every 5] [--eval-n 64] [--seed 0]
     python bench/learning_collections.py --parts timing                      # the adapter cost only (~1 min)

@@ -497,8 +497,10 @@ def test_an_idle_worker_built_in_process_closes_without_starting_ray():
     from opentinker.orchestration.base_worker import BaseModelWorker
 
     before = ray.is_initialized()
+    others = set(threading.enumerate())  # earlier tests' workers tick on (idle_s 3600)
     worker = BaseModelWorker(num_gpus=0, idle_s=0.2)
+    tick = next(t for t in threading.enumerate() if t.name == "base-worker-tick" and t not in others)
     wait_for(lambda: worker.closing or None, interval=0.1, timeout=15, what="the idle worker to close")
-    ticking = lambda: any(t.name == "base-worker-tick" and t.is_alive() for t in threading.enumerate())  # noqa: E731
-    wait_for(lambda: None if ticking() else True, interval=0.1, timeout=30, what="the worker's tick to end")
+    tick.join(timeout=30)
+    assert not tick.is_alive()
     assert ray.is_initialized() == before

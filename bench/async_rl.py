@@ -25,6 +25,7 @@ k=0 and k=2 to 75% greedy held-out accuracy (goal <= 0.8x).
 
     python bench/async_rl.py                                  # all of it, about two hours on the 2-core CPU
     python bench/async_rl.py --steps 2 --every 1 --eval-n 8 --model tiny-random --out /tmp/smoke   # a smoke run
+    python bench/async_rl.py --skip k=k,lockstep --steps 8 --every 4 --out bench/results/async_rl_actors   # k=0 against the actors (~30 min)
 writes bench/results/async_rl.{json,md} and the plot's data (docs generate the plot).
 """
 

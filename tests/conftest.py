@@ -26,6 +26,10 @@ def pytest_sessionfinish(session, exitstatus):
     _exit_status["code"] = int(exitstatus)
 
 
+def _non_daemon_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+
+
 def pytest_unconfigure(config):
     """Arm a watchdog for the interpreter's exit: if a thread (an executor's, a client's) keeps the
     process alive after the session ended, print every thread's stack and exit with the session's
@@ -33,13 +37,12 @@ def pytest_unconfigure(config):
 
     def watchdog() -> None:
         time.sleep(EXIT_GRACE_S)
-        alive = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
         os.write(2, (f"\npytest: still alive {EXIT_GRACE_S} s after the session ended (status {_exit_status['code']}); "
-                     f"non-daemon threads: {alive}; every thread's stack follows\n").encode())
+                     f"non-daemon threads: {_non_daemon_threads()}; every thread's stack follows\n").encode())
         faulthandler.dump_traceback(file=2, all_threads=True)
         os._exit(_exit_status["code"])
 
-    if alive := [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]:
+    if alive := _non_daemon_threads():
         os.write(2, f"\npytest: threads the interpreter will wait for at exit: {alive}\n".encode())
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
 

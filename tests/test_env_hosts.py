@@ -118,6 +118,17 @@ def _served(make_app, host="127.0.0.1", port=None):
     return counting, ServedApp(lambda: counting, host, port)
 
 
+def _app_of(protocol: str):
+    """A maker of a real server speaking `protocol` (ours: MathGame; OpenEnv's: EchoEnv)."""
+    if protocol == "openenv":
+        pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
+        from opentinker.env.openenv_server import create_openenv_app
+        from tests.openenv_games import EchoEnv
+
+        return lambda: create_openenv_app(EchoEnv)
+    return lambda: create_app(MathGame)
+
+
 def _rebinding(monkeypatch, name: str, first: str, then: str) -> None:
     """DNS a tenant controls: `name` answers `first` to the first lookup (the spec's check), `then` after."""
     real, asked = socket.getaddrinfo, []
@@ -137,14 +148,7 @@ def test_a_name_that_answers_another_address_after_the_check_reaches_nothing_the
     spec is checked and the operator's internal server (127.0.0.2 here, not allowed) afterwards. The
     client checks again as it connects and connects only to what it checked: the internal server
     receives nothing, and the episode fails with the line."""
-    if protocol == "openenv":
-        pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
-        from opentinker.env.openenv_server import create_openenv_app
-        from tests.openenv_games import EchoEnv
-
-        make = lambda: create_openenv_app(EchoEnv)  # noqa: E731
-    else:
-        make = lambda: create_app(MathGame)  # noqa: E731
+    make = _app_of(protocol)
     allowed, served = _served(make)
     internal, hidden = _served(make, host="127.0.0.2", port=served.port)
     try:
@@ -235,40 +239,23 @@ def test_the_gateway_answers_422_with_the_line_before_submission(tmp_path):
         server.stop()
 
 
-def test_a_worker_reaches_the_checked_host_itself_not_through_a_proxy_of_the_environment(monkeypatch):
+@pytest.mark.parametrize("protocol", ["opentinker", "openenv"])
+def test_a_worker_reaches_the_checked_host_itself_not_through_a_proxy_of_the_environment(monkeypatch, protocol):
     """HTTP(S)_PROXY in a worker's environment would carry a job's requests to wherever the proxy
-    reaches: the env client connects to the checked address itself (OpenEnv's client too, below)."""
-    counting, served = _served(lambda: create_app(MathGame))
-    proxy, proxied = _served(lambda: create_app(MathGame))
-    try:
-        for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "all_proxy"):
-            monkeypatch.setenv(name, proxied.url)
-        monkeypatch.delenv("NO_PROXY", raising=False)
-        monkeypatch.delenv("no_proxy", raising=False)
-        env = environment_from_spec(_spec(served.url), job_id="job-hosts")
-        assert len(env.validation_tasks()) == 2
-        assert counting.requests >= 1 and proxy.requests == 0
-    finally:
-        served.stop()
-        proxied.stop()
-
-
-def test_an_openenv_worker_reaches_the_checked_host_itself_not_through_a_proxy(monkeypatch):
-    pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
-    from opentinker.env.openenv_server import create_openenv_app
-    from tests.openenv_games import EchoEnv
-
-    counting, served = _served(lambda: create_openenv_app(EchoEnv))
-    proxy, proxied = _served(lambda: create_openenv_app(EchoEnv))
+    reaches: the env client connects to the checked address itself (our protocol's requests;
+    OpenEnv's schema request and WebSocket)."""
+    counting, served = _served(_app_of(protocol))
+    proxy, proxied = _served(_app_of(protocol))
     try:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "WS_PROXY", "http_proxy", "all_proxy", "ws_proxy"):
             monkeypatch.setenv(name, proxied.url)
         monkeypatch.delenv("NO_PROXY", raising=False)
         monkeypatch.delenv("no_proxy", raising=False)
-        game = environment_from_spec(_spec(served.url, protocol="openenv"), job_id="job-hosts").make_game()
-        assert "ready (seed 1)" in game.reset(__seed__=1)
+        env = environment_from_spec(_spec(served.url, protocol=protocol), job_id="job-hosts")
+        game = env.make_game()
+        assert isinstance(game.reset(**env.validation_tasks()[0]), str)
         game.close()
-        assert counting.requests >= 2 and proxy.requests == 0  # the schema and the episode's WebSocket
+        assert counting.requests >= 2 and proxy.requests == 0
     finally:
         served.stop()
         proxied.stop()

@@ -119,12 +119,15 @@ class EnvHosts:
         except OSError as err:
             return (f"{field}: {url} ({host}) does not resolve ({err}), so it is not among the addresses this "
                     f"service's operator allows for environments ({SETTING})")
-        for address in found:
-            if not any(address in network for network in self.networks):
-                shown = host if host == str(address) else f"{host}: {address}"
-                return (f"{field}: {url} ({shown}) is not among the addresses this service's operator allows "
-                        f"for environments ({SETTING})")
+        if (address := self._first_outside(found)) is not None:
+            shown = host if host == str(address) else f"{host}: {address}"
+            return (f"{field}: {url} ({shown}) is not among the addresses this service's operator allows "
+                    f"for environments ({SETTING})")
         return None
+
+    def _first_outside(self, found: list[Address]) -> Address | None:
+        """The first of `found` no allowed network holds (None: all are allowed)."""
+        return next((a for a in found if not any(a in network for network in self.networks)), None)
 
     def address_to_connect(self, host: str) -> str:
         """Where a connection to `host` goes, checked now: an address every answer of `host` lies in
@@ -134,10 +137,9 @@ class EnvHosts:
         if self.anything or name in self.names or name.endswith(self.suffixes):
             return host
         found = addresses(name)  # OSError: it resolves to nothing
-        for address in found:
-            if not any(address in network for network in self.networks):
-                raise OSError(f"{host} resolves to {address} now, not among the addresses this service's operator allows "
-                              f"for environments ({SETTING})")
+        if (address := self._first_outside(found)) is not None:
+            raise OSError(f"{host} resolves to {address} now, not among the addresses this service's operator allows "
+                          f"for environments ({SETTING})")
         return str(found[0])
 
     def check(self, urls: str | Iterable[str], field: str = "env.url") -> None:

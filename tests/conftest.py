@@ -1,5 +1,7 @@
+import atexit
 import faulthandler
 import os
+import sys
 import threading
 import time
 
@@ -18,7 +20,7 @@ os.environ.setdefault("OPENTINKER_SECRET", "opentinker-test-secret")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 EXIT_GRACE_S = 60  # after the summary: a process still alive this long is stuck on a thread (CI once hung ~40 min here)
-_exit_status = {"code": 0}
+_exit_status: dict[str, int | None] = {"code": None}  # the session's, once it has finished
 
 
 @pytest.hookimpl(trylast=True)
@@ -42,9 +44,38 @@ def pytest_unconfigure(config):
         faulthandler.dump_traceback(file=2, all_threads=True)
         os._exit(_exit_status["code"])
 
+    if _exit_status["code"] is None:  # no session ran (a usage error): pytest's own exit
+        return
     if alive := _non_daemon_threads():
         os.write(2, f"\npytest: threads the interpreter will wait for at exit: {alive}\n".encode())
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
+    atexit.register(_exit_before_teardown)  # registered last, so it runs first
+
+
+def _exit_before_teardown() -> None:
+    """Once the interpreter has its non-daemon threads joined, end the process with the session's
+    status instead of tearing the interpreter down: C++ libraries (Ray's core worker, torch) whose
+    threads outlive their Python owners crashed CI there after a finished session ("pure virtual
+    method called", a segfault that replaced the verdict). Ray's driver is shut down first, so the
+    local Ray processes it started go with it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    os._exit(_exit_status["code"])
+
+
+@pytest.fixture
+def base_worker():
+    """Builds in-process base-model workers (as a Ray actor would host one) and closes them after the
+    test: a worker's server, engines and tick must not run on into the interpreter's exit."""
+    from opentinker.orchestration.base_worker import BaseModelWorker
+
+    built: list = []
+    yield lambda idle_s=3600: built.append(BaseModelWorker(num_gpus=0, idle_s=idle_s)) or built[-1]
+    for worker in built:
+        worker.close()
 
 
 @pytest.fixture(scope="session")

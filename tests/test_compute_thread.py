@@ -37,10 +37,9 @@ def test_calls_run_on_one_thread_in_the_callers_context_and_raise_there():
     assert compute_thread.run_on(torch.device("cuda", 0), lambda: threading.current_thread().name) == threading.current_thread().name
 
 
-def test_a_hosted_jobs_sampling_and_update_run_on_the_compute_thread(tmp_path, monkeypatch):
+def test_a_hosted_jobs_sampling_and_update_run_on_the_compute_thread(base_worker, tmp_path, monkeypatch):
     from opentinker.backend.stream import StreamEngine
     from opentinker.backend.trainer import PolicyTrainer
-    from opentinker.orchestration.base_worker import BaseModelWorker
 
     seen: dict[str, set[str]] = {"decode": set(), "update": set()}
     decode, update = StreamEngine._step, PolicyTrainer.update
@@ -50,7 +49,7 @@ def test_a_hosted_jobs_sampling_and_update_run_on_the_compute_thread(tmp_path, m
 
     monkeypatch.setattr(StreamEngine, "_step", spy("decode", decode))
     monkeypatch.setattr(PolicyTrainer, "update", spy("update", update))
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     key = worker.host_job(tiny_spec(tmp_path, resources={"share_base": True}), "job", "tenant")["key"]
     worker.job_call(key, "rollout", 1)
     worker.job_call(key, "update", 1)

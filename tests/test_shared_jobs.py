@@ -126,13 +126,13 @@ def test_a_hosted_jobs_lora_dropout_applies_in_its_own_training_passes_only():
     assert torch.equal(logits(a), exact["a"])
 
 
-def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(tmp_path):
+def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(base_worker, tmp_path):
     from opentinker.backend.primitives import BadRequest
     from opentinker.backend.rollout import score_tokens
     from opentinker.model.policy import load_policy
-    from opentinker.orchestration.base_worker import BaseModelWorker, adapter_name
+    from opentinker.orchestration.base_worker import adapter_name
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     specs = {name: _spec(tmp_path, seed=seed) for name, seed in (("ann", 1), ("bob", 2))}
     keys = {name: worker.host_job(spec, name, "tenant-" + name)["key"] for name, spec in specs.items()}
     assert keys == {name: adapter_name(name, "tenant-" + name) for name in specs}
@@ -191,14 +191,13 @@ def test_two_hosted_jobs_sample_in_shared_batches_train_and_checkpoint_as_peft(t
     worker.bases.close()
 
 
-def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_from_its_checkpoint(tmp_path):
+def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_from_its_checkpoint(base_worker, tmp_path):
     """Isolation of the random draws: a hosted job samples from its own generator (seeded with its
     seed), so its episodes are the same alone on the worker and in mixed batches with another
     job's; its checkpoint keeps that generator (not the worker's, which it neither reseeds nor
     draws from), so a job resumed on the worker samples what it would have sampled uninterrupted."""
-    from opentinker.orchestration.base_worker import BaseModelWorker
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     engine = worker.bases.engines.engine("tiny-random")
     spec = _spec(tmp_path / "a", seed=1, rollout={"temperature": 1.0})
     tokens = lambda key, step: [t.token_ids for t in worker.jobs[key].job.sampler.batch(step).trajectories]  # noqa: E731
@@ -238,14 +237,13 @@ def test_a_hosted_jobs_samples_are_its_own_whoever_shares_the_worker_and_resume_
     worker.bases.close()
 
 
-def test_a_hosted_job_with_lora_dropout_resumes_drawing_the_masks_it_would_have_drawn(tmp_path):
+def test_a_hosted_job_with_lora_dropout_resumes_drawing_the_masks_it_would_have_drawn(base_worker, tmp_path):
     """A hosted adapter draws its LoRA dropout masks from a generator of its own (not the process's,
     which every tenant draws from): its checkpoints keep that generator beside the sampling one, so
     a job resumed on the worker takes the update it would have taken uninterrupted (with the
     generator reseeded on resume, its masks, and so its weights, would differ)."""
-    from opentinker.orchestration.base_worker import BaseModelWorker
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     spec = _spec(tmp_path, adapter={"kind": "lora", "r": 8, "alpha": 16, "dropout": 0.3}, rollout={"temperature": 1.0})
     adapter = lambda key: {n: p.detach().clone() for n, p in worker.jobs[key].model.named_parameters()}  # noqa: E731
 
@@ -285,16 +283,15 @@ def test_a_hosted_job_whose_worker_died_fails_in_one_line_naming_the_worker_and_
         f"resubmit job ann to resume from step 2 ({ref.url})")
 
 
-def test_a_shared_sft_batch_runs_in_bounded_passes_with_the_same_result(tmp_path, chats, monkeypatch):
+def test_a_shared_sft_batch_runs_in_bounded_passes_with_the_same_result(base_worker, tmp_path, chats, monkeypatch):
     """A tenant's batch size must not decide how much of the shared base's memory one pass takes: a
     batch runs as passes of at most SHARED_PASS_TOKENS padded tokens, gradients accumulated. With a
     budget of ~two examples a pass, the job's losses and adapter are those of whole-batch passes;
     an example longer than the budget is refused at submission."""
-    from opentinker.orchestration.base_worker import BaseModelWorker
     from opentinker.sft import shared
     from opentinker.sft.spec import SHARED_PASS_TOKENS, parse_sft_spec
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     whole_key = worker.host_sft(_sft_spec(tmp_path / "whole", chats), "sft", "tenant-a")["key"]
     whole = _train(worker, whole_key)
     whole_weights = {n: p.detach().clone() for n, p in worker.jobs[whole_key].model.named_parameters()}
@@ -319,15 +316,15 @@ def test_a_shared_sft_batch_runs_in_bounded_passes_with_the_same_result(tmp_path
         parse_sft_spec(data)
 
 
-def test_a_hosted_job_whose_flow_died_is_replaced_by_its_next_run_or_taken_off_when_silent(tmp_path, chats):
+def test_a_hosted_job_whose_flow_died_is_replaced_by_its_next_run_or_taken_off_when_silent(base_worker, tmp_path, chats):
     """A job's flow process that dies (OOM-killed, say) leaves its adapter on the worker with nobody to
     take it off: the resubmitted job id was refused as "hosted here already" for ever, and the worker
     never went idle. Now a new run of the job replaces a hosting whose last call is over a minute old,
     and the worker's tick takes off a job silent for twice the heartbeat timeout; a call to it then
     says what happened in one line."""
-    from opentinker.orchestration.base_worker import LEFTOVER_S, BaseModelWorker
+    from opentinker.orchestration.base_worker import LEFTOVER_S
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     spec = _sft_spec(tmp_path, chats)
     key = worker.host_sft(spec, "sft", "tenant-a")["key"]
     worker.job_call(key, "begin")
@@ -338,8 +335,9 @@ def test_a_hosted_job_whose_flow_died_is_replaced_by_its_next_run_or_taken_off_w
     assert worker.job_call(key, "begin")["sft/max_steps"] == 4  # the new run trains from its own start
 
     worker.jobs[key].last_call -= 2 * worker.settings.tinker_heartbeat_timeout_s + 1  # silent for too long
-    wait_for(lambda: key not in worker.jobs or None, interval=0.2, timeout=10, what="the tick taking it off")
-    assert key not in worker.bases.adapters().get("tiny-random", [])
+    # the tick takes the job out of `jobs` (no call can start on it) before its adapter leaves the base
+    wait_for(lambda: (key not in worker.jobs and key not in worker.bases.adapters().get("tiny-random", [])) or None,
+             interval=0.2, timeout=10, what="the tick taking it off")
     with pytest.raises(LookupError, match=r"^job sft is not hosted on this base-model worker \(taken off after 240 s without a call, "
                                           r"or by a new run of it\): resubmit it to resume from its last checkpoint$"):
         worker.job_call(key, "step")
@@ -405,7 +403,7 @@ def _train(worker, key: str) -> list[dict]:
     return [*answers, worker.job_call(key, "finish", 1.0)]
 
 
-def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints_as_peft(tmp_path, chats):
+def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints_as_peft(base_worker, tmp_path, chats):
     """Its loss before training is TRL's `evaluate` of the same examples (the adapter starts at zero,
     so both read the base: same tokens trained, same loss per token, same averaging); it learns, takes
     the steps an own job would, leaves the shared base as it was, and its checkpoint loads as a LoRA
@@ -414,7 +412,6 @@ def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints
     import tempfile
 
     from opentinker.model.policy import load_policy
-    from opentinker.orchestration.base_worker import BaseModelWorker
     from opentinker.sft.job import SFTJob
 
     own = SFTJob(_sft_spec(tmp_path, chats, share=False), job_id="own")
@@ -422,7 +419,7 @@ def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints
         trainer, rows = own._trainer(out, None, [])
         trl_before = own._measure(trainer, rows)
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     key = worker.host_sft(_sft_spec(tmp_path, chats), "sft-a", "tenant-a")["key"]
     shared = worker.bases.base("tiny-random")
     frozen = {n: p.detach().clone() for n, p in shared.multi.model.named_parameters() if "lora" not in n.lower()}
@@ -450,13 +447,12 @@ def test_an_sft_job_on_a_shared_base_measures_as_trl_does_learns_and_checkpoints
     assert key not in worker.bases.adapters().get("tiny-random", [])
 
 
-def test_an_sft_job_trains_the_same_whoever_shares_the_worker_and_a_rerun_reuses_its_checkpoint(tmp_path, chats):
+def test_an_sft_job_trains_the_same_whoever_shares_the_worker_and_a_rerun_reuses_its_checkpoint(base_worker, tmp_path, chats):
     """The same SFT job alone on a worker, and beside another tenant's SFT job whose steps interleave
     with its own (two threads, as two flows call): the same losses and the same adapter. Running the
     job id again with the same spec trains nothing and returns the saved result."""
-    from opentinker.orchestration.base_worker import BaseModelWorker
 
-    worker = BaseModelWorker(num_gpus=0, idle_s=3600)
+    worker = base_worker()
     alone_key = worker.host_sft(_sft_spec(tmp_path / "alone", chats), "sft", "tenant-a")["key"]
     alone = _train(worker, alone_key)
     alone_weights = dict(worker.jobs[alone_key].model.named_parameters())
@@ -497,7 +493,7 @@ def test_an_idle_worker_built_in_process_closes_without_starting_ray():
     from opentinker.orchestration.base_worker import BaseModelWorker
 
     before = ray.is_initialized()
-    others = set(threading.enumerate())  # earlier tests' workers tick on (idle_s 3600)
+    others = set(threading.enumerate())  # another test's worker may still be ticking its last second
     worker = BaseModelWorker(num_gpus=0, idle_s=0.2)
     tick = next(t for t in threading.enumerate() if t.name == "base-worker-tick" and t not in others)
     wait_for(lambda: worker.closing or None, interval=0.1, timeout=15, what="the idle worker to close")

@@ -169,7 +169,7 @@ class BaseModelWorker:
         self.jobs: dict[str, HostedJob] = {}  # native LoRA jobs, by job id
         self.router = SessionRouter()
         self.lock = threading.Lock()
-        self.idle_s, self.empty_since, self.closing = idle_s, time.monotonic(), False
+        self.idle_s, self.empty_since, self.closing, self.closed = idle_s, time.monotonic(), False, False
         self.server = serve_in_thread(self.router, self.settings.listen_host, 0, model="base-worker", engine="tinker")
         self.url = self.settings.advertised_url(self.server.url)
         self.metrics: queue.Queue = queue.Queue()
@@ -323,6 +323,8 @@ class BaseModelWorker:
         whose flow made no call for as long; an idle worker exits."""
         while True:
             time.sleep(1.0)
+            if self.closed:  # by its owner
+                return
             for session_id, hosted in list(self.hosted.items()):
                 hosted.session.tick()
                 if hosted.session.idle_seconds() > 2 * self.settings.tinker_heartbeat_timeout_s:
@@ -338,13 +340,23 @@ class BaseModelWorker:
                     self.closing = True
             if idle:
                 log.info("base-model worker idle for %.0f s: exiting", self.idle_s)
-                self.server.stop()
-                self.bases.close()
+                self.close()
                 import ray
 
                 if ray.is_initialized() and ray.get_runtime_context().get_actor_id():  # not a worker built in-process
                     ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
                 return
+
+    def close(self) -> None:
+        """Stop serving and free the bases; the tick ends at its next second (idle exit, or a worker
+        built in-process that its owner closes: its threads must not outlive it)."""
+        with self.lock:
+            self.closing = True
+            if self.closed:
+                return
+            self.closed = True
+        self.server.stop()
+        self.bases.close()
 
     def _stale_jobs(self, idle_s: float) -> list[tuple[str, HostedJob]]:
         """Hosted jobs with no call for `idle_s`, taken out of `jobs` (no call can start on them now)."""

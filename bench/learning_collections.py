@@ -61,7 +61,9 @@ Cost on this 2-core CPU (measured): timing ~1 min; a reasoning-gym dataset's 25 
 evaluations of 64 items 9-12 min; TicTacToe's steps grow with the games: 80 s at step 1 (1.1 moves
 a seat), 340-430 s by steps 6-8 (4 moves a seat: the update over 32 records of up to 1,280 tokens
 dominates), an evaluation of 32 games 54-201 s, so its 25 steps take about 2.5-3 hours, peak RSS
-12.6 GB by step 6 (a 25-step run was stopped at step 8 for time).
+12.6 GB by step 6 (a 25-step run was stopped at step 8 for time). `--ta-prompts 2` halves a
+step's matches; `--ta-deadline-min M` ends the self-play run, evaluated last, before a step that
+would end past M minutes, and records where it stopped.
 
     python bench/learning_collections.py [--steps 30] [--every 5] [--eval-n 64] [--seed 0]
     python bench/learning_collections.py --parts timing                      # the adapter cost only (~1 min)
@@ -392,7 +394,14 @@ def textarena_run(args) -> dict:
 
         evaluate(0)
         me = job.learners[0]
+        stopped = None
         for step in range(args.steps):
+            if args.ta_deadline_min and steps_s and time.perf_counter() - t_start + steps_s[-1] + curve[-1]["seconds"] > 60 * args.ta_deadline_min:
+                stopped = {"after_step": step, "reason": f"--ta-deadline-min {args.ta_deadline_min:g}: the next step and an evaluation would end past it"}
+                print(f"[{args.game}] stopped after step {step}: {stopped['reason']}", flush=True)
+                if curve[-1]["step"] != step:
+                    evaluate(step)
+                break
             t0 = time.perf_counter()
             m = job.rollout(step) | job.update(step)
             steps_s.append(time.perf_counter() - t0)
@@ -409,7 +418,7 @@ def textarena_run(args) -> dict:
     return {"env": f"textarena/{args.game}", "kind": "textarena", "label": f"{args.game} vs random (win rate)",
             "measure": "greedy win rate vs the scripted random opponent (both seats)", "spec": spec.model_dump(mode="json"),
             "evaluation_env": scripted.env_section, "wall_seconds": time.perf_counter() - t_start,
-            "median_step_seconds": steps_s[len(steps_s) // 2] if steps_s else None, "curve": curve}
+            "median_step_seconds": steps_s[len(steps_s) // 2] if steps_s else None, "stopped_early": stopped, "curve": curve}
 
 
 # ----------------------------------------------------------------------------- report
@@ -470,7 +479,9 @@ def markdown(args, out: dict) -> list[str]:
             lines += [f"Self-play (`opponent: {ma['opponent']}`), {args.steps} steps of {args.ta_prompts} seeds x {args.group} matches, "
                       f"{TA_ROLLOUT['max_new_tokens']} new tokens a move, T={TA_ROLLOUT['temperature']}, lr {args.ta_lr:g}; greedy "
                       f"evaluation against the scripted random opponent on {run['curve'][0]['games']} held-out games (half in each seat). "
-                      f"Wall time {run['wall_seconds']:.0f} s (median step {run['median_step_seconds'] or 0:.0f} s).", "",
+                      f"Wall time {run['wall_seconds']:.0f} s (median step {run['median_step_seconds'] or 0:.0f} s)."
+                      + (f" Stopped after step {run['stopped_early']['after_step']} of {args.steps} ({run['stopped_early']['reason']})."
+                         if run.get("stopped_early") else ""), "",
                       "| step | win rate | as P0 | as P1 | loss rate | draw rate | unfinished | illegal-move rate | self-play illegal-move rate |",
                       "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for c in run["curve"]:
@@ -507,6 +518,7 @@ def main() -> int:
     parser.add_argument("--ta-prompts", type=int, default=4, help="TextArena seeds per step (x --group matches)")
     parser.add_argument("--ta-lr", type=float, default=5e-4)
     parser.add_argument("--ta-micro-batch", type=int, default=1, help="records per update pass (a match record is up to 1,280 tokens: 2 a pass took ~10 GB, and the run was killed at 23 GB)")
+    parser.add_argument("--ta-deadline-min", type=float, default=None, help="stop the self-play run (evaluating last) before a step that would end past this many minutes; recorded as stopped_early")
     parser.add_argument("--sp-opponent", choices=["self", "snapshot"], default="self")
     parser.add_argument("--sp-snapshot-every", type=int, default=5, help="--sp-opponent snapshot: refresh every k steps")
     parser.add_argument("--timing-n", type=int, default=100, help="episodes per timing round")

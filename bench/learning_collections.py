@@ -62,8 +62,9 @@ evaluations of 64 items 9-12 min; TicTacToe's steps grow with the games: 80 s at
 a seat), 340-430 s by steps 6-8 (4 moves a seat: the update over 32 records of up to 1,280 tokens
 dominates), an evaluation of 32 games 54-201 s, so its 25 steps take about 2.5-3 hours, peak RSS
 12.6 GB by step 6 (a 25-step run was stopped at step 8 for time). `--ta-prompts 2` halves a
-step's matches; `--ta-deadline-min M` ends the self-play run, evaluated last, before a step that
-would end past M minutes, and records where it stopped.
+step's matches (steps 65 s at first, ~200 s later; 24 steps and 6 evaluations in 98 min, peak
+12.7 GB); `--ta-deadline-min M` ends the self-play run, evaluated last, before a step that would
+end past M minutes, and records where it stopped.
 
     python bench/learning_collections.py [--steps 30] [--every 5] [--eval-n 64] [--seed 0]
     python bench/learning_collections.py --parts timing                      # the adapter cost only (~1 min)

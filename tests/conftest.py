@@ -72,8 +72,13 @@ def base_worker():
     test: a worker's server, engines and tick must not run on into the interpreter's exit."""
     from opentinker.orchestration.base_worker import BaseModelWorker
 
-    built: list = []
-    yield lambda idle_s=3600: built.append(BaseModelWorker(num_gpus=0, idle_s=idle_s)) or built[-1]
+    built: list[BaseModelWorker] = []
+
+    def build(idle_s: float = 3600) -> BaseModelWorker:
+        built.append(BaseModelWorker(num_gpus=0, idle_s=idle_s))
+        return built[-1]
+
+    yield build
     for worker in built:
         worker.close()
 

@@ -484,17 +484,15 @@ def test_an_sft_job_trains_the_same_whoever_shares_the_worker_and_a_rerun_reuses
     assert reused[-1]["reused"] and reused[-1]["checkpoint"] == alone[-1]["checkpoint"]
 
 
-def test_an_idle_worker_built_in_process_closes_without_starting_ray():
+def test_an_idle_worker_built_in_process_closes_without_starting_ray(base_worker):
     """The idle exit kills the worker's own actor; a worker built in-process (as these tests build it)
     has none, so it closes and leaves Ray as it was (it once started a Ray instance at the end of a
     test session, whose process then hung)."""
     import ray
 
-    from opentinker.orchestration.base_worker import BaseModelWorker
-
     before = ray.is_initialized()
     others = set(threading.enumerate())  # another test's worker may still be ticking its last second
-    worker = BaseModelWorker(num_gpus=0, idle_s=0.2)
+    worker = base_worker(idle_s=0.2)
     tick = next(t for t in threading.enumerate() if t.name == "base-worker-tick" and t not in others)
     wait_for(lambda: worker.closing or None, interval=0.1, timeout=15, what="the idle worker to close")
     tick.join(timeout=30)

@@ -67,6 +67,33 @@ def test_a_producer_starts_a_group_only_within_k_versions_and_k_plus_one_steps_a
         assert version >= group // 2 - 1  # the step of a group is at most k = 1 ahead of the trainer's version
 
 
+def test_a_producer_plays_at_most_a_steps_worth_of_groups_at_once():
+    """k = 2 may start three steps of groups, but only one step's worth plays at a time, the oldest first."""
+    playing, most, order = set(), [0], []
+    lock, release = threading.Lock(), threading.Semaphore(0)
+
+    def play(group):
+        with lock:
+            playing.add(group.index)
+            order.append(group.index)
+            most[0] = max(most[0], len(playing))
+        release.acquire()
+        with lock:
+            playing.discard(group.index)
+        return [group.index]
+
+    draws = iter(range(10**6))
+    producer = Producer(lambda: ({"n": next(draws)}, {"at": 0}), play, prompts_per_step=2, max_staleness=2)
+    time.sleep(0.3)
+    assert sorted(playing) == [0, 1]  # not groups 2-5 yet, though k = 2 allows them
+    for _ in range(6):
+        release.release()
+        time.sleep(0.1)
+    assert [[g.trajectories for g in producer.take(step)] for step in range(3)] == [[[0], [1]], [[2], [3]], [[4], [5]]]
+    producer.stop()
+    assert most[0] == 2 and order == [0, 1, 2, 3, 4, 5]
+
+
 def test_an_off_policy_job_plays_ahead_within_its_bound_and_corrects_with_the_behaviour_logprobs(tmp_path):
     spec = tiny_spec(tmp_path, optimization={"steps": 4}, algorithm={"max_staleness": 1})
     job = RLJob(spec, job_id="async")

@@ -38,6 +38,46 @@ def test_stale_rollouts_are_refused_unless_allowed(tiny):
     assert trainer.version == 2
 
 
+def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tiny):
+    """Decoupled PPO's proximal policy is the policy before the update's one optimizer step, the
+    weights every pass of the update runs on: the trainer's loss and gradient equal those computed
+    by the definition (pi_prox from a forward without gradient before the update, by hand here)."""
+    from opentinker.algo import compute_advantages
+
+    model, tok = tiny
+    algorithm = AlgorithmSpec(max_staleness=2, importance_cap=2.0, clip_range=0.2)
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), algorithm, OptimizationSpec(lr=1e-3))
+    trajs = _with_signal(_batch(trainer, tok, seed=3))
+    for t in trajs:  # drawn by an older policy: behaviour logprobs away from the current ones, some past the cap
+        t.sampling_logprobs = [lp + (0.9 * (i % 3) - 0.9) * m for i, (lp, m) in enumerate(zip(t.sampling_logprobs, t.loss_mask))]
+    metrics = trainer.compute_gradients(trajs)
+    got = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert metrics["update/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and metrics["update/clip_fraction"] == 0.0
+
+    prox = trainer.logprobs(trajs)  # the definition: one forward without gradient, before the update
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.model.train()
+    rewards = torch.tensor([t.reward for t in trajs])
+    adv = compute_advantages("grpo", rewards, torch.tensor([t.group_id for t in trajs]))
+    total, tokens = torch.zeros(()), 0
+    for t, a, p in zip(trajs, adv, prox):
+        ids = torch.tensor([t.token_ids])
+        logits = trainer.model(input_ids=ids).logits[0, :-1].float() / trainer.temperature
+        at = torch.tensor([i for i, m in enumerate(t.loss_mask[1:]) if m])
+        lp = torch.log_softmax(logits[at], dim=-1).gather(-1, ids[0, 1:][at][:, None]).squeeze(-1)
+        p = torch.tensor(p)
+        behaviour = torch.tensor([t.sampling_logprobs[i + 1] for i in at.tolist()])
+        ratio, w = torch.exp(lp - p), torch.exp(p - behaviour).clamp(max=2.0)
+        total = total - (w * torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)).sum()
+        tokens += len(at)
+    (total / tokens).backward()
+    assert metrics["update/policy_loss"] == pytest.approx(float(total.detach() / tokens), abs=1e-5)
+    assert 0 < metrics["update/behaviour_weight_capped"] < 1  # the cap was reached by some tokens, not all
+    for name, grad in got.items():
+        want = dict(trainer.model.named_parameters())[name].grad
+        assert torch.allclose(grad, want, atol=1e-5, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])
 def test_gradient_accumulation_matches_one_big_batch(tiny_path, aggregation):
     from opentinker.core.model_names import TINY

@@ -47,9 +47,9 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, L]
     targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, L-1]
-    old_logprobs: torch.Tensor  # [B, L-1]: the ratio's denominator (the proximal policy's off-policy, else the sampler's)
+    old_logprobs: torch.Tensor  # [B, L-1]: the sampler's logprobs (on-policy: the ratio's denominator)
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # a VLM's: pixel_values, pixel_attention_mask
-    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] off-policy: the sampler's, for the importance weight
+    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] off-policy: the sampler's, for the importance weight only
 
     def to(self, device: torch.device) -> PackedBatch:
         tensors = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs))
@@ -57,24 +57,22 @@ class PackedBatch:
         return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()}, behaviour)
 
 
-def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
+def pack(trajs: list[Trajectory], pad_id: int, off_policy: bool = False) -> PackedBatch:
+    """`off_policy`: the sampled logprobs go to `behaviour_logprobs` (the importance weight's), and
+    the loss takes the ratio's denominator from its own pass (see PolicyTrainer._loss_of)."""
     width = max(len(t) for t in trajs)
     ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(trajs), width), dtype=torch.long)
     mask = torch.zeros((len(trajs), width), dtype=torch.float32)
     old = torch.zeros((len(trajs), width), dtype=torch.float32)
-    off_policy = any(t.prox_logprobs is not None for t in trajs)
-    behaviour = torch.zeros((len(trajs), width), dtype=torch.float32) if off_policy else None
     for row, t in enumerate(trajs):
         n = len(t)
         ids[row, :n] = torch.tensor(t.token_ids)
         attn[row, :n] = 1
         mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        old[row, :n] = torch.tensor(t.prox_logprobs if t.prox_logprobs is not None else t.sampling_logprobs, dtype=torch.float32)
-        if behaviour is not None:
-            behaviour[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
+        old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
     pixels = pixel_batch([t.images for t in trajs], "cpu") if any(t.images for t in trajs) else {}
-    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels, behaviour[:, 1:] if behaviour is not None else None)
+    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels, old[:, 1:] if off_policy else None)
 
 
 def param_groups(model, trained: list, lr: float, vision_lr: float | None) -> list[dict]:
@@ -187,6 +185,11 @@ class PolicyTrainer:
         with scope, self.placement.autocast():
             return run_prefix(self._causal_lm(model), ids)
 
+    @property
+    def off_policy(self) -> bool:
+        """Does the loss correct for tokens drawn by older versions (max_staleness > 0)?"""
+        return self.algorithm.max_staleness > 0
+
     def shares_prefixes(self) -> bool:
         """Does `update` score groups against their shared prefix (the flag on, a model that can)?
         `auto`: on the CPU only. On a GPU the packs of a shared-prefix pass (dense 4-D masks, a few
@@ -218,26 +221,12 @@ class PolicyTrainer:
         if not usable:
             self.version += 1
             return metrics | {"update/skipped": 1.0}
-        if self.algorithm.max_staleness > 0:
-            self.set_proximal(usable)
         metrics |= self.compute_gradients(usable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return metrics | {"update/grad_norm": float(grad_norm), "update/seconds": time.perf_counter() - t0}
-
-    @torch.no_grad()
-    def set_proximal(self, trajs: list[Trajectory]) -> None:
-        """Off-policy: each record's logprobs under the policy as it is before this update (the
-        proximal policy of decoupled PPO: the ratio's denominator; the sampler's logprobs then only
-        weigh each token, min(pi_prox / pi_behav, importance_cap))."""
-        self.model.eval()
-        for start, end in self._micro_batches(trajs):
-            batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
-            lp, _ = self._logprobs(self.model, batch)
-            for row, t in enumerate(trajs[start:end]):
-                t.prox_logprobs = [0.0] + lp[row, : len(t) - 1].float().cpu().tolist()
 
     def compute_gradients(self, trajs: list[Trajectory]) -> dict[str, float]:
         """The loss's gradient over `trajs` (records with sampled tokens) in each trainable
@@ -262,7 +251,7 @@ class PolicyTrainer:
                 self._joint_passes(joint, trajs, advantages, normalizer, sums)
             else:
                 for start, end in self._micro_batches(trajs):
-                    batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+                    batch = pack(trajs[start:end], self.pad_id, self.off_policy).to(self.placement.device)
                     self._loss(batch, advantages[start:end], normalizer, sums).backward()
                     sums["computed"] += batch.input_ids.numel()
         finally:  # sampling runs in eval mode (a hosted adapter's dropout is off again even when a pass raised)
@@ -281,7 +270,7 @@ class PolicyTrainer:
             "update/positions_trained": sums["tokens"],
             "update/shared_prefix": float(shared),
         } | ({"update/behaviour_weight_mean": sums["weight"] / n_tokens, "update/behaviour_weight_capped": sums["capped"] / n_tokens}
-             if self.algorithm.max_staleness > 0 else {})
+             if self.off_policy else {})
 
     def _micro_batches(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
         """Consecutive (start, end) runs of at most `micro_batch_size` records and, with a pass
@@ -309,7 +298,7 @@ class PolicyTrainer:
             feed = prefix if len(work.rows) == 1 else prefix.detached()
             sums["computed"] += sum(work.prefix_lengths)
             for row in work.rows:
-                batch = pack([trajs[i] for i in row], self.pad_id).to(device)
+                batch = pack([trajs[i] for i in row], self.pad_id, self.off_policy).to(device)
                 slots = torch.tensor([work.slot(i) for i in row], device=device)
                 ref = AgainstPrefix(ref_prefix, slots) if ref_prefix is not None else None
                 self._loss(batch, advantages[row], normalizer, sums, AgainstPrefix(feed, slots), ref).backward()
@@ -323,7 +312,7 @@ class PolicyTrainer:
         kl = self.algorithm.kl
         with joint() as run:
             for start, end in self._micro_batches(trajs):
-                batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+                batch = pack(trajs[start:end], self.pad_id, self.off_policy).to(self.placement.device)
                 ref = self._reference_logprobs(batch) if kl.coef > 0 else None  # the base alone, here
 
                 def loss(logits: torch.Tensor, batch=batch, part=advantages[start:end], ref=ref) -> tuple[torch.Tensor, dict[str, float]]:
@@ -350,8 +339,12 @@ class PolicyTrainer:
         """The clipped policy loss (plus KL) of a micro-batch from its (logprobs, entropies), and its statistics."""
         lp, entropy = scored
         kl = self.algorithm.kl
+        # Off-policy, the ratio's denominator is the proximal policy (decoupled PPO): the weights as
+        # they are before this update's one optimizer step, which are the weights every pass of the
+        # update runs on, so this pass's own logprobs (without gradient) are exactly its logprobs.
+        old = lp.detach() if batch.behaviour_logprobs is not None else batch.old_logprobs
         out = ppo_clipped_loss(
-            lp, batch.old_logprobs, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
+            lp, old, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
             aggregation=self.algorithm.loss_aggregation, ref_logprobs=ref, kl_coef=kl.coef, kl_estimator=kl.estimator,
             normalizer=normalizer, behaviour_logprobs=batch.behaviour_logprobs, weight_cap=self.algorithm.importance_cap,
         )

@@ -49,9 +49,6 @@ class Trajectory:
     sampling_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     env_seconds: list[float] = field(default_factory=list)  # how long each environment step took
-    # off-policy: the logprobs of the policy at the start of the update that trains on the record
-    # (decoupled PPO's proximal policy), per token as `sampling_logprobs`; None: on-policy
-    prox_logprobs: list[float] | None = None
     turns: list[Turn] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     task: dict[str, Any] = field(default_factory=dict)

@@ -3,8 +3,12 @@
 Groups are numbered in the order their tasks are drawn; group g belongs to step g // prompts_per_step.
 The trainer publishes one version a step; the producer starts group g once the versions of all
 steps before step(g) but the last max_staleness (k) of them are published,
-keeps at most k + 1 steps of groups started and not yet taken, and plays each group's episodes as
-streams (opentinker.agent.loop) on the engine, which takes newer weights between decode steps.
+keeps at most k + 1 steps of groups started and not yet taken, and at most one step's worth of groups
+playing at once, and plays each group's episodes as streams (opentinker.agent.loop) on the engine,
+which takes newer weights between decode steps. (Why the second bound: playing groups share the
+engine's batch, so groups of later steps started beside the next step's slow those the trainer waits
+for; with 3 steps of groups at once, k = 2's first step waited 58 s for its groups against k = 0's
+12 s on the 2-core CPU.)
 So every token of a group is drawn by a version at most k behind the version that trains on it:
 k = 0 is the synchronous job (a step's groups start once the previous update is published), k > 0
 plays up to k steps ahead while the trainer updates. A group that does break the bound anyway (a
@@ -106,10 +110,13 @@ class Producer:
 
     def _may_start(self, ignore_room: bool = False) -> bool:
         """Group `next_group` starts when the trainer has published the updates of all steps but its last k
-        before it (counted from where the producer started), and at most k + 1 steps are started, not taken."""
+        before it (counted from where the producer started), at most k + 1 steps are started, not taken,
+        and fewer than a step's worth of groups are playing."""
         steps_before = self.next_group // self.per_step - self.first_step
         ahead = self.next_group - self.next_taken
-        return self.version - self.first_version >= steps_before - self.k and (ignore_room or ahead < (self.k + 1) * self.per_step)
+        playing = sum(not self._done(g) for g in self.groups)
+        room = ahead < (self.k + 1) * self.per_step and playing < self.per_step
+        return self.version - self.first_version >= steps_before - self.k and (ignore_room or room)
 
     def _run(self) -> None:
         while True:

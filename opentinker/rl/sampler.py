@@ -110,7 +110,7 @@ class Sampler:
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self._batch: RolloutBatch | None = None
         self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
-        self._last_take: float | None = None
+        self._last_take: tuple[float, float, int, int, int] | None = None  # (time, engine counters) at the last take
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
@@ -172,25 +172,25 @@ class Sampler:
         r, k = self.spec.rollout, self.spec.algorithm.max_staleness
         if self.producer is None:
             self.producer = Producer(self._draw, self._play_group, r.prompts_per_step, k, step * r.prompts_per_step, self.wanted_version)
-        busy0, tokens0 = self.engine.generate_seconds, self.engine.generated_tokens
-        decoded0, useful0 = (getattr(self.engine, name, 0) for name in ("decode_positions", "useful_positions"))  # local engine only
-        since = self._last_take or t0
+        # the engine's counters since the previous take: with k > 0 the producer plays between takes
+        since, busy0, tokens0, decoded0, useful0 = self._last_take or (t0, *self._engine_counters())
         groups = self.producer.take(step)
         kept = [g for g in groups if self._lag(g.trajectories) <= k]
         trajs = [t for g in kept for t in g.trajectories]
         waiting, playing = self.producer.waiting()
-        now = self._last_take = time.perf_counter()
+        now = time.perf_counter()
+        busy1, tokens1, decoded1, useful1 = self._engine_counters()
+        self._last_take = (now, busy1, tokens1, decoded1, useful1)
         sampled_versions = [v for t in trajs for v, m in zip(t.token_versions, t.loss_mask) if m]
         lags = [self.wanted_version - v for v in sampled_versions] or [0]
         env_seconds = sorted(s for t in trajs for s in t.env_seconds) or [0.0]
-        gen_tokens = self.engine.generated_tokens - tokens0
-        gen_seconds = self.engine.generate_seconds - busy0
+        gen_seconds = busy1 - busy0
         metrics = episode_stats(trajs, "rollout") | {
-            "rollout/generated_tokens": float(gen_tokens),
-            "rollout/tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0,
+            "rollout/generated_tokens": float(sum(t.num_sampled for t in trajs)),
+            "rollout/tokens_per_s": (tokens1 - tokens0) / gen_seconds if gen_seconds else 0.0,  # the engine's, all its sequences
             "rollout/seconds": now - t0,
-            "rollout/decode_positions": float(getattr(self.engine, "decode_positions", 0) - decoded0),
-            "rollout/useful_positions": float(getattr(self.engine, "useful_positions", 0) - useful0),
+            "rollout/decode_positions": float(decoded1 - decoded0),
+            "rollout/useful_positions": float(useful1 - useful0),
             "rollout/policy_version": float(self.wanted_version),
             "rollout/version_lag_mean": sum(lags) / len(lags), "rollout/version_lag_max": float(max(lags)),
             **{f"rollout/version_lag_share_{n}": lags.count(n) / len(lags) for n in range(k + 1)},
@@ -202,6 +202,11 @@ class Sampler:
         } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
         self._batch = RolloutBatch(step=step, policy_version=self.wanted_version, trajectories=trajs, metrics=metrics)
         return metrics
+
+    def _engine_counters(self) -> tuple[float, int, int, int]:
+        """The engine's compute seconds, tokens, decoded and useful positions so far (the last two: a local engine's only)."""
+        e = self.engine
+        return e.generate_seconds, e.generated_tokens, getattr(e, "decode_positions", 0), getattr(e, "useful_positions", 0)
 
     def _lag(self, trajs: list[Trajectory]) -> int:
         """How many versions behind the trainer a group's oldest sampled token is (0 when it sampled none)."""

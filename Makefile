@@ -78,6 +78,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/multiturn_rollout.py --game gomoku --steps 3 --eval-n 16
 	$(PY) bench/multiturn_rollout.py --game math_tool --steps 3 --eval-n 32
 	$(PY) bench/learning_math_tool.py --steps 12 --every 4 --eval-n 32 --phrasing mixed
+	$(PY) bench/decode_rows.py
 	$(PY) bench/learning_gomoku.py --steps 16 --every 4 --eval-n 32 --lr 5e-4 --no-selfplay --eval-mode sampled --max-turns 8 --max-total-tokens 1536
 	$(PY) bench/learning_vlm.py --steps 20 --every 5
 	$(PY) bench/tinker_overhead.py --steps 10

@@ -149,7 +149,7 @@ def spec_data(path: str, model: str, steps: int, every: int, eval_n: int, k: int
     """The way's spec: `tmp` a folder of its own (a job finds its checkpoints there)."""
     from opentinker.core.spec import load_spec
 
-    base = load_spec(path).model_dump(mode="json")
+    base = load_spec(path).model_dump(mode="json", exclude_unset=True)  # what the file sets: the lock-step ref predates later fields
     env = base["env"]
     if latency is not None:
         config = env["config"] | {"game_kwargs": env["config"].get("game_kwargs", {}) | {"tool_latency": latency}}

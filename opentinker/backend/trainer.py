@@ -47,19 +47,15 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, L]
     targets: torch.Tensor  # [B, L-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, L-1]
-    old_logprobs: torch.Tensor  # [B, L-1]: the sampler's logprobs (on-policy: the ratio's denominator)
+    old_logprobs: torch.Tensor  # [B, L-1]: the sampler's (on-policy the ratio's denominator, off-policy the importance weight's)
     pixels: dict[str, torch.Tensor] = field(default_factory=dict)  # a VLM's: pixel_values, pixel_attention_mask
-    behaviour_logprobs: torch.Tensor | None = None  # [B, L-1] off-policy: the sampler's, for the importance weight only
 
     def to(self, device: torch.device) -> PackedBatch:
         tensors = (t.to(device) for t in (self.input_ids, self.attention_mask, self.targets, self.loss_mask, self.old_logprobs))
-        behaviour = self.behaviour_logprobs.to(device) if self.behaviour_logprobs is not None else None
-        return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()}, behaviour)
+        return PackedBatch(*tensors, {k: v.to(device) for k, v in self.pixels.items()})
 
 
-def pack(trajs: list[Trajectory], pad_id: int, off_policy: bool = False) -> PackedBatch:
-    """`off_policy`: the sampled logprobs go to `behaviour_logprobs` (the importance weight's), and
-    the loss takes the ratio's denominator from its own pass (see PolicyTrainer._loss_of)."""
+def pack(trajs: list[Trajectory], pad_id: int) -> PackedBatch:
     width = max(len(t) for t in trajs)
     ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(trajs), width), dtype=torch.long)
@@ -72,7 +68,7 @@ def pack(trajs: list[Trajectory], pad_id: int, off_policy: bool = False) -> Pack
         mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
         old[row, :n] = torch.tensor(t.sampling_logprobs, dtype=torch.float32)
     pixels = pixel_batch([t.images for t in trajs], "cpu") if any(t.images for t in trajs) else {}
-    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels, old[:, 1:] if off_policy else None)
+    return PackedBatch(ids, attn, ids[:, 1:], mask[:, 1:], old[:, 1:], pixels)
 
 
 def param_groups(model, trained: list, lr: float, vision_lr: float | None) -> list[dict]:
@@ -251,7 +247,7 @@ class PolicyTrainer:
                 self._joint_passes(joint, trajs, advantages, normalizer, sums)
             else:
                 for start, end in self._micro_batches(trajs):
-                    batch = pack(trajs[start:end], self.pad_id, self.off_policy).to(self.placement.device)
+                    batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
                     self._loss(batch, advantages[start:end], normalizer, sums).backward()
                     sums["computed"] += batch.input_ids.numel()
         finally:  # sampling runs in eval mode (a hosted adapter's dropout is off again even when a pass raised)
@@ -298,7 +294,7 @@ class PolicyTrainer:
             feed = prefix if len(work.rows) == 1 else prefix.detached()
             sums["computed"] += sum(work.prefix_lengths)
             for row in work.rows:
-                batch = pack([trajs[i] for i in row], self.pad_id, self.off_policy).to(device)
+                batch = pack([trajs[i] for i in row], self.pad_id).to(device)
                 slots = torch.tensor([work.slot(i) for i in row], device=device)
                 ref = AgainstPrefix(ref_prefix, slots) if ref_prefix is not None else None
                 self._loss(batch, advantages[row], normalizer, sums, AgainstPrefix(feed, slots), ref).backward()
@@ -312,7 +308,7 @@ class PolicyTrainer:
         kl = self.algorithm.kl
         with joint() as run:
             for start, end in self._micro_batches(trajs):
-                batch = pack(trajs[start:end], self.pad_id, self.off_policy).to(self.placement.device)
+                batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
                 ref = self._reference_logprobs(batch) if kl.coef > 0 else None  # the base alone, here
 
                 def loss(logits: torch.Tensor, batch=batch, part=advantages[start:end], ref=ref) -> tuple[torch.Tensor, dict[str, float]]:
@@ -342,11 +338,11 @@ class PolicyTrainer:
         # Off-policy, the ratio's denominator is the proximal policy (decoupled PPO): the weights as
         # they are before this update's one optimizer step, which are the weights every pass of the
         # update runs on, so this pass's own logprobs (without gradient) are exactly its logprobs.
-        old = lp.detach() if batch.behaviour_logprobs is not None else batch.old_logprobs
+        old, behaviour = (lp.detach(), batch.old_logprobs) if self.off_policy else (batch.old_logprobs, None)
         out = ppo_clipped_loss(
             lp, old, advantages, batch.loss_mask, clip_range=self.algorithm.clip_range,
             aggregation=self.algorithm.loss_aggregation, ref_logprobs=ref, kl_coef=kl.coef, kl_estimator=kl.estimator,
-            normalizer=normalizer, behaviour_logprobs=batch.behaviour_logprobs, weight_cap=self.algorithm.importance_cap,
+            normalizer=normalizer, behaviour_logprobs=behaviour, weight_cap=self.algorithm.importance_cap,
         )
         tokens = float(batch.loss_mask.sum())
         return out.loss, {"tokens": tokens, "pg_loss": float(out.pg_loss), "kl": float(out.kl),

@@ -95,8 +95,8 @@ class Producer:
     def waiting(self) -> tuple[int, int]:
         """(groups played and waiting to be taken, groups playing now)."""
         with self.condition:
-            done = sum(self._done(g) for g in self.groups)
-            return done, len(self.groups) - done
+            playing = self._playing()
+            return len(self.groups) - playing, playing
 
     def stop(self) -> None:
         with self.condition:
@@ -108,14 +108,17 @@ class Producer:
         group = self.groups.get(index)
         return group is not None and (group.trajectories is not None or group.error is not None)
 
+    def _playing(self) -> int:
+        """Groups started and not done (under the condition's lock)."""
+        return sum(not self._done(g) for g in self.groups)
+
     def _may_start(self, ignore_room: bool = False) -> bool:
         """Group `next_group` starts when the trainer has published the updates of all steps but its last k
         before it (counted from where the producer started), at most k + 1 steps are started, not taken,
         and fewer than a step's worth of groups are playing."""
         steps_before = self.next_group // self.per_step - self.first_step
         ahead = self.next_group - self.next_taken
-        playing = sum(not self._done(g) for g in self.groups)
-        room = ahead < (self.k + 1) * self.per_step and playing < self.per_step
+        room = ahead < (self.k + 1) * self.per_step and self._playing() < self.per_step
         return self.version - self.first_version >= steps_before - self.k and (ignore_room or room)
 
     def _run(self) -> None:

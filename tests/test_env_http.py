@@ -119,22 +119,24 @@ def test_two_shards_behind_one_spec_are_both_used(scripted_servers):
     assert (a.sessions(), b.sessions()) == (0, 0)
 
 
-class StopsServerAfterFirstTurn:
-    """The real engine; once its first generation is done, the given server goes down."""
+class StopsServerOnceAllStarted:
+    """The real engine; the given server goes down once all `episodes` have reset and asked for
+    their first turn, before any is generated: no episode can play a turn on it first (episodes
+    play in threads of their own, and a stop takes up to uvicorn's 0.1 s poll)."""
 
-    def __init__(self, inner, served):
-        self.inner, self.served, self.calls = inner, served, 0
+    def __init__(self, inner, served, episodes: int):
+        self.inner = inner
+        self.stopped = threading.Event()
+        self.all_started = threading.Barrier(episodes, action=lambda: (served.stop(), self.stopped.set()))
 
     @property
     def policy_version(self):
         return self.inner.policy_version
 
     def generate(self, prompts, params, budgets=None, **_):
-        out = self.inner.generate(prompts, params, budgets)
-        self.calls += 1
-        if self.calls == 1 and self.served is not None:
-            self.served.stop()
-        return out
+        if not self.stopped.is_set():
+            self.all_started.wait(timeout=30)
+        return self.inner.generate(prompts, params, budgets)
 
 
 def test_a_server_stopped_mid_episode_fails_only_its_episodes(tiny, scripted_servers):
@@ -143,7 +145,7 @@ def test_a_server_stopped_mid_episode_fails_only_its_episodes(tiny, scripted_ser
     chat, params = ChatFormat(tok), SamplingParams(max_new_tokens=3)
     limits = EpisodeLimits(max_turns=5, max_total_tokens=512, step_timeout_s=10)
     remote_cls = RemoteGameClass([a.url, b.url], timeout_s=5, retries=1)
-    engine = StopsServerAfterFirstTurn(HFRolloutEngine(model, tok), b)
+    engine = StopsServerOnceAllStarted(HFRolloutEngine(model, tok), b, episodes=4)
     games = [remote_cls() for _ in range(4)]  # shards a, b, a, b
     trajs = run_episodes(engine, chat, games, [{"id": i} for i in range(4)], params, limits)
     assert [t.failed for t in trajs] == [False, True, False, True]
@@ -155,7 +157,6 @@ def test_a_server_stopped_mid_episode_fails_only_its_episodes(tiny, scripted_ser
     only_b = RemoteGameClass(b.url, timeout_s=5, retries=0)
     sentinel = only_b.generate_task(np.random.default_rng(0))
     assert sentinel[UNAVAILABLE].startswith(f"no shard answered at {b.url}")
-    engine.served = None
     trajs = run_episodes(engine, chat, [only_b(), remote_cls()], [{"id": 0}, sentinel], params, limits)
     assert [t.failed for t in trajs] == [True, True]
     assert "ConnectError" in trajs[0].failure and trajs[1].failure.startswith("reset: RemoteGameError: no task for this episode")

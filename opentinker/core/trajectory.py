@@ -106,6 +106,11 @@ class Trajectory:
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def sampled_versions(self) -> list[int]:
+        """The policy version that drew each sampled token (in order)."""
+        return [v for v, m in zip(self.token_versions, self.loss_mask) if m]
+
     def last_trainable_index(self) -> int | None:
         for i in range(len(self.loss_mask) - 1, -1, -1):
             if self.loss_mask[i]:

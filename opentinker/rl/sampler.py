@@ -110,7 +110,7 @@ class Sampler:
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self._batch: RolloutBatch | None = None
         self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
-        self._last_take: tuple[float, float, int, int, int] | None = None  # (time, engine counters) at the last take
+        self._last_take: tuple[float, tuple[float, int, int, int]] | None = None  # (time, the engine's counters) at the last take
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
@@ -173,24 +173,22 @@ class Sampler:
         if self.producer is None:
             self.producer = Producer(self._draw, self._play_group, r.prompts_per_step, k, step * r.prompts_per_step, self.wanted_version)
         # the engine's counters since the previous take: with k > 0 the producer plays between takes
-        since, busy0, tokens0, decoded0, useful0 = self._last_take or (t0, *self._engine_counters())
+        since, before = self._last_take or (t0, self._engine_counters())
         groups = self.producer.take(step)
         kept = [g for g in groups if self._lag(g.trajectories) <= k]
         trajs = [t for g in kept for t in g.trajectories]
         waiting, playing = self.producer.waiting()
-        now = time.perf_counter()
-        busy1, tokens1, decoded1, useful1 = self._engine_counters()
-        self._last_take = (now, busy1, tokens1, decoded1, useful1)
-        sampled_versions = [v for t in trajs for v, m in zip(t.token_versions, t.loss_mask) if m]
-        lags = [self.wanted_version - v for v in sampled_versions] or [0]
+        now, after = time.perf_counter(), self._engine_counters()
+        self._last_take = (now, after)
+        gen_seconds, engine_tokens, decoded, useful = (a - b for a, b in zip(after, before))
+        lags = [self.wanted_version - v for t in trajs for v in t.sampled_versions] or [0]
         env_seconds = sorted(s for t in trajs for s in t.env_seconds) or [0.0]
-        gen_seconds = busy1 - busy0
         metrics = episode_stats(trajs, "rollout") | {
             "rollout/generated_tokens": float(sum(t.num_sampled for t in trajs)),
-            "rollout/tokens_per_s": (tokens1 - tokens0) / gen_seconds if gen_seconds else 0.0,  # the engine's, all its sequences
+            "rollout/tokens_per_s": engine_tokens / gen_seconds if gen_seconds else 0.0,  # the engine's, all its sequences
             "rollout/seconds": now - t0,
-            "rollout/decode_positions": float(decoded1 - decoded0),
-            "rollout/useful_positions": float(useful1 - useful0),
+            "rollout/decode_positions": float(decoded),
+            "rollout/useful_positions": float(useful),
             "rollout/policy_version": float(self.wanted_version),
             "rollout/version_lag_mean": sum(lags) / len(lags), "rollout/version_lag_max": float(max(lags)),
             **{f"rollout/version_lag_share_{n}": lags.count(n) / len(lags) for n in range(k + 1)},
@@ -210,7 +208,7 @@ class Sampler:
 
     def _lag(self, trajs: list[Trajectory]) -> int:
         """How many versions behind the trainer a group's oldest sampled token is (0 when it sampled none)."""
-        versions = [v for t in trajs for v, m in zip(t.token_versions, t.loss_mask) if m]
+        versions = [v for t in trajs for v in t.sampled_versions]
         return self.wanted_version - min(versions) if versions else 0
 
     def _draw(self) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -63,6 +63,23 @@ class NoneRewardGame(ScriptedTurns):
         return StepResult(observation="x", reward=None, done=True)
 
 
+class HugePromptGame(ScriptedTurns):
+    """A question of a million characters (a reasoning-gym config with 60,000 terms, say): no episode fits."""
+
+    def reset(self, **task: Any) -> str:
+        return "1 + " * 250_000 + "1 = ?"
+
+
+class HugeObservationGame(ScriptedTurns):
+    """Its second observation is two million characters: the episode is cut there, never tokenized whole."""
+
+    def step(self, action: str) -> StepResult:
+        result = super().step(action)
+        if self.k == 2:
+            result.observation = "x " * 1_000_000
+        return result
+
+
 def picture(colour: str, size: int = 96) -> Any:
     """A square of `colour` on white (a PIL image)."""
     from PIL import Image, ImageDraw

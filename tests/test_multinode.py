@@ -237,7 +237,7 @@ def _assert_failed_resumably(run_id: str, settings: Settings, job_id: str, base_
     assert killed_at < STEPS, "the job ended before it could be killed"
     state, reason = _end(run_id, settings)
     assert state == "FAILED" and "\n" not in reason, reason
-    lost = (rf"job {job_id}: \w+Error: the Ray node running its actors left the cluster \(killed, or the head "
+    lost = (rf"job {job_id}: \w+Error: the Ray node running (its actors|the job's \w+ actor) left the cluster \(killed, or the head "
             rf"went away\); resubmit job {job_id} to resume from step \d+ \(s3://\S+\)")
     crashed = (r"the job's process died \(Process exited with status code: 1\. Process exited with a general error\): killed, "
                rf"out of memory, or its Ray node or head went away; resubmit job {job_id} to resume from its last complete checkpoint")

@@ -8,6 +8,7 @@ measured once on a placeholder conversation, and appended after the sampled toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from opentinker.core.trajectory import VisualInput
@@ -44,6 +45,19 @@ class ChatFormat:
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token of the vocabulary stands for (its longest entry; byte-level
+        entries count a character per byte): a text of n characters is at least n / this many tokens."""
+        vocab = getattr(self.tokenizer, "get_vocab", None)
+        longest = max((len(entry) for entry in vocab()), default=0) if vocab is not None else 0
+        return longest or None
+
+    def min_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of a text of `chars` characters, without encoding it (0 when
+        the vocabulary is not known): a text too long for an episode is refused before it is tokenized."""
+        return -(-chars // self.max_token_chars) if self.max_token_chars else 0
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

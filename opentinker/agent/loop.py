@@ -125,25 +125,48 @@ def _play(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: Sampling
 
 
 def _start(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
-    """PENDING: reset the game and tokenize its prompt once."""
+    """PENDING: reset the game and tokenize its prompt once (not at all when its text alone is
+    longer than the episode may be: a prompt of a million characters costs nothing to refuse)."""
 
     def reset() -> tuple[list[dict[str, Any]], Any]:
         messages = initial_messages(ep.game, start_episode(ep.game, ep.task))
-        return messages, chat.encode_prompt(messages)
+        least = chat.min_tokens(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
+        return messages, (least if least >= limits.max_total_tokens else chat.encode_prompt(messages))
 
     out = call_with_timeout(reset, limits.step_timeout_s)
     if out.error:
         _fail(ep, f"reset: {out.error}")
         return
     messages, chunk = out.value
+    if isinstance(chunk, int):  # not encoded: at least `chunk` tokens
+        ep.traj = Trajectory(prompt_ids=[], group_id=ep.group_id, task=ep.task, messages=_clipped(messages))
+        _cut(ep, f"the prompt is at least {chunk:,} tokens, over rollout.max_total_tokens {limits.max_total_tokens:,}")
+        return
     ep.traj = Trajectory(prompt_ids=chunk.ids, group_id=ep.group_id, task=ep.task, messages=list(messages))
     if chunk.visual is not None:
         ep.traj.images.append(chunk.visual)
     if len(ep.traj) >= limits.max_total_tokens:
-        ep.traj.stop_reason = "max_total_tokens"
-        ep.move(EpisodeState.TERMINATED)
+        _cut(ep, f"the prompt is {len(ep.traj):,} tokens, over rollout.max_total_tokens {limits.max_total_tokens:,}")
     else:
         ep.move(EpisodeState.GENERATING)
+
+
+def _cut(ep: Episode, why: str) -> None:
+    """End an episode whose record cannot grow further within max_total_tokens (truncated, not failed)."""
+    ep.traj.stop_reason = "max_total_tokens"
+    ep.traj.truncation = why
+    ep.move(EpisodeState.TERMINATED)
+
+
+CLIP_CHARS = 2000  # what a record keeps of a text that did not fit it (transcripts show the start)
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= CLIP_CHARS else f"{text[:CLIP_CHARS]}… ({len(text):,} characters)"
+
+
+def _clipped(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, "content": _clip(m["content"])} if isinstance(m.get("content"), str) else m for m in messages]
 
 
 def _generate(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: SamplingParams, limits: EpisodeLimits) -> None:
@@ -177,23 +200,29 @@ def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
     observation = result.observation
     text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
     traj.turns[-1].reward = result.reward
-    traj.turns[-1].observation = text
+    traj.turns[-1].observation = _clip(text)
     traj.info.update(result.info)
     if result.done:
         traj.stop_reason = "done"
     elif len(traj.turns) >= limits.max_turns:
         traj.stop_reason = "max_turns"
     else:
+        left = limits.max_total_tokens - len(traj)
+        if (least := chat.min_tokens(len(text))) >= left:  # not encoded: it cannot fit
+            _cut(ep, f"turn {len(traj.turns)}'s observation is at least {least:,} tokens; {left:,} of rollout.max_total_tokens "
+                     f"{limits.max_total_tokens:,} were left")
+            return
         try:
             chunk = chat.encode_observation(observation, ep.last_stopped)
         except ValueError as err:  # images for a language model, an image the processor refuses
             _fail(ep, f"step: {err}")
             return
-        if len(traj) + len(chunk.ids) >= limits.max_total_tokens:
-            traj.stop_reason = "max_total_tokens"
-        else:
-            traj.append_observation(chunk.ids, text, chunk.visual)
-            traj.messages.append({"role": "user", "content": user_content(text, images)})
-            ep.move(EpisodeState.GENERATING)
+        if len(chunk.ids) >= left:
+            _cut(ep, f"turn {len(traj.turns)}'s observation is {len(chunk.ids):,} tokens; {left:,} of rollout.max_total_tokens "
+                     f"{limits.max_total_tokens:,} were left")
             return
+        traj.append_observation(chunk.ids, text, chunk.visual)
+        traj.messages.append({"role": "user", "content": user_content(text, images)})
+        ep.move(EpisodeState.GENERATING)
+        return
     ep.move(EpisodeState.TERMINATED)

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,8 +101,9 @@ class StreamEngine:
         self.mixed_forwards = 0  # forwards whose rows went through two adapters or more
         self.busy_seconds = 0.0
         self.closed = False
+        self.died: BaseException | None = None  # what ended the engine's thread, if anything did
         self.changed = False  # weights changed since the last step
-        self._thread = threading.Thread(target=self._loop, name="stream-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="stream-engine", daemon=True)
         self._thread.start()
 
     # -- requests ----------------------------------------------------------------------------
@@ -114,9 +115,13 @@ class StreamEngine:
 
     def enqueue(self, seqs: list[Sequence]) -> None:
         """Queue sequences to join the batch together (at the same step, when they fit)."""
+        if self.died is not None:
+            raise RuntimeError(f"the engine's thread died: {type(self.died).__name__}: {self.died}") from self.died
         if self.closed:
             raise RuntimeError("the engine is closed")
         self.waiting.put(seqs)
+        if self.died is not None:  # it died as we queued: its last look at the queue may have come first
+            _fail_futures([seq.future for seq in seqs], self.died)
 
     def sequences(self, prompts: list[list[int]], params: Any, budgets: list[int] | None = None, *, stop_rule: Any = None,
                   generator: torch.Generator | None = None, adapters: list[str | None] | None = None,
@@ -163,6 +168,21 @@ class StreamEngine:
         return len(self.batch.rows) + len(self.held)
 
     # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        """The loop, and if it ever ends by an error (a step's own errors fail only its sequences):
+        every waiting and later request fails with it, never waits for ever."""
+        try:
+            self._loop()
+        except BaseException as err:  # noqa: BLE001 - reported to every caller
+            self.died = err
+            self._fail_all(err)
+            while True:  # what was queued meanwhile
+                try:
+                    item = self.waiting.get_nowait()
+                except queue.Empty:
+                    return
+                _fail_futures([item.done] if isinstance(item, _Call) else [seq.future for seq in item or []], err)
+
     def _loop(self) -> None:
         """Steps while there is work. On this engine's thread the steps of a busy stretch share one
         autocast region, so each trained weight is cast to the compute precision once, not at every
@@ -215,9 +235,7 @@ class StreamEngine:
             self.held.extend(item)
 
     def _fail_all(self, err: BaseException) -> None:
-        for seq in [*self.batch.rows, *self.held]:
-            if not seq.future.done():
-                seq.future.set_exception(err)
+        _fail_futures([seq.future for seq in [*self.batch.rows, *self.held]], err)
         self.batch, self.held = Batch(), []
         if self.slots is not None:
             self.slots.reset()
@@ -374,6 +392,15 @@ def logits_kwargs(model) -> dict[str, Any]:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+
+def _fail_futures(futures: list[Future], err: BaseException) -> None:
+    """Fail each future not done yet (another thread may finish one meanwhile: that one stands)."""
+    for future in futures:
+        try:
+            future.set_exception(err)
+        except InvalidStateError:
+            pass
 
 
 def _leave(region: contextlib.ExitStack | None) -> None:

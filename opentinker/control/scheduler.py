@@ -399,8 +399,8 @@ def job_state(flow_run: Any) -> tuple[str, str | None]:
         return "COMPLETED", message if name == EXPIRED else None
     if kind == "CANCELLED":
         return "CANCELLED", message
-    if CANCEL_REQUESTED_TAG in (flow_run.tags or []):
-        return "CANCELLED", f"cancelled; the run ended as {name}: {reason_line(message)}"
+    if CANCEL_REQUESTED_TAG in (flow_run.tags or []):  # the stop the cancel sent ended the process (Crashed) or its job (Failed)
+        return "CANCELLED", "cancelled" if kind == "CRASHED" else f"cancelled (it failed as it stopped: {reason_line(message) or name})"
     if kind == "CRASHED":
         return "FAILED", crash_line(flow_run, reason_line(message) or name)
     return "FAILED", reason_line(message) or name

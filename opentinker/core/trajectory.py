@@ -55,6 +55,7 @@ class Trajectory:
     failed: bool = False
     failure: str | None = None
     stop_reason: str | None = None
+    truncation: str | None = None  # why the record stopped at max_total_tokens, with the numbers
     info: dict[str, Any] = field(default_factory=dict)
     images: list[VisualInput] = field(default_factory=list)
 

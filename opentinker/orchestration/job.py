@@ -173,6 +173,9 @@ class JobContext:
                 logger.info(f"resuming at step {restored.step}; logged steps {tracker.log_missing_metrics(restored.metrics)} that MLflow missed")
             else:
                 logger.warning(f"job {self.job_id}: no intact checkpoint, starting from step 0")
+            if again := tracker.mark_abandoned(restored.step if restored.resumed else 0):
+                logger.warning(f"steps {again} were trained before by an attempt whose checkpoint was not resumed: they are "
+                               f"trained again, and MLflow's newest values at them are this attempt's (tag opentinker.abandoned_steps)")
         return hook
 
     @contextmanager
@@ -235,9 +238,22 @@ def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | 
         resume = f"from step {latest.step} ({latest.url})" if latest else "from the start (no checkpoint yet)"
     except Exception:  # noqa: BLE001 - the storage may be what failed; the line still says what to do
         resume = "from its last complete checkpoint"
-    where = ("the base-model worker hosting it died (killed, out of memory, or its Ray node went away)"
-             if getattr(spec.resources, "share_base", False) else "the Ray node running its actors left the cluster (killed, or the head went away)")
-    return f"{type(err).__name__}: {where}; resubmit job {job_id} to resume {resume}"
+    return f"{type(err).__name__}: {_what_was_lost(err, spec)}; resubmit job {job_id} to resume {resume}"
+
+
+def _what_was_lost(err: BaseException, spec: Any) -> str:
+    """Which of the job's actors died and how, from Ray's error (its text names the actor's class and,
+    when its node died, says so): a killed actor is not a node that left."""
+    if getattr(spec.resources, "share_base", False):
+        return "the base-model worker hosting it died (killed, out of memory, or its Ray node went away)"
+    text = str(err)
+    found = re.search(r"class_name: (\S+)", text)
+    actor = f"the job's {found.group(1).rsplit('.', 1)[-1]} actor" if found else "an actor of the job"
+    if type(err).__name__ == "NodeDiedError" or "node has died" in text:
+        return f"the Ray node running {actor} left the cluster (killed, or the head went away)"
+    if found is None and type(err).__name__ in ("ObjectLostError", "OwnerDiedError"):
+        return "the Ray node running its actors left the cluster (killed, or the head went away)"
+    return f"{actor} died (its process was killed or ran out of memory; its Ray node is still up)"
 
 
 def register_final_checkpoint(job: JobContext, tenant: str | None, url: str, tracker: JobTracker, *, kind: str,

@@ -16,9 +16,14 @@ guard: the start rule prevents it) is dropped and counted, never trained.
 
 `take(step)` waits for the step's groups (that wait is the rollout task's duration) and returns
 them in order; each group's episodes draw from generators seeded by (seed, group, episode), so a
-group plays the same whenever it runs. The environment's state before each group's task was drawn
+group gets the same task and seeds whenever it runs (which version draws each token depends on when
+updates land: docs/training.md, "What k > 0 reproduces"). The environment's state before each group's task was drawn
 is kept, so a checkpoint after step s records the position of the first group not trained: a
 resumed job draws those tasks again and trains no group twice.
+
+No part dies silently: a task draw that raises (a generator that only yields validation tasks, an
+environment server answering garbage) stops the producer and `take` raises that error at once, as a
+group's failure does, so the job fails with the cause instead of waiting for groups that never come.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Producer:
         self.first_step, self.first_version = first_group // prompts_per_step, version  # one update a step from here
         self.groups: dict[int, Group] = {}
         self.dropped = 0
+        self.failure: BaseException | None = None  # what stopped the producer's own thread (a task draw that raised)
         self.condition = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="producer", daemon=True)
@@ -75,7 +81,9 @@ class Producer:
             if self.next_group <= wanted[-1] and not self._may_start(ignore_room=True):  # nothing would ever publish while we wait
                 raise RuntimeError(f"step {step}'s episodes start once the update of step {step - 1 - self.k} is published "
                                    f"(max_staleness {self.k}): update before the next rollout")
-            self.condition.wait_for(lambda: self.stopped or all(self._done(g) for g in wanted))
+            self.condition.wait_for(lambda: self.stopped or self.failure is not None or all(self._done(g) for g in wanted))
+            if self.failure is not None and not all(self._done(g) for g in wanted):
+                raise self.failure
             if self.stopped:
                 raise RuntimeError("the producer stopped")
             taken = [self.groups.pop(g) for g in wanted]
@@ -122,6 +130,14 @@ class Producer:
         return self.version - self.first_version >= steps_before - self.k and (ignore_room or room)
 
     def _run(self) -> None:
+        try:
+            self._start_groups()
+        except BaseException as err:  # noqa: BLE001 - the trainer's next take raises it (the job fails with the cause)
+            with self.condition:
+                self.failure = err
+                self.condition.notify_all()
+
+    def _start_groups(self) -> None:
         while True:
             with self.condition:
                 self.condition.wait_for(lambda: self.stopped or self._may_start())

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from opentinker.agent import EpisodeLimits, chat_format, run_episodes
+from opentinker.agent.guard import stuck_calls
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement
 from opentinker.backend.rollout import score_tokens
@@ -197,6 +198,7 @@ class Sampler:
             "rollout/producer_busy": min(1.0, gen_seconds / max(now - since, 1e-9)),
             "rollout/env_step_p50": env_seconds[len(env_seconds) // 2],
             "rollout/env_step_p95": env_seconds[min(len(env_seconds) - 1, int(0.95 * len(env_seconds)))],
+            "rollout/env_calls_stuck": float(stuck_calls()),  # past their deadline, still running (capped: agent/guard.py)
         } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
         self._batch = RolloutBatch(step=step, policy_version=self.wanted_version, trajectories=trajs, metrics=metrics)
         return metrics
@@ -225,7 +227,8 @@ class Sampler:
 
     def _generators(self, first: int, n: int) -> list[torch.Generator]:
         """Episodes first..first+n-1's generators, seeded by (job seed, episode number): an episode
-        draws the same whenever it plays (before or after a resume, beside whatever else)."""
+        drawn by the same weights draws the same tokens whenever it plays (before or after a resume,
+        beside whatever else)."""
         device = getattr(getattr(self.engine, "placement", None), "device", None) or torch.device("cpu")
         return [torch.Generator(device=device).manual_seed((self.spec.seed * 1_000_003 + first + i) % 2**63) for i in range(n)]
 

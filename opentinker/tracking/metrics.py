@@ -36,15 +36,28 @@ def failure_summary(trajs: list[Any]) -> str | None:
     return f"{reason} ({count} of {len(trajs)} episodes)"
 
 
+def truncation_summary(trajs: list[Any]) -> str | None:
+    """Why episodes stopped at max_total_tokens (the most common reason, or the first) and how many,
+    e.g. `the prompt is at least 12,040 tokens, over rollout.max_total_tokens 1,024 (truncated 8 of 8
+    episodes)`; None when none was."""
+    cut = [t for t in trajs if not t.failed and t.stop_reason == "max_total_tokens"]
+    if not cut:
+        return None
+    reason = Counter(str(getattr(t, "truncation", None) or "the record reached rollout.max_total_tokens") for t in cut).most_common(1)[0][0]
+    return f"{reason} (truncated {len(cut)} of {len(trajs)} episodes)"
+
+
 def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, Any]:
     """Metrics of a batch of episodes; `<prefix>/first_failure` (text, not a number) names the
-    most common failure when there was one, so progress lines and the run can say why."""
+    most common failure when there was one, and `<prefix>/first_truncation` why episodes were cut at
+    max_total_tokens, so progress lines and the run can say why."""
     ok = [t for t in trajs if not t.failed]
     rewards = [t.reward for t in ok] or [0.0]
     out: dict[str, Any] = {
         f"{prefix}/episodes": float(len(trajs)),
         f"{prefix}/failed_episodes": float(len(trajs) - len(ok)),
         f"{prefix}/failure_rate": (len(trajs) - len(ok)) / len(trajs) if trajs else 0.0,
+        f"{prefix}/truncated_episodes": float(sum(t.stop_reason == "max_total_tokens" for t in ok)),
         f"{prefix}/reward_mean": statistics.fmean(rewards),
         f"{prefix}/reward_std": statistics.pstdev(rewards),
         f"{prefix}/reward_min": min(rewards),
@@ -63,6 +76,8 @@ def episode_stats(trajs: list[Trajectory], prefix: str) -> dict[str, Any]:
     out |= _tool_stats(ok, prefix) | _move_stats(ok, prefix)
     if summary := failure_summary(trajs):
         out[f"{prefix}/first_failure"] = summary
+    if summary := truncation_summary(trajs):
+        out[f"{prefix}/first_truncation"] = summary
     return out
 
 

@@ -19,6 +19,8 @@ from opentinker.core.spec import dump_spec
 from opentinker.tracking.transcripts import transcripts_html
 
 JOB_TAG = "opentinker.job_id"
+ABANDONED_TAG = "opentinker.abandoned_steps"  # steps a resumed job trained again (see JobTracker.mark_abandoned)
+STEP_KEY = "step/seconds"  # a metric every trained step logs
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 
@@ -154,9 +156,22 @@ class JobTracker(Run):
         self.set_tags(tags or {})
 
     def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
-        """Each (step, metrics) of a committed checkpoint, unless MLflow holds that step already: a
-        step redone after resuming from an older checkpoint (the newer one refused) is not logged twice."""
-        self.log_missing_metrics(steps)
+        """Each (step, metrics) of a committed checkpoint. A step trained again after resuming from an
+        older checkpoint (see `mark_abandoned`) is logged anew: its newest values are the run's."""
+        for step, metrics in steps:
+            self.log_metrics(step, metrics)
+
+    def mark_abandoned(self, resumed_at: int) -> list[int]:
+        """Steps MLflow holds past `resumed_at`, the step a job resumes from: an earlier attempt trained
+        them, but the checkpoint that covered them was not resumed (refused, or deleted), so the job
+        trains them again. MLflow cannot delete a value, so the run's tag `opentinker.abandoned_steps`
+        names them: at each, the older values are the abandoned attempt's and the newest the job's."""
+        held = sorted({m.step for m in self.client.get_metric_history(self.run_id, STEP_KEY)} - set(range(resumed_at + 1)))
+        if held:
+            earlier = self.client.get_run(self.run_id).data.tags.get(ABANDONED_TAG, "")
+            line = f"{', '.join(map(str, held))} (resumed from step {resumed_at} at {time.strftime('%Y-%m-%d %H:%M:%S')})"
+            self.set_tags({ABANDONED_TAG: "; ".join(filter(None, [earlier, line]))[:5000]})
+        return held
 
     def log_missing_metrics(self, steps: list[tuple[int, dict[str, float]]]) -> list[int]:
         """Log the steps (as a checkpoint carries them) that MLflow does not hold yet: a process

@@ -168,3 +168,31 @@ def test_a_job_dropped_mid_stream_resumes_and_trains_no_group_twice(tmp_path):
     first.sampler.producer.stop()  # dropped: nothing of it is carried over
     run("resumed", 4, "dropped").close()
     assert trained["resumed"] == trained["straight"] and len(trained["straight"]) == 16
+
+
+def test_what_k_greater_than_zero_reproduces_and_what_depends_on_timing(tmp_path):
+    """Two uninterrupted k = 2 runs with one seed: the same tasks in the same groups in the same order,
+    every trained token within the bound, and an episode drawn by the same weights in both runs draws the
+    same tokens (its generator is seeded by (seed, episode)): versions 0 and 1 are the same weights in
+    both (step 0 trains only version 0's tokens). Which version draws which token later depends on when
+    each update lands, so later weights may differ (docs/training.md)."""
+    runs = []
+    for name in ("first", "second"):
+        job = RLJob(tiny_spec(tmp_path, optimization={"steps": 3}, algorithm={"max_staleness": 2}), job_id=name)
+        trained = []
+        original = job.policy.update
+
+        def update(batch, job=job, trained=trained):
+            assert max(job.policy.version - v for t in batch.trajectories for v, m in zip(t.token_versions, t.loss_mask) if m) <= 2
+            trained.extend((t.group_id, t.task.get("prompt"), t.token_versions, t.token_ids) for t in batch.trajectories)
+            return original(batch)
+
+        job.policy.update = update
+        job.run()
+        job.close()
+        runs.append(trained)
+    first, second = runs
+    assert [(g, task) for g, task, _, _ in first] == [(g, task) for g, task, _, _ in second] and len(first) == 48
+    same_versions = [(a, b) for a, b in zip(first, second) if a[2] == b[2] and set(a[2]) <= {-1, 0, 1}]
+    assert len(same_versions) >= 16  # the first step's episodes at least: drawn by version 0 in both runs
+    assert all(a[3] == b[3] for a, b in same_versions)

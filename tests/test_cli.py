@@ -62,3 +62,65 @@ def test_a_port_in_rays_worker_range_is_one_line_at_up(tmp_path):
     assert "stack: OPENTINKER_RAY_CLIENT_PORT=12000 is inside Ray's worker port range 10002-19999: choose a port outside it" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
     assert not (tmp_path / "pids").exists() or not list((tmp_path / "pids").iterdir())
+
+
+def _gateway_line(tmp_path, data: dict) -> str:
+    """What the gateway's submission check answers for `data` (its SpecError line, the 422's detail)."""
+    import pytest
+
+    from opentinker.control.gateway.jobs import TenantJobs
+    from opentinker.core.settings import Settings
+    from opentinker.core.spec import SpecError
+
+    with pytest.raises(SpecError) as refused:
+        TenantJobs(Settings(state_dir=tmp_path / "state"), "alice")._normalise(data, None)
+    return str(refused.value)
+
+
+TEXTARENA_REFUSED = [
+    {"env": {"game": "envs.textarena:TextArenaGame", "config": {"env_id": "Wordle-v0"}}},  # downloads NLTK data
+    {"env": {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "GuessTheNumber-v0"}}, "multiagent": {"players": ["P0", "P1"]}},
+    {"env": {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "TicTacToe-v0"}}, "multiagent": {}},  # players X, O
+]
+
+
+def test_validate_and_run_say_what_the_gateway_says_of_a_game(tmp_path):
+    """The gateway's game checks (allowlist, import, the class's check_config, players) run in
+    `validate`, and in `run` before the model loads: the same line, exit 2."""
+    import yaml
+
+    for i, refused in enumerate(TEXTARENA_REFUSED):
+        data = {"model": {"name": "tiny-random"}, **refused}
+        line = _gateway_line(tmp_path, data)
+        assert "\n" not in line and line.startswith(("env.config: ", "multiagent.players: "))
+        spec = tmp_path / f"spec{i}.yaml"
+        spec.write_text(yaml.safe_dump(data))
+        for command in ("validate", "run"):
+            out = _cli(command, str(spec), env={"COLUMNS": "1000", "OPENTINKER_STATE_DIR": str(tmp_path / "state")})
+            assert out.returncode == 2, out
+            assert out.stdout.strip() == f"invalid spec {spec}: {line}"
+            assert "Traceback" not in out.stdout + out.stderr
+    playable = tmp_path / "playable.yaml"
+    playable.write_text(yaml.safe_dump({"model": {"name": "tiny-random"}, "multiagent": {"players": ["P0", "P1"]},
+                                        "env": {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": "TicTacToe-v0"}}}))
+    out = _cli("validate", str(playable))
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out
+
+
+def test_validate_refuses_reasoning_gym_prompts_that_cannot_fit(tmp_path):
+    """chain_sum with 100,000 terms: 700,000-character questions, which no 1,024 tokens hold; the
+    gateway's line, from `validate` as from the gateway."""
+    import re
+
+    import yaml
+
+    data = {"model": {"name": "tiny-random"}, "env": {"source": "reasoning_gym", "dataset": "chain_sum",
+                                                      "config": {"min_terms": 100_000, "max_terms": 100_000}}}
+    line = _gateway_line(tmp_path, data)
+    assert re.fullmatch(r"env\.config: a prompt of reasoning-gym chain_sum is at least [\d,]+ tokens \([1-7]00,4\d\d characters\) and "
+                        r"rollout\.max_total_tokens is 1,024: no room is left for an answer; make its items smaller or "
+                        r"rollout\.max_total_tokens larger", line), line
+    spec = tmp_path / "chain_sum.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    out = _cli("validate", str(spec), env={"COLUMNS": "1000"})
+    assert out.returncode == 2 and out.stdout.strip() == f"invalid spec {spec}: {line}", out

@@ -197,6 +197,95 @@ def test_the_gateway_resolves_the_source_and_the_operators_allowlist_decides(tmp
         TenantJobs(Settings(state_dir=tmp_path, game_allowlist="envs.math"), "alice")._normalise(config, None)
 
 
+# --- prompts that cannot fit rollout.max_total_tokens ----------------------------------------------
+
+HUGE = {"min_terms": 100_000, "max_terms": 100_000}  # chain_sum questions of 400,000 to 700,000 characters
+
+
+def rg_spec(config, max_total_tokens=1024):
+    return parse_spec({"model": {"name": "tiny-random"}, "rollout": {"max_total_tokens": max_total_tokens},
+                       "env": {"source": "reasoning_gym", "dataset": "chain_sum", "config": config}, "seed": 5})
+
+
+def test_a_prompt_without_room_for_an_answer_is_refused_with_its_tokens_counted_as_a_job_counts_them():
+    """The check draws the job's first tasks from a small pool and counts their prompts with the
+    model's tokenizer and chat template: the numbers are those of the prompts a job would play."""
+    import numpy as np
+
+    from opentinker.control.gateway.confine import _chat_format, prompts_fit
+    from opentinker.env.messages import initial_messages
+
+    config = {"min_terms": 60, "max_terms": 60, "max_digits": 1, "game_kwargs": {"few_shot": 1}}
+    rng, counts = np.random.default_rng(5), []
+    for _ in range(3):
+        task = ReasoningGymGame.generate_task(rng, rg_dataset="chain_sum", size=8, **{k: v for k, v in config.items() if k != "game_kwargs"})
+        game = ReasoningGymGame(few_shot=1)
+        counts.append(len(_chat_format("tiny-random").prompt_ids(initial_messages(game, game.reset(**task)))))
+    most = max(counts)
+    with pytest.raises(SpecError) as refused:
+        prompts_fit(rg_spec(config, most))
+    shown = "|".join(f"{c:,}" for c in counts)
+    assert re.fullmatch(rf"env\.config: a prompt of reasoning-gym chain_sum is ({shown}) tokens \([\d,]+ characters\) and "
+                        rf"rollout\.max_total_tokens is {most:,}: no room is left for an answer; make its items smaller or "
+                        r"rollout\.max_total_tokens larger", str(refused.value)), str(refused.value)
+    prompts_fit(rg_spec(config, most + 1))  # room for one token of answer: accepted
+
+
+def test_a_huge_question_is_refused_without_being_tokenized_whole(monkeypatch):
+    from opentinker.agent.chat import ChatFormat
+    from opentinker.control.gateway.confine import prompts_fit
+
+    tokenized = []
+    real = ChatFormat.prompt_ids
+    monkeypatch.setattr(ChatFormat, "prompt_ids", lambda self, messages: tokenized.append(sum(len(m["content"]) for m in messages))
+                        or real(self, messages))
+    with pytest.raises(SpecError, match=r"^env\.config: a prompt of reasoning-gym chain_sum is at least [\d,]+ tokens "
+                                        r"\([1-7]00,4\d\d characters\) and rollout\.max_total_tokens is 1,024: no room"):
+        prompts_fit(rg_spec(HUGE))
+    assert tokenized and max(tokenized) <= 1025 * 81  # (max_total_tokens + 1) x the longest token of SmolLM2's vocabulary
+
+
+def test_drawing_is_bounded_in_time_and_memory(monkeypatch):
+    """A config whose items never finish (a billion terms) or fill the memory is stopped, in one line."""
+    from envs.reasoning_gym import prompts
+    from opentinker.control.gateway.confine import prompts_fit
+
+    monkeypatch.setattr(prompts, "DRAW_LIMIT_S", 3.0)
+    started = time.monotonic()
+    with pytest.raises(SpecError, match=r"^env\.config: reasoning-gym chain_sum: drawing 3 of its tasks took over 3 s: its items are too large to play$"):
+        prompts_fit(rg_spec({"min_terms": 10**9, "max_terms": 10**9}))
+    assert time.monotonic() - started < 60
+    monkeypatch.setattr(prompts, "DRAW_LIMIT_S", 60.0)
+    monkeypatch.setattr(prompts, "DRAW_MEMORY_BYTES", 300 * 1024**2)
+    with pytest.raises(SpecError, match=r"^env\.config: reasoning-gym chain_sum: drawing its tasks failed: its items need more than 300 MiB of memory$"):
+        prompts_fit(rg_spec({"min_terms": 10**6, "max_terms": 10**6}))
+
+
+def test_the_gateway_answers_422_for_prompts_that_cannot_fit(tmp_path):
+    """The real gateway app over HTTP (no Prefect behind it: the refusal comes before the scheduler)."""
+    import httpx
+
+    from opentinker.control.gateway.app import create_app
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.core.settings import Settings
+    from opentinker.inference.server import serve_in_thread
+
+    settings = Settings(state_dir=tmp_path / "state", host="127.0.0.1")
+    key = TenantStore(settings.state_dir / "tenants.json").create("alice")
+    server = serve_in_thread(create_app(settings), "127.0.0.1", 0)
+    try:
+        spec = {"model": {"name": "tiny-random"}, "env": {"source": "reasoning_gym", "dataset": "chain_sum", "config": HUGE}}
+        response = httpx.post(f"{server.url}/v1/jobs", json={"config": spec}, headers={"Authorization": f"Bearer {key}"},
+                              timeout=120, trust_env=False)
+        assert response.status_code == 422, response.text
+        detail = response.json()["detail"]
+        assert detail.startswith("env.config: a prompt of reasoning-gym chain_sum is at least ") and "\n" not in detail
+        assert detail.endswith("and rollout.max_total_tokens is 1,024: no room is left for an answer; make its items smaller or "
+                               "rollout.max_total_tokens larger")
+    finally:
+        server.stop()
+
+
 # --- episodes and jobs (the tiny model) -----------------------------------------------------------
 
 class SlowReasoningGym(ReasoningGymGame):

@@ -69,7 +69,20 @@ def load_job_spec(path: Path, steps: Optional[int] = None) -> JobSpec:
         exit_invalid("spec", path, err)
     if steps is not None:
         spec = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": steps})})
+    check_env_or_exit(path, spec)  # before the model loads
     return spec
+
+
+def check_env_or_exit(path: Path, spec: JobSpec) -> None:
+    """What the gateway checks of an RL spec's environment (its game, config and players; that its
+    prompts fit), with this machine's settings: the gateway's one line, or exit 2."""
+    from opentinker.control.gateway.confine import check_job_env
+    from opentinker.core.settings import get_settings
+
+    try:
+        check_job_env(get_settings(), spec)
+    except SpecError as err:
+        exit_invalid("spec", path, err)
 
 
 def fmt(value: Optional[float], pct: bool = False) -> str:

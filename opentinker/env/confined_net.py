@@ -3,9 +3,10 @@ each connection is made.
 
 The gateway and the worker check env.url before any request (opentinker.core.env_hosts), but a
 tenant who controls a name's DNS could answer an allowed address then and another one (cloud
-metadata, an internal service) when the client connects: DNS rebinding. So the clients resolve
-and check once more at each connection and connect to that checked address; TLS still verifies
-the URL's own host name, and the Host header stays the URL's.
+metadata, an internal service, the stack's own gateway or MLflow) when the client connects: DNS
+rebinding. So the clients resolve and check once more at each connection, host and port, and
+connect to that checked address; TLS still verifies the URL's own host name, and the Host header
+stays the URL's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class _CheckedBackend(httpcore.SyncBackend):
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Any = None) -> httpcore.NetworkStream:
         try:
-            address = self.hosts.address_to_connect(host)
+            address = self.hosts.address_to_connect(host, port)
         except OSError as err:
             raise httpcore.ConnectError(str(err)) from None
         return super().connect_tcp(address, port, timeout=timeout, local_address=local_address, socket_options=socket_options)

@@ -9,23 +9,32 @@
   gateway's jobs set), and is pinned here to the checkpoint it names now.
 - Code: `env.game` (or the adapter game an `env.source` names) only from the operator's allowlist,
   and an AbstractGame subclass (imported here, in the gateway: allowlisted modules only).
-- Services: `env.url` may not point at the stack's own services (Prefect, MLflow, the gateway),
-  nor at an address the operator has not allowed (OPENTINKER_ENV_URL_ALLOW: core/env_hosts.py);
-  `rollout.server_url` is refused: a job's inference server is the one its worker starts (it
-  would get the job's adapter folders and its key otherwise).
+- Services: `env.url` may not reach the stack's own services (Prefect, MLflow, the gateway, Ray)
+  however its host is spelt, nor an address the operator has not allowed
+  (OPENTINKER_ENV_URL_ALLOW: core/env_hosts.py); `rollout.server_url` is refused: a job's
+  inference server is the one its worker starts (it would get the job's adapter folders and its
+  key otherwise).
+- Sizes: a reasoning-gym environment whose prompts leave no room for an answer within
+  `rollout.max_total_tokens` (`prompts_fit`). `check_job_env` makes these environment checks
+  for the CLI (`validate`, `run`, `train`), so it says what the gateway says.
 Refusals are SpecError lines (`field: reason`, HTTP 422) that name only what the tenant gave.
 """
 
 from __future__ import annotations
 
 import posixpath
+import threading
+from functools import lru_cache
 from typing import Any
-from urllib.parse import urlsplit
 
-from opentinker.core.env_sources import resolve_source
+from opentinker.core.env_sources import DATASET_KEY, REASONING_GYM_GAME, mix, resolve_source
 from opentinker.core.model_names import KNOWN_MODELS
 from opentinker.core.settings import Settings
-from opentinker.core.spec import SpecError, storage_url
+from opentinker.core.spec import SpecError, parse_spec, storage_url
+
+PROMPT_CHECK_CHARS = 250_000
+"""The most characters of one drawn prompt that are tokenized (`prompts_fit`); a longer one is judged by its length."""
+_COUNTING = threading.Lock()  # the gateway's request threads share one tokenizer per model
 
 
 def tenant_storage(settings: Settings, tenant: str) -> str:
@@ -104,14 +113,10 @@ def game(settings: Settings, path: str, config: dict[str, Any] | None = None, pl
 
 
 def env_url(settings: Settings, urls: list[str]) -> None:
-    """Refuse a URL of the stack's own services, then one outside the operator's allowlist (workers
-    check that again before their first request: a spec may reach them without the gateway)."""
-    own = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
-    local = {settings.host, settings.listen_host, settings.dial_host, "localhost", "127.0.0.1", "::1", "0.0.0.0"}
+    """Refuse a URL of the stack's own services (by the addresses it reaches, not its spelling),
+    then one outside the operator's allowlist: core/env_hosts.py. Workers check both again before
+    their first request (a spec may reach them without the gateway) and at each connection."""
     for url in urls:
-        parts = urlsplit(url)
-        if parts.hostname in local and parts.port in own:
-            raise SpecError(f"env.url: {url} is one of this service's own servers, not an environment")
         if why := settings.env_hosts.refusal(url):
             raise SpecError(why)
 
@@ -133,9 +138,71 @@ def confine_env(settings: Settings, tenant: str, env: dict[str, Any], players: l
 
 
 def confine_rollout(data: dict[str, Any]) -> None:
+    """`rollout.server_url` is refused; an environment's prompts must fit `rollout.max_total_tokens`."""
     if (data.get("rollout") or {}).get("server_url"):
         raise SpecError("rollout.server_url: jobs sample through the inference server their worker starts "
                         "(rollout.engine: server, without a URL)")
+    try:
+        spec = parse_spec(data)
+    except SpecError:
+        return  # the caller's own parse says why
+    prompts_fit(spec)
+
+
+def check_job_env(settings: Settings, spec: Any) -> None:
+    """The gateway's checks of an RL spec's environment, where a spec does not pass the gateway
+    (`opentinker validate`; `run` and `train` before the model loads): its game, config and
+    players (`game`), and that its prompts fit (`prompts_fit`). SpecError, one line."""
+    if spec.env.game:
+        game(settings, spec.env.game, spec.env.config, spec.multiagent.players if spec.multiagent else None)
+    prompts_fit(spec)
+
+
+@lru_cache(maxsize=4)
+def _chat_format(model: str) -> Any:
+    """The chat template and tokenizer a job of `model` renders its prompts with."""
+    from transformers import AutoTokenizer
+
+    from opentinker.agent.chat import ChatFormat
+    from opentinker.model.loading import tokenizer_path
+
+    return ChatFormat(AutoTokenizer.from_pretrained(tokenizer_path() if model in KNOWN_MODELS else model))
+
+
+def prompts_fit(spec: Any) -> None:
+    """Refuse a reasoning-gym environment whose prompts leave no room for an answer within
+    `rollout.max_total_tokens` (its config sizes its questions: chain_sum can make them a million
+    characters long): a few tasks drawn as a job opens them (envs.reasoning_gym.prompts, bounded in
+    time and memory), counted with the model's tokenizer on at most as many characters as that many
+    tokens could hold (PROMPT_CHECK_CHARS at most): a longer text is never tokenized whole."""
+    env, limit = spec.env, spec.rollout.max_total_tokens
+    if env.game != REASONING_GYM_GAME:
+        return
+    from envs.reasoning_gym.prompts import opening_prompts
+
+    try:
+        name = "/".join(part["name"] for part in mix(env.config.get(DATASET_KEY)))
+    except ValueError as err:  # env.game given as the adapter, without its dataset
+        raise SpecError(f"env.config.{DATASET_KEY}: {err}") from None
+    try:
+        with _COUNTING:
+            chat = _chat_format(spec.model.name)
+    except (OSError, ValueError) as err:
+        raise SpecError(f"model.name: {spec.model.name}: its tokenizer does not load to count the prompts ({err})") from None
+    chars = min((limit + 1) * (chat.max_token_chars or PROMPT_CHECK_CHARS), PROMPT_CHECK_CHARS)
+    try:
+        prompts = opening_prompts(env.config, spec.seed, chars)
+    except ValueError as err:
+        raise SpecError(f"env.config: reasoning-gym {name}: {err}") from None
+    for prompt in prompts:
+        with _COUNTING:
+            tokens = len(chat.prompt_ids(prompt["messages"]))  # what came back: all of it, or enough to tell
+        whole = sum(len(m["content"]) for m in prompt["messages"]) == prompt["chars"]
+        tokens = tokens if whole else max(tokens, chat.min_tokens(prompt["chars"]))
+        if tokens >= limit:
+            raise SpecError(f"env.config: a prompt of reasoning-gym {name} is {'' if whole else 'at least '}{tokens:,} tokens "
+                            f"({prompt['chars']:,} characters) and rollout.max_total_tokens is {limit:,}: no room is left for "
+                            "an answer; make its items smaller or rollout.max_total_tokens larger")
 
 
 def confine_common(settings: Settings, tenant: str, data: dict[str, Any]) -> dict[str, Any]:

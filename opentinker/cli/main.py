@@ -11,8 +11,9 @@ from typing import Optional
 
 import typer
 
-from opentinker.cli.common import bring_up, console, load_any_spec, quiet_libraries, settings_and_env, status_table
+from opentinker.cli.common import bring_up, check_env_or_exit, console, load_any_spec, quiet_libraries, settings_and_env, status_table
 from opentinker.cli.env import env_app
+from opentinker.cli.job_verbs import cancel, job, jobs, logs
 from opentinker.cli.jobs import follow, run, train
 from opentinker.cli.models import models_app
 from opentinker.cli.serve import serve
@@ -23,6 +24,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 app.command()(run)
 app.command()(train)
 app.command()(follow)
+app.command()(jobs)
+app.command()(job)
+app.command()(cancel)
+app.command()(logs)
 app.add_typer(env_app, name="env")
 app.add_typer(models_app, name="models")
 app.command(name="serve")(serve)
@@ -31,9 +36,11 @@ app.command(name="sft")(sft)
 
 @app.command()
 def validate(spec_path: Path = typer.Argument(..., help="job spec YAML")) -> None:
-    """Check a job spec (RL or SFT) without running anything: fields, sizes, the model folder."""
+    """Check a job spec (RL or SFT) without running anything: fields, sizes, the model folder, and
+    what the gateway checks of its environment (the game and its config, that its prompts fit)."""
     spec = load_any_spec(spec_path)
     if hasattr(spec, "optimization"):
+        check_env_or_exit(spec_path, spec)
         console.print(f"[green]ok[/] {spec_path}: {spec.model.name}, {spec.adapter.kind}, {spec.algorithm.advantage}, {spec.optimization.steps} steps")
     else:
         console.print(f"[green]ok[/] {spec_path}: SFT of {spec.model.name}, {spec.adapter.kind}, {spec.training.epochs} epoch(s) on {spec.data.path}")

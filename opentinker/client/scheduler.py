@@ -42,6 +42,13 @@ class SchedulerClient:
     def metrics(self, job_id: str) -> dict[str, list[list[float]]]:
         return self._gateway.request("GET", f"/v1/jobs/{job_id}/metrics")
 
+    def logs(self, job_id: str, offset: int = 0, limit: int = 200) -> dict[str, Any]:
+        """A page of the job's log lines, oldest first, from the `offset`-th (at most `limit`, 200):
+        `lines` (time, level, message, task), `next_offset` (pass it back for the lines that follow),
+        the job's `state`, and `complete` once it has ended and no line is still to come. A line
+        shows once it is a few seconds old (opentinker.control.follow.LOG_SETTLE_S)."""
+        return self._gateway.request("GET", f"/v1/jobs/{job_id}/logs", params={"offset": offset, "limit": limit})
+
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """The job's checkpoint step folders, oldest first: step, url, `valid`, and otherwise the
         `problem` (the line resume skips it with)."""

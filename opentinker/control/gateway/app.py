@@ -51,6 +51,8 @@ Text = Annotated[str, Field(max_length=MAX_FIELD_CHARS), AfterValidator(_plain)]
 JobId = Annotated[str, PathParam(max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 ArtifactPath = Annotated[str, PathParam(max_length=MAX_FIELD_CHARS, pattern=r"^[^\x00-\x1f\x7f]+$")]
 ArtifactQuery = Annotated[str | None, Query(max_length=MAX_FIELD_CHARS, pattern=r"^[^\x00-\x1f\x7f]*$")]
+LOG_PAGE = 200  # the most lines Prefect answers at once
+MAX_LOG_OFFSET = 10**9  # beyond any job's log; a larger number would overflow the database's integers
 
 
 def _validation_line(err: RequestValidationError) -> str:
@@ -186,6 +188,13 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     @app.get("/v1/jobs/{job_id}/metrics")
     def metrics(job_id: JobId, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
         return guarded(jobs.metrics, job_id)
+
+    @app.get("/v1/jobs/{job_id}/logs")
+    def logs(job_id: JobId, offset: Annotated[int, Query(ge=0, le=MAX_LOG_OFFSET)] = 0,
+             limit: Annotated[int, Query(ge=1, le=LOG_PAGE)] = LOG_PAGE, jobs: TenantJobs = Depends(tenant_jobs)) -> dict[str, Any]:
+        """A page of the job's log lines (its flow run's: the job's own), oldest first, from the
+        `offset`-th; `next_offset` continues, and `complete` says that no more will come."""
+        return guarded(jobs.logs, job_id, offset, limit)
 
     @app.get("/v1/jobs/{job_id}/artifacts")
     def artifacts(job_id: JobId, path: ArtifactQuery = None, jobs: TenantJobs = Depends(tenant_jobs)) -> list[dict[str, Any]]:

@@ -8,6 +8,10 @@ tenant's lock, so a burst admits exactly that many: quota.py) and `tenant_max_ru
 rest wait their turn in the queue: the flow holds a slot of `tenant-<name>`). A tenant's runs go to
 its own work queue of the pool, and waiting jobs of several tenants take turns for the slots (the
 fair-share rule: opentinker/orchestration/admission.py).
+
+`StackJobs` is the operator's view of the same jobs on the stack's machine (every tenant's and the
+operator's own, no key: `opentinker jobs` without OPENTINKER_API_KEY); it answers with the same
+fields, and never sits behind the gateway.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from opentinker.control.gateway import checkpoints, confine, inference
+from opentinker.control.follow import LOG_SETTLE_S, Progress, flow_run_logs, mlflow_runs, read_progress
 from opentinker.control.gateway.quota import tenant_lock
 from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, QUEUED_CANCEL, SLOTS_HELD_TAG, check_fits, deployment_name,
                                           ensure_tenant_limit, ensure_tenant_queue, flow_for, job_state, job_tags, parked_state,
@@ -26,11 +31,10 @@ from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, QU
 from opentinker.core.settings import Settings
 from opentinker.core.spec import MultiAgentSpec, SpecError, parse_spec
 from opentinker.core.spec_limits import input_problem
+from opentinker.core.states import TERMINAL
 from opentinker.core.tokens import job_token
 from opentinker.sft.spec import is_sft_spec, parse_sft_spec
 from opentinker.storage.registry import model_name_for
-from opentinker.tracking.metrics import headline_key
-from opentinker.tracking.runs import JOB_TAG
 
 # Stands in for the environment while a job waits for fit(): the rest of the spec is checked now.
 _PLACEHOLDER_ENV = {"link": "pending"}
@@ -58,12 +62,24 @@ class TenantJobs:
         self.tenant = tenant
 
     # --- Prefect --------------------------------------------------------------------------
-    def _runs(self, job_id: str | None = None) -> list[Any]:
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    def _tags(self, job_id: str | None = None) -> list[str]:
+        """The tags every run this view sees carries: the tenant's (and the job's)."""
+        return [f"tenant:{self.tenant}"] + ([f"job:{job_id}"] if job_id else [])
 
-        tags = [f"tenant:{self.tenant}"] + ([f"job:{job_id}"] if job_id else [])
+    def _experiment(self, run: Any) -> str:
+        """The MLflow experiment of a run's job: the tenant's own."""
+        return self.tenant
+
+    def _runs(self, job_id: str | None = None) -> list[Any]:
+        """The view's runs (of one job), newest first; of many, the 200 scheduled last (Prefect's
+        default order is by random id), parked ones first."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        tags = self._tags(job_id)
         with prefect_client() as client:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags)), limit=200)
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=tags)), limit=200,
+                                         sort=FlowRunSort.EXPECTED_START_TIME_DESC)
         return sorted(runs, key=lambda r: r.created or datetime.min.replace(tzinfo=timezone.utc), reverse=True)
 
     def _run(self, job_id: str) -> Any:
@@ -191,13 +207,14 @@ class TenantJobs:
 
     # --- read -----------------------------------------------------------------------------
     def describe(self, job_id: str, run: Any) -> dict[str, Any]:
+        """What Prefect knows of a job (no MLflow: submit answers with it at once)."""
         state, reason = job_state(run)
         spec = run.parameters.get("spec") or {}
         out = {
-            "job_id": job_id, "state": state, "reason": reason,
+            "job_id": job_id, "tenant": run.parameters.get("tenant"), "state": state, "reason": reason,
             "num_gpus": (spec.get("resources") or {}).get("num_gpus", 0),
             "total_steps": (spec.get("optimization") or {}).get("steps"),
-            "created": run.created.isoformat() if run.created else None,
+            "created": _iso(run.created), "started": _iso(run.start_time), "ended": _iso(run.end_time),
             "server_url": f"{self.settings.public_gateway_url}/v1/jobs/{job_id}",
             "job_token": job_token(self.settings.stack_secret(), job_id),  # for the servers this job talks to
             "links": {"prefect": f"{self.settings.prefect_ui_url}/runs/flow-run/{run.id}"},
@@ -206,24 +223,56 @@ class TenantJobs:
             out |= inference.endpoint(self, job_id, run)  # its URL while it serves
         return out
 
+    def _with_progress(self, out: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        """A job's description with its MLflow progress: step, last reward and accuracy, failures."""
+        out |= {"step": progress.step, "reward": progress.reward, "accuracy": progress.accuracy}
+        if progress.total is not None:  # an SFT job: the steps its data and epochs make
+            out["total_steps"] = progress.total
+        if progress.failure:
+            out["failure"] = progress.failure  # the newest step's most common one
+        if progress.mlflow_run_url:
+            out["links"]["mlflow"] = progress.mlflow_run_url
+        return out
+
     def list(self) -> list[dict[str, Any]]:
-        return [self.describe(job_id, run) for job_id, run in self.latest_runs().items()]
+        """Every job of the view, newest first, with its progress (one MLflow search per experiment)."""
+        from mlflow.tracking import MlflowClient
+
+        latest = self.latest_runs()
+        ml = MlflowClient(tracking_uri=self.settings.mlflow_url)
+        found = {name: mlflow_runs(ml, name) for name in {self._experiment(run) for run in latest.values()}}
+        out = []
+        for job_id, run in latest.items():
+            experiment, ml_runs = found[self._experiment(run)]
+            progress = Progress(state="")
+            if job_id in ml_runs:
+                read_progress(ml, experiment, ml_runs[job_id], self.settings, progress, eval_step=False)
+            out.append(self._with_progress(self.describe(job_id, run), progress))
+        return out
 
     def status(self, job_id: str) -> dict[str, Any]:
-        out = self.describe(job_id, self._run(job_id))
-        ml = self._mlflow_run(job_id)
-        out |= {"step": 0, "metrics": {}, "checkpoint": None, "skipped_checkpoints": []}
-        if ml is not None:
-            client, run = ml
-            out["metrics"] = dict(run.data.metrics)
-            history = client.get_metric_history(run.info.run_id, headline_key(run.data.metrics, "rollout/reward_mean"))
-            out["step"] = max((m.step for m in history), default=0)
-            out["checkpoint"] = run.data.tags.get("opentinker.checkpoint")
-            out["skipped_checkpoints"] = [line for line in run.data.tags.get("opentinker.skipped_checkpoints", "").split("\n") if line]
-            if run.data.metrics.get(headline_key(run.data.metrics, "rollout/failed_episodes")):
-                out["failure"] = run.data.tags.get("opentinker.rollout/first_failure")  # the newest step's most common one
-            out["links"]["mlflow"] = f"{self.settings.mlflow_url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-        return out
+        run = self._run(job_id)
+        out = self.describe(job_id, run) | {"metrics": {}, "checkpoint": None, "skipped_checkpoints": []}
+        progress = Progress(state="")
+        if (ml := self._mlflow_run(job_id, run)) is not None:
+            client, experiment, ml_run = ml
+            read_progress(client, experiment, ml_run, self.settings, progress)
+            out["metrics"] = dict(ml_run.data.metrics)
+            out["checkpoint"] = progress.result.get("checkpoint")
+            out["skipped_checkpoints"] = [line for line in ml_run.data.tags.get("opentinker.skipped_checkpoints", "").split("\n") if line]
+        return self._with_progress(out, progress) | {"accuracy_step": progress.accuracy_step}
+
+    def logs(self, job_id: str, offset: int = 0, limit: int = 200) -> dict[str, Any]:
+        """A page of the job's log lines (its newest flow run's, oldest first) from `offset`, and
+        its state as read before them. `complete`: the job has ended long enough ago that every
+        line is in; a follower stops at the first short page that says so."""
+        run = self._run(job_id)
+        state, reason = job_state(run)
+        settled = datetime.now(timezone.utc) - timedelta(seconds=2 * LOG_SETTLE_S)  # its worker's last lines come after its end
+        complete = state in TERMINAL and (run.end_time is None or run.end_time < settled)
+        lines = flow_run_logs(run.id, offset, limit)
+        return {"job_id": job_id, "state": state, "reason": reason, "complete": complete, "offset": offset,
+                "next_offset": offset + len(lines), "lines": lines}
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """A job that holds no slots yet (scheduled, parked, pending, or started and waiting for
@@ -259,40 +308,61 @@ class TenantJobs:
         return {"job_id": job_id, "step": step, "deleted": deleted}
 
     # --- MLflow ---------------------------------------------------------------------------
-    def _mlflow_run(self, job_id: str):
+    def _mlflow_run(self, job_id: str, run: Any):
+        """(client, experiment, the job's newest MLflow run), or None before it has one."""
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri=self.settings.mlflow_url)
-        experiment = client.get_experiment_by_name(self.tenant)
-        if experiment is None:
-            return None
-        runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'", max_results=1)
-        return (client, runs[0]) if runs else None
+        experiment, runs = mlflow_runs(client, self._experiment(run), job_id)
+        return (client, experiment, runs[job_id]) if job_id in runs else None
 
     def metrics(self, job_id: str) -> dict[str, list[list[float]]]:
-        self._run(job_id)
-        ml = self._mlflow_run(job_id)
+        ml = self._mlflow_run(job_id, self._run(job_id))
         if ml is None:
             return {}
-        client, run = ml
+        client, _, run = ml
         return {key: [[m.step, m.value] for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
                 for key in run.data.metrics}
 
     def artifacts(self, job_id: str, path: str | None = None) -> list[dict[str, Any]]:
-        self._run(job_id)
-        ml = self._mlflow_run(job_id)
+        ml = self._mlflow_run(job_id, self._run(job_id))
         if ml is None:
             return []
-        client, run = ml
+        client, _, run = ml
         return [{"path": f.path, "is_dir": f.is_dir, "size": f.file_size} for f in client.list_artifacts(run.info.run_id, path)]
 
     def download_artifact(self, job_id: str, path: str, dst: str) -> str:
-        self._run(job_id)
-        ml = self._mlflow_run(job_id)
+        ml = self._mlflow_run(job_id, self._run(job_id))
         if ml is None:
             raise JobNotFound(f"{job_id}: no artifacts yet")
-        client, run = ml
+        client, _, run = ml
         return client.download_artifacts(run.info.run_id, path, dst)
+
+
+class StackJobs(TenantJobs):
+    """The operator's view on the stack's machine: every job (each tenant's, and those `opentinker
+    train` submitted without one), read and cancelled as a tenant's are. Not for the gateway."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.tenant = None
+
+    def _tags(self, job_id: str | None = None) -> list[str]:
+        return ["opentinker"] + ([f"job:{job_id}"] if job_id else [])
+
+    def _experiment(self, run: Any) -> str:
+        return run.parameters.get("tenant") or self.settings.project
+
+    def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's step folders where its spec put them (a tenant's job: the tenant's storage)."""
+        run = self._run(job_id)
+        spec = run.parameters.get("spec") or {}
+        root = (spec.get("checkpoint") or {}).get("base_url") or self.settings.storage_url
+        return checkpoints.listed(root, run.parameters.get("tenant"), job_id, spec, self.settings.stack_secret())
+
+
+def _iso(when: Any) -> str | None:
+    return when.isoformat() if when else None
 
 
 def spec_error_lines(err: SpecError) -> list[str]:

@@ -318,3 +318,71 @@ def test_racing_links_and_racing_starts_exactly_one_wins(service, tmp_path):
         for link in links:
             link.close()
         scheduler.cancel_job(job_id)
+
+
+class SizedGame:
+    """A client's game whose step answers as many bytes of observation as the action asks for."""
+
+    def get_system_prompt(self) -> str:
+        return ""
+
+    def get_initial_user_message(self) -> str:
+        return ""
+
+    def get_example_turns(self) -> list:
+        return []
+
+    def reset(self, **task) -> str:
+        return "ready"
+
+    def step(self, action: str):
+        from opentinker.env import StepResult
+
+        return StepResult(observation="x" * int(action), reward=0.0, done=False)
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_answer_over_the_limit_costs_its_call_and_the_link_plays_on(service, tmp_path):
+    """Through the real gateway: an answer over OPENTINKER_ENV_MAX_RESPONSE_BYTES (the stack's
+    4 MiB) reaches the job as that call's error with the numbers; a job reading with a lower limit
+    refuses the line as it streams in; a frame over the gateway's 16 MiB WebSocket limit closes the
+    link (the calls it owed say so) and the client reopens it. The other calls, and episodes, go on."""
+    import httpx
+
+    from opentinker.client.link import EnvironmentLink
+    from opentinker.env.linked import LinkedGameClass
+    from opentinker.env.remote import RemoteGameError
+
+    settings, _, key = service
+    config = {"model": {"name": "tiny-random"}, "storage": {"base_url": f"file://{tmp_path}/runs"}}
+    job = httpx.post(f"{settings.gateway_url}/v1/jobs", json={"config": config}, headers={"Authorization": f"Bearer {key}"},
+                     trust_env=False, timeout=60).json()  # parked until a /start: the test plays the job's side itself
+    link = EnvironmentLink(settings.gateway_url, key, job["job_id"], SizedGame).open()
+    limit = r"the answer is over the limit of OPENTINKER_ENV_MAX_RESPONSE_BYTES \({}\): "
+    try:
+        games = LinkedGameClass(settings.gateway_url, job["job_id"], job["job_token"], "SizedGame", timeout_s=60)
+        game = games()
+        assert game.reset() == "ready"
+        with pytest.raises(RemoteGameError, match="^" + limit.format("4,194,304 bytes") + r"10,000,0\d\d bytes from the client$"):
+            game.step("10000000")
+        assert game.step("5").observation == "xxxxx"  # the same episode's next call: the link is up, the session lives
+
+        strict = LinkedGameClass(settings.gateway_url, job["job_id"], job["job_token"], "SizedGame", max_answer_bytes=1024**2)()
+        strict.reset()
+        with pytest.raises(RemoteGameError, match="^gateway link: " + limit.format("1,048,576 bytes") + r"1,\d{3},\d{3} bytes of one answer read"):
+            strict.step("3000000")
+
+        with pytest.raises(RemoteGameError, match=r"^the client's environment link closed: it sent a frame over the gateway's WebSocket limit "
+                                                  r"\(close code 1009\)"):
+            game.step("20000000")
+        deadline = time.monotonic() + 60
+        while link.reopened < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert link.reopened == 1 and link.lost is None
+        again = games()
+        assert again.reset() == "ready" and again.step("3").observation == "xxx"
+    finally:
+        link.close()
+        httpx.post(f"{settings.gateway_url}/v1/jobs/{job['job_id']}/cancel", headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=60)

@@ -2,7 +2,12 @@
 
 Every server here is a real uvicorn on 127.0.0.1, in a background thread of the test process."""
 
+import asyncio
+import gzip
+import re
 import threading
+import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -14,7 +19,7 @@ from envs.math import MathGame
 from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.cli.env import env_app
-from opentinker.env import GameEnvironment, environment_from_spec
+from opentinker.env import GameEnvironment, StepResult, environment_from_spec
 from opentinker.env.remote import UNAVAILABLE, RemoteGameClass, RemoteGameError
 from opentinker.env.server import create_app
 from opentinker.tracking.metrics import episode_stats
@@ -231,3 +236,152 @@ def test_cli_serve_with_a_bad_import_path_says_so_in_one_line():
         result = CliRunner().invoke(root, ["env", "serve", path, "--port", str(free_port())])
         assert result.exit_code == 2, result.output
         assert result.output.startswith(f"cannot serve {path}:") and len(result.output.strip().splitlines()) == 1
+
+
+# --- what a server sends is bounded (OPENTINKER_ENV_MAX_RESPONSE_BYTES) ---------------------------
+
+MiB = 1024**2
+LIMIT_LINE = r"the answer is over the limit of OPENTINKER_ENV_MAX_RESPONSE_BYTES \(1,048,576 bytes\): "
+
+
+class BulkyOnEvenTasks(ScriptedTurns):
+    """One turn; the step of a task with an even id answers a 3 MB observation."""
+
+    def reset(self, **task: Any) -> str:
+        self.bulky = task.get("id", 0) % 2 == 0
+        return super().reset(**task)
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(observation="x" * 3 * MiB if self.bulky else "fine", reward=0.0 if self.bulky else 1.0, done=True)
+
+
+class Streams:
+    """A server whose every answer is `body(request)` as a chunked stream (no Content-Length),
+    with `headers`; `stopped` is set once a stream has ended (finished or cut off by the client)."""
+
+    def __init__(self, body, headers=None):
+        from starlette.applications import Starlette
+        from starlette.responses import StreamingResponse
+        from starlette.routing import Route
+
+        self.stopped = threading.Event()
+
+        async def answer(request):
+            async def stream():
+                try:
+                    async for chunk in body(request):
+                        yield chunk
+                finally:
+                    self.stopped.set()
+
+            if request.method == "POST" and request.url.path == "/sessions":  # sessions open normally
+                return StreamingResponse(iter([b'{"session_id": "s1", "system_prompt": "", "initial_user_message": "", "example_turns": []}']))
+            return StreamingResponse(stream(), headers=headers, media_type="application/json")
+
+        self.served = ServedApp(lambda: Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST", "DELETE"])]))
+        self.url = self.served.url
+
+
+async def _endless(request):
+    chunk = b"x" * 65536
+    while True:
+        yield chunk
+        await asyncio.sleep(0)
+
+
+async def _trickle(request):
+    for _ in range(1000):
+        yield b" "
+        await asyncio.sleep(0.1)
+
+
+async def _gzipped(request):
+    yield gzip.compress(b'{"observation": "' + b"x" * 50 * MiB + b'"}')
+
+
+def test_an_answer_over_the_limit_costs_its_episode_in_one_line_and_the_rest_is_never_read():
+    bulky = Served(BulkyOnEvenTasks)
+    try:  # announced: refused from its Content-Length, before a byte of it is read
+        remote_cls = RemoteGameClass(bulky.url, max_response_bytes=MiB)
+        game = remote_cls()
+        assert game.reset(id=0) == "start 0"
+        with pytest.raises(RemoteGameError) as refused:
+            game.step("anything")
+        assert re.fullmatch(rf"POST {bulky.url}/sessions/…/step: {LIMIT_LINE}3,145,7\d\d bytes announced \(Content-Length\)", str(refused.value))
+        game.close()
+        game = remote_cls()  # the server and the client's pool go on
+        game.reset(id=1)
+        assert game.step("anything").observation == "fine"
+        game.close()
+    finally:
+        bulky.stop()
+
+    endless = Streams(_endless)  # streamed, never ending: counted, cut at the limit, the connection closed
+    try:
+        game = RemoteGameClass(endless.url, timeout_s=30, max_response_bytes=MiB)()
+        started = time.monotonic()
+        with pytest.raises(RemoteGameError, match=rf"^POST {endless.url}/sessions/…/reset: {LIMIT_LINE}1,\d{{3}},\d{{3}} bytes read and more coming$"):
+            game.reset()
+        assert time.monotonic() - started < 5 and endless.stopped.wait(5)  # the server saw the client go
+        sentinel = RemoteGameClass(endless.url, max_response_bytes=MiB).generate_task(np.random.default_rng(0))
+        assert re.fullmatch(rf"no task from {endless.url} \(POST {endless.url}/generate_task: {LIMIT_LINE}.* bytes read and more coming\)",
+                            sentinel[UNAVAILABLE])  # a task too large to read costs its episodes, never the job
+    finally:
+        endless.served.stop()
+
+    trickle = Streams(_trickle)  # a byte every 0.1 s keeps each read alive: the whole answer has timeout_s
+    try:
+        game = RemoteGameClass(trickle.url, timeout_s=1, max_response_bytes=MiB)()
+        started = time.monotonic()
+        with pytest.raises(RemoteGameError, match=r"^POST .*/sessions/…/reset: the answer was not complete in time \(\d+ bytes read\)$"):
+            game.reset()
+        assert time.monotonic() - started < 3
+    finally:
+        trickle.served.stop()
+
+    gzipped = Streams(_gzipped, headers={"Content-Encoding": "gzip"})  # 50 KB on the wire, 50 MB inflated: never inflated
+    try:
+        with pytest.raises(RemoteGameError, match=r"/sessions/…/reset: the answer is compressed \(Content-Encoding: gzip\), which the job does not accept$"):
+            RemoteGameClass(gzipped.url, max_response_bytes=MiB)().reset()
+    finally:
+        gzipped.served.stop()
+
+
+def test_the_same_failure_of_every_episode_reads_as_one(tiny, caplog):
+    """The reason names the route, not the session: eight episodes failing alike read "8 of 8"; the
+    log keeps each session's full URL."""
+    model, tok = tiny
+    served = Served(RaisingGame)
+    try:
+        remote_cls = RemoteGameClass(served.url, timeout_s=5)
+        with caplog.at_level("WARNING", logger="opentinker.env.remote"):
+            trajs = run_episodes(HFRolloutEngine(model, tok), ChatFormat(tok), [remote_cls() for _ in range(8)], [{"id": i} for i in range(8)],
+                                 SamplingParams(max_new_tokens=3), EpisodeLimits(max_turns=2, max_total_tokens=512, step_timeout_s=10))
+    finally:
+        served.stop()
+    reason = f"step: RemoteGameError: POST {served.url}/sessions/…/step: HTTP 500: RuntimeError: environment bug"
+    assert episode_stats(trajs, "rollout")["rollout/first_failure"] == f"{reason} (8 of 8 episodes)"
+    logged = {m for m in caplog.messages if "/step: HTTP 500" in m}
+    assert len(logged) == 8 and all(re.fullmatch(rf"POST {served.url}/sessions/[0-9a-f]{{32}}/step: HTTP 500: RuntimeError: environment bug", m) for m in logged)  # one per session
+
+
+def test_a_job_whose_server_answers_too_much_fails_those_episodes_and_goes_on(tmp_path, monkeypatch):
+    """In-process RLJob against a real server: half the tasks' steps answer 3 MB over a 1 MiB limit
+    (two training tasks, four a step: each step plays both twice)."""
+    from opentinker.rl import RLJob
+    from tests.conftest import tiny_spec
+
+    monkeypatch.setenv("OPENTINKER_ENV_MAX_RESPONSE_BYTES", str(MiB))
+    served = Served(BulkyOnEvenTasks)
+    try:
+        spec = tiny_spec(tmp_path, optimization={"steps": 3}, evaluation={"every": 0, "n_samples": 4}, checkpoint={"every": 3},
+                         env={"game": None, "url": served.url, "timeout_s": 10, "config": {"dataset": [{"id": 0}, {"id": 1}], "val_dataset": [{"id": 2}, {"id": 3}]}})
+        seen = []
+        result = RLJob(spec, job_id="bulky").run(on_step=seen.append)
+    finally:
+        served.stop()
+    assert result.steps_done == 3 and result.not_registrable is None  # the job went on, healthy
+    for report in seen:
+        assert report.metrics["rollout/failed_episodes"] == 8 and report.metrics["update/sequences"] == 8
+        assert re.fullmatch(rf"step: AnswerRefused: POST {served.url}/sessions/…/step: {LIMIT_LINE}3,145,7\d\d bytes announced "
+                            r"\(Content-Length\) \(8 of 16 episodes\)", report.metrics["rollout/first_failure"])

@@ -3,11 +3,15 @@ servers on 127.0.0.1 started here, episodes played through our adapter and the a
 policy with the real tokenizer: no language model). A refused action costs its turn; an environment
 that raises or hangs costs its episode, counted, and the next episode plays on."""
 
+import asyncio
+import base64
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -34,7 +38,7 @@ from opentinker.env.openenv_server import create_openenv_app  # noqa: E402
 from opentinker.model.loading import tokenizer_path  # noqa: E402
 from opentinker.tracking.metrics import episode_stats  # noqa: E402
 from tests import openenv_games  # noqa: E402
-from tests.openenv_games import EchoEnv, GuessEnv, TroubleEnv  # noqa: E402
+from tests.openenv_games import EchoAction, EchoEnv, EchoObservation, GuessEnv, TroubleEnv  # noqa: E402
 from tests.served import ServedApp, free_port  # noqa: E402
 
 TOKEN = "openenv-test-token"
@@ -278,3 +282,54 @@ def test_env_serve_openenv_serves_over_the_command_line():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+MiB = 1024**2
+
+
+class BulkyEnv(EchoEnv):
+    """'big' answers 3 MB of text that compresses well, 'noise' 3 MB that does not; else it echoes."""
+
+    def step(self, action: EchoAction, timeout_s: Optional[float] = None, **kwargs: Any) -> EchoObservation:  # type: ignore[override]
+        if action.message in ("big", "noise"):
+            text = "x" * 3 * MiB if action.message == "big" else base64.b64encode(os.urandom(9 * MiB // 4)).decode()
+            return EchoObservation(echoed_message=text)
+        return super().step(action)
+
+
+def test_a_message_over_the_limit_costs_its_episode_in_one_line(tok, monkeypatch):
+    """OpenEnv's WebSocket takes at most OPENTINKER_ENV_MAX_RESPONSE_BYTES a message: past it the
+    connection closes (websockets checks the frame's header, and stops inflating a compressed one
+    at the limit), that episode fails with the numbers, and the next one plays."""
+    monkeypatch.setenv("OPENTINKER_ENV_MAX_RESPONSE_BYTES", str(MiB))
+    served = Served(BulkyEnv)
+    try:
+        game_class = OpenEnvGameClass(served.url, timeout_s=5, retries=0, token=TOKEN)
+        big, noise, fine = _play(tok, game_class, {1: ["big"], 2: ["noise"], 3: ["hello", "stop"]})
+        limit = r"the answer is over the limit of OPENTINKER_ENV_MAX_RESPONSE_BYTES \(1,048,576 bytes\): "
+        assert re.fullmatch(rf"step: RemoteGameError: step {served.url}: {limit}a compressed message that inflates past it", big.failure)
+        assert re.fullmatch(rf"step: RemoteGameError: step {served.url}: {limit}a frame of \d,\d{{3}},\d{{3}} bytes announced", noise.failure)
+        assert not fine.failed and fine.reward == 1.0
+        assert episode_stats([big, noise, fine], "rollout")["rollout/failed_episodes"] == 2.0
+    finally:
+        served.stop()
+
+
+def test_a_schema_over_the_limit_is_refused_before_it_is_read():
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def endless():
+        while True:
+            yield b" " * 65536
+            await asyncio.sleep(0)
+
+    served = ServedApp(lambda: Starlette(routes=[Route("/schema", lambda request: StreamingResponse(endless()))]))
+    try:
+        game = OpenEnvGameClass(served.url, timeout_s=5, token=TOKEN, max_response_bytes=MiB)()
+        with pytest.raises(RuntimeError, match=rf"^GET {served.url}/schema: the answer is over the limit of OPENTINKER_ENV_MAX_RESPONSE_BYTES "
+                                               r"\(1,048,576 bytes\): 1,\d{3},\d{3} bytes read and more coming$"):
+            game.reset(__seed__=1)
+    finally:
+        served.stop()

@@ -186,6 +186,14 @@ class Settings(BaseSettings):
     it before submission and the worker again before its first request, so no spec sends our
     workers into the operator's network (cloud metadata, internal services). Default: loopback only."""
 
+    env_max_response_bytes: int = Field(4 * 1024**2, gt=0)
+    """The most bytes a job reads of one answer of an environment: one HTTP response of an
+    environment server (`env.url`, also `/generate_task`), one OpenEnv message, one answer of a
+    client link's game as the gateway relays it. It is counted as the answer streams in, before
+    anything is decoded, and within `env.timeout_s`: past it the connection closes and that episode
+    fails in one line with the numbers (the job goes on). Images count as base64 PNG; a game whose
+    observations are larger (several big images) needs more."""
+
     @field_validator("env_url_allow")
     @classmethod
     def _env_hosts_parse(cls, value: str) -> str:
@@ -194,8 +202,8 @@ class Settings(BaseSettings):
 
     @cached_property
     def env_hosts(self) -> EnvHosts:
-        """`env_url_allow`, parsed (see opentinker.core.env_hosts)."""
-        return EnvHosts.parse(self.env_url_allow)
+        """`env_url_allow`, parsed, with this stack's own servers, which no env.url reaches (see opentinker.core.env_hosts)."""
+        return EnvHosts.of(self)
 
     @field_validator("state_dir")
     @classmethod

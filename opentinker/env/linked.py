@@ -19,6 +19,10 @@ for the job: episode calls fail at once, but drawing tasks (the start of every s
 
 One client per job: the gateway refuses a second link while one is open (HTTP 409), unless it
 asks to take over (`fit(takeover=True)`); the replaced client's socket closes with TAKEN_OVER.
+
+An answer is bounded as a served environment's is (OPENTINKER_ENV_MAX_RESPONSE_BYTES): the gateway
+turns a client's answer over it into that call's error with the numbers, and this side counts each
+streamed line as it arrives and refuses one past the limit before decoding it (`capped_lines`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -36,9 +41,10 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from opentinker.core.polling import is_blip
+from opentinker.core.settings import get_settings
 from opentinker.env.base import AbstractGame, StepResult
 from opentinker.env.observation import Observation, from_wire
-from opentinker.env.remote import RemoteGameError
+from opentinker.env.remote import AnswerRefused, RemoteGameError, over_limit
 
 
 TAKEN_OVER = 4410  # close code: another client of the job took the link over (fit(takeover=True))
@@ -58,13 +64,34 @@ def link_path(job_id: str) -> str:
     return f"/v1/internal/jobs/{job_id}/link"
 
 
+def capped_lines(response: httpx.Response, limit: int) -> Iterator[bytes]:
+    """The lines of a streamed NDJSON response, each counted as it arrives and refused
+    (AnswerRefused) once it passes `limit` bytes, before any of it is decoded."""
+    line = bytearray()
+    for chunk in response.iter_raw():
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            line += chunk[start:] if end < 0 else chunk[start:end]
+            if len(line) > limit:
+                raise AnswerRefused(over_limit(limit, f"{len(line):,} bytes of one answer read and more coming"))
+            if end < 0:
+                break
+            yield bytes(line)
+            line.clear()
+            start = end + 1
+    if line:
+        yield bytes(line)
+
+
 class _Batcher:
     """Calls from many threads sent together: a call waits on its future; the sender takes every
     call queued within `window_s` of the first and posts them as one request, whose streamed
     answer resolves the futures one by one as results arrive."""
 
-    def __init__(self, client: httpx.Client, path: str, timeout_s: float, window_s: float = 0.003, max_calls: int = 256):
-        self.client, self.path, self.timeout_s = client, path, timeout_s
+    def __init__(self, client: httpx.Client, path: str, timeout_s: float, max_answer_bytes: int, window_s: float = 0.003,
+                 max_calls: int = 256):
+        self.client, self.path, self.timeout_s, self.max_answer_bytes = client, path, timeout_s, max_answer_bytes
         self.window_s, self.max_calls = window_s, max_calls
         self._queue: queue.Queue[tuple[dict[str, Any], Future]] = queue.Queue()
         self._ids = itertools.count()
@@ -97,8 +124,8 @@ class _Batcher:
                     response.read()
                     kind = NoClient if response.status_code in (502, 503, 504) else RemoteGameError  # a proxy, the gateway coming back
                     raise kind(f"gateway link: HTTP {response.status_code}: {response.text[:300]}")
-                for line in response.iter_lines():
-                    if not line:
+                for line in capped_lines(response, self.max_answer_bytes):
+                    if not line.strip():
                         continue
                     result = json.loads(line)
                     future = pending.pop(result.get("id"), None)
@@ -107,6 +134,8 @@ class _Batcher:
         except Exception as err:  # noqa: BLE001 - every call of the batch learns why
             if is_blip(err):  # no answer from the gateway is a lost link, as a client gone is
                 err = NoClient(f"the gateway did not answer ({type(err).__name__}: {err})")
+            elif isinstance(err, AnswerRefused):  # the rest of the stream is never read: the connection closes
+                err = RemoteGameError(f"gateway link: {err}")
             elif not isinstance(err, RemoteGameError):
                 err = RemoteGameError(f"gateway link: {type(err).__name__}: {err}")
             for future in pending.values():
@@ -155,11 +184,13 @@ class LinkedGameClass:
     """The user's game class, reached through the gateway; `name` is what the user calls it."""
 
     def __init__(self, gateway_url: str, job_id: str, token: str, name: str = "game", timeout_s: float = 30.0,
-                 link_timeout_s: float = 300.0):
+                 link_timeout_s: float = 300.0, max_answer_bytes: int | None = None):
+        """`max_answer_bytes`: default OPENTINKER_ENV_MAX_RESPONSE_BYTES."""
         self.__name__ = name
         self.job_id, self.link_timeout_s = job_id, link_timeout_s
-        client = httpx.Client(base_url=gateway_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, trust_env=False)
-        self.batcher = _Batcher(client, link_path(job_id), timeout_s)
+        client = httpx.Client(base_url=gateway_url.rstrip("/"), trust_env=False,
+                              headers={"Authorization": f"Bearer {token}", "Accept-Encoding": "identity"})
+        self.batcher = _Batcher(client, link_path(job_id), timeout_s, max_answer_bytes or get_settings().env_max_response_bytes)
 
     def ask(self, op: str, wait_s: float = 0.0, **fields: Any) -> dict[str, Any]:
         """One call's answer, or RemoteGameError with the client's (or the gateway's) reason."""

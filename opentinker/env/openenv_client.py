@@ -15,6 +15,10 @@ action never reaches the server: the turn gets reward 0 and an observation sayin
 goes on); a server answering VALIDATION_ERROR is the same refusal. Every step's info counts
 `illegal_moves` (refused) and `moves` (played), so the job reports `illegal_move_rate`.
 
+What a server sends is bounded as for `opentinker.env.remote`: a WebSocket message over
+OPENTINKER_ENV_MAX_RESPONSE_BYTES is refused as its frame header (or its decompression) passes the
+limit, and `/schema` is read as a counted stream; the episode fails with the numbers.
+
 Observation to text (the rule): OpenEnv sends an observation without reward, done and metadata;
 its text is its only field when that is a string, else its `text` or `message` field when that is
 a string, else the observation as JSON (sorted keys).
@@ -30,21 +34,20 @@ import re
 import threading
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from openenv.core.generic_client import GenericEnvClient
 from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosedError, PayloadTooBig
 
 from opentinker.core.env_hosts import EnvHosts
 from opentinker.core.settings import get_settings
 from opentinker.env.base import SEED_KEY, AbstractGame, StepResult, seed_task
 from opentinker.env.confined_net import confined_client
-from opentinker.env.remote import RemoteGameError
+from opentinker.env.remote import AnswerRefused, RemoteGameError, over_limit, read_capped
 
 _BACKOFF_S = 0.1
 _CLOSE_TIMEOUT_S = 5.0
-_MAX_MESSAGE_BYTES = 16 * 1024**2
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```$", re.DOTALL)
 
 
@@ -64,9 +67,10 @@ class ConfinedEnvClient(GenericEnvClient):
     process's proxy settings, to the address checked as it connects; it also leaves the process's
     NO_PROXY alone (the package's connect() rewrites it, racing other threads)."""
 
-    def __init__(self, base_url: str, timeout_s: float, token: str | None, hosts: EnvHosts | None = None):
-        super().__init__(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s,
-                         max_message_size_mb=_MAX_MESSAGE_BYTES / 1024**2, mode="simulation")
+    def __init__(self, base_url: str, timeout_s: float, token: str | None, hosts: EnvHosts | None = None,
+                 max_message_bytes: int | None = None):
+        super().__init__(base_url, connect_timeout_s=timeout_s, message_timeout_s=timeout_s, mode="simulation")
+        self._max_message_size = max_message_bytes or get_settings().env_max_response_bytes  # exact bytes (the package takes MB)
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self._hosts = hosts or get_settings().env_hosts
 
@@ -74,7 +78,7 @@ class ConfinedEnvClient(GenericEnvClient):
         if self._ws is None:
             try:
                 # the TCP connection goes to the address checked now (opentinker.env.confined_net); TLS and Host keep the URL's name
-                address = await asyncio.to_thread(self._hosts.address_to_connect, urlsplit(self._ws_url).hostname or "")
+                address = await asyncio.to_thread(self._hosts.address_for, self._ws_url)
                 self._ws = await _NoRedirect(self._ws_url, additional_headers=self._headers, open_timeout=self._connect_timeout,
                                              max_size=self._max_message_size, close_timeout=_CLOSE_TIMEOUT_S, proxy=None, host=address)
             except (OSError, TimeoutError) as err:  # refused, reset, no answer, an address not allowed: nothing was sent
@@ -82,6 +86,19 @@ class ConfinedEnvClient(GenericEnvClient):
             except Exception as err:  # noqa: BLE001 - a 401/403, a redirect, not a WebSocket server: an answer
                 raise ConnectionAnswered(f"{type(err).__name__}: {err}") from None
         return self
+
+    async def _receive(self) -> dict[str, Any]:
+        """The package's, with a message over the limit said with the numbers (websockets closes with 1009)."""
+        socket = self._ws
+        try:
+            return await super()._receive()
+        except ConnectionClosedError:
+            refused = getattr(getattr(socket, "protocol", None), "parser_exc", None)
+            if isinstance(refused, PayloadTooBig):
+                size = getattr(refused, "size", None)
+                seen = f"a frame of {size:,} bytes announced" if size else "a compressed message that inflates past it"
+                raise AnswerRefused(over_limit(self._max_message_size, seen)) from None
+            raise
 
 
 class ClientLoop:
@@ -161,8 +178,9 @@ def observation_text(observation: Any) -> str:
 class _Server:
     """One OpenEnv server: its base URL, the job's token, and its action schema (read once)."""
 
-    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None, hosts: EnvHosts):
+    def __init__(self, url: str, timeout_s: float, retries: int, token: str | None, hosts: EnvHosts, max_response_bytes: int):
         self.url, self.timeout_s, self.retries, self.token, self.hosts = url.rstrip("/"), timeout_s, retries, token, hosts
+        self.max_response_bytes = max_response_bytes
         self._schema: tuple[dict[str, Any], Any] | None = None
         self._lock = threading.Lock()
 
@@ -170,12 +188,16 @@ class _Server:
         """(action schema, its validator), from GET /schema; a failure is retried by the next episode."""
         with self._lock:
             if self._schema is None:
-                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+                headers = {"Accept-Encoding": "identity"} | ({"Authorization": f"Bearer {self.token}"} if self.token else {})
                 for attempt in range(self.retries + 1):
                     try:
-                        with confined_client(self.hosts, timeout=self.timeout_s) as client:
-                            response = client.get(f"{self.url}/schema", headers=headers)
+                        deadline = time.monotonic() + self.timeout_s
+                        with confined_client(self.hosts, timeout=self.timeout_s) as client, \
+                                client.stream("GET", f"{self.url}/schema", headers=headers) as response:
+                            body = read_capped(response, self.max_response_bytes, deadline)
                         break
+                    except AnswerRefused as err:
+                        raise RemoteGameError(f"GET {self.url}/schema: {err}") from None
                     except (httpx.ConnectError, httpx.ConnectTimeout) as err:
                         if attempt == self.retries:
                             raise RemoteGameError(f"GET {self.url}/schema: {type(err).__name__}: {err}") from None
@@ -183,13 +205,19 @@ class _Server:
                     except httpx.TransportError as err:
                         raise RemoteGameError(f"GET {self.url}/schema: {type(err).__name__}: {err or 'no answer'}") from None
                 if response.is_error:
-                    raise RemoteGameError(f"GET {self.url}/schema: HTTP {response.status_code}: {response.text[:300]}")
+                    raise RemoteGameError(f"GET {self.url}/schema: HTTP {response.status_code}: {bytes(body[:300]).decode(errors='replace')}")
                 try:
-                    action = response.json()["action"]
+                    action = json.loads(body)["action"]
                     self._schema = (action, _validator(action))
                 except Exception as err:  # noqa: BLE001 - whatever the server sent, one line
                     raise RemoteGameError(f"GET {self.url}/schema: no usable action schema ({type(err).__name__}: {err})") from None
             return self._schema
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
+        return "no answer"
+    return str(err) if isinstance(err, RemoteGameError) else f"{type(err).__name__}: {err}"
 
 
 class OpenEnvGame(AbstractGame):
@@ -218,15 +246,15 @@ class OpenEnvGame(AbstractGame):
             return ClientLoop.run(coro, 2 * self._server.timeout_s + _CLOSE_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - every failure here costs the episode
             self.close()
-            message = "no answer" if isinstance(err, (TimeoutError, asyncio.TimeoutError)) else f"{type(err).__name__}: {err}"
-            raise RemoteGameError(f"{what} {self._server.url}: {message}") from None
+            raise RemoteGameError(f"{what} {self._server.url}: {_reason(err)}") from None
 
     def reset(self, **task: Any) -> str:
         self._server.schema()  # no session before the action's schema is known
         kwargs = {("seed" if k == SEED_KEY else k): v for k, v in task.items()}
         for attempt in range(self._server.retries + 1):
             self.close()
-            self._client = ConfinedEnvClient(self._server.url, self._server.timeout_s, self._server.token, self._server.hosts)
+            self._client = ConfinedEnvClient(self._server.url, self._server.timeout_s, self._server.token, self._server.hosts,
+                                             self._server.max_response_bytes)
             try:
                 ClientLoop.run(self._client.connect(), 2 * self._server.timeout_s)
                 break
@@ -258,8 +286,7 @@ class OpenEnvGame(AbstractGame):
             raise RemoteGameError(f"step {self._server.url}: {err}") from None
         except Exception as err:  # noqa: BLE001 - a timeout, a dropped connection: the episode is lost
             self.close()
-            message = "no answer" if isinstance(err, (TimeoutError, asyncio.TimeoutError)) else f"{type(err).__name__}: {err}"
-            raise RemoteGameError(f"step {self._server.url}: {message}") from None
+            raise RemoteGameError(f"step {self._server.url}: {_reason(err)}") from None
         self.played += 1
         reward = 0.0 if result.reward is None else float(result.reward)
         return StepResult(observation_text(result.observation), reward, bool(result.done), self._counts())
@@ -285,13 +312,16 @@ class OpenEnvGameClass:
     Tasks are seeds (data-free) unless the job gives a dataset: a task's keys go to OpenEnv's reset."""
 
     def __init__(self, urls: str | list[str], timeout_s: float = 30.0, retries: int = 2, token: str | None = None,
-                 hosts: EnvHosts | None = None):
-        """`hosts`: where connections may go (default: this machine's OPENTINKER_ENV_URL_ALLOW)."""
+                 hosts: EnvHosts | None = None, max_response_bytes: int | None = None):
+        """`hosts`: where connections may go (default: this machine's OPENTINKER_ENV_URL_ALLOW);
+        `max_response_bytes`: default OPENTINKER_ENV_MAX_RESPONSE_BYTES."""
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("env.url: give at least one URL")
-        hosts = hosts or get_settings().env_hosts
-        self.servers = [_Server(url, timeout_s, retries, token, hosts) for url in urls]
+        settings = get_settings() if hosts is None or max_response_bytes is None else None
+        hosts = hosts or settings.env_hosts
+        limit = max_response_bytes or settings.env_max_response_bytes
+        self.servers = [_Server(url, timeout_s, retries, token, hosts, limit) for url in urls]
         self.__name__ = f"OpenEnv({', '.join(s.url for s in self.servers)})"
         self._turn = itertools.count()
 

@@ -10,6 +10,9 @@ When a link closes, the calls it still owed fail (their episodes fail and are co
 arriving while no client is linked wait up to their `wait_s` for one (task draws do, episode
 calls do not) and otherwise fail with the reason.
 Anything malformed a client sends is dropped: it can cost that job's episodes, never the gateway.
+An answer over OPENTINKER_ENV_MAX_RESPONSE_BYTES reaches the job as that call's error, with the
+numbers; a frame over the gateway's WebSocket limit (uvicorn's ws_max_size) closes the link, and
+the calls it owed fail saying so.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from opentinker.core.settings import get_settings
 from opentinker.env.linked import TAKEN_OVER
+from opentinker.env.remote import over_limit
 
 log = logging.getLogger(__name__)
 OPS = ("generate", "reset", "step", "close")
 MAX_CALLS = 1024
+MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a frame over the server's limit
 
 
 @dataclass
@@ -43,7 +49,9 @@ class _Link:
 class LinkHub:
     """Links by job id, and the futures of the calls they owe."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_answer_bytes: int | None = None) -> None:
+        """`max_answer_bytes`: the most one answer may hold as relayed (default OPENTINKER_ENV_MAX_RESPONSE_BYTES)."""
+        self.max_answer_bytes = max_answer_bytes or get_settings().env_max_response_bytes
         self._links: dict[str, _Link] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._pending: dict[str, asyncio.Future] = {}
@@ -74,6 +82,7 @@ class LinkHub:
             taken = old.client is None or old.client != client
             await _close_quietly(old.socket, TAKEN_OVER if taken else 1000, "taken over by another client" if taken else "reopened")
         self._event(job_id).set()
+        closed = None
         try:
             while True:
                 frame = await socket.receive_text()
@@ -82,12 +91,14 @@ class LinkHub:
                     link.owed.discard(result["id"])
                     if future is not None and not future.done():
                         future.set_result(result)
-        except WebSocketDisconnect:
-            pass
+        except WebSocketDisconnect as err:
+            closed = err.code
         finally:
             if self._links.get(job_id) is link:
                 del self._links[job_id]
-            self._fail(link, "the client's environment link closed (the episodes it was playing failed)")
+            self._fail(link, "the client's environment link closed: it sent a frame over the gateway's WebSocket limit (close code "
+                             "1009), so the answers in it were lost" if closed == MESSAGE_TOO_BIG
+                       else "the client's environment link closed (the episodes it was playing failed)")
 
     def _fail(self, link: _Link, reason: str) -> None:
         for call_id in link.owed:
@@ -110,6 +121,13 @@ class LinkHub:
             except asyncio.TimeoutError:
                 pass
         return link
+
+    def _capped(self, result: dict[str, Any]) -> bytes:
+        """The answer's line, or that call's error when it is over the limit (the job reads no more)."""
+        line = _line(result)
+        if len(line) - 1 > self.max_answer_bytes:
+            return _line({"id": result["id"], "error": over_limit(self.max_answer_bytes, f"{len(line) - 1:,} bytes from the client")})
+        return line
 
     async def relay(self, job_id: str, calls: list[dict[str, Any]], timeout_s: float) -> AsyncIterator[bytes]:
         """Send `calls` to the job's client and yield one NDJSON line per call as it is answered
@@ -138,7 +156,7 @@ class LinkHub:
             while waiting:
                 done, waiting = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
-                    yield _line(future.result())
+                    yield self._capped(future.result())
                 if not done:
                     break
         finally:

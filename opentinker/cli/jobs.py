@@ -29,10 +29,12 @@ def checked_job_id(job_id: Optional[str], what: str = "--job-id") -> Optional[st
 
 
 def _failed(metrics: dict[str, Any], prefix: str) -> str:
-    """`failed N` and, when some failed, the most common reason."""
+    """`failed N` and, when some failed, the most common reason; `truncated N` (with why) when
+    episodes were cut at rollout.max_total_tokens."""
     n = int(metrics.get(f"{prefix}/failed_episodes", 0))
     reason = metrics.get(f"{prefix}/first_failure")
-    return f"failed {n}" + (f": {reason}" if n and reason else "")
+    cut = metrics.get(f"{prefix}/first_truncation")
+    return f"failed {n}" + (f": {reason}" if n and reason else "") + (f"; {cut}" if cut else "")
 
 
 def run(
@@ -80,7 +82,7 @@ def run(
             f"step {report.step:>3}/{report.total_steps}: reward {fmt(m['rollout/reward_mean'])} "
             f"({_failed(m, 'rollout')}) · loss {fmt(m.get('update/policy_loss'))} · "
             f"entropy {fmt(m.get('update/entropy'))} · {m['rollout/tokens_per_s']:.0f} tok/s · {m['step/seconds']:.1f}s"
-            + (" · no update: every episode failed" if m.get("update/skipped") else "")
+            + (" · no update: no episode had tokens to train" if m.get("update/skipped") else "")
             + (f" · checkpoint step {report.checkpoint.step}" if report.checkpoint else ""), highlight=False, markup=False)
         progress.update(task, completed=report.step, summary=summary())
 

@@ -27,6 +27,17 @@ from opentinker.env.linked import TAKEN_OVER
 
 log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 16 * 1024**2
+FRAME_BUDGET = MAX_FRAME_BYTES // 2  # answers sent together fill a frame up to this (a larger one goes alone)
+MAX_ANSWER_BYTES = MAX_FRAME_BYTES - 1024  # an answer alone in a frame, with room for the frame's wrapper
+
+
+def _encoded(result: dict[str, Any]) -> str:
+    """An answer as JSON; one too large for a frame becomes its call's error (the episode fails, the link stays)."""
+    text = json.dumps(result)
+    if len(text) > MAX_ANSWER_BYTES:
+        text = json.dumps({"id": result.get("id"), "error": f"the answer is {len(text):,} bytes, over what one link frame "
+                                                            f"carries ({MAX_ANSWER_BYTES:,})"})
+    return text
 
 
 def websocket_url(gateway_url: str, job_id: str) -> str:
@@ -154,16 +165,25 @@ class EnvironmentLink:
             log.info("environment link of job %s closed: %s", self.job_id, err)
 
     def _write(self) -> None:
+        """Send answers as they are ready, those ready together in one frame of at most half the
+        frame limit (the gateway closes a link whose frame is over it); an answer too large for a
+        frame alone goes as that call's error."""
         while (item := self._outbox.get()) is not None:
-            batch = [item]
-            while not self._outbox.empty() and len(batch) < 256:
-                nxt = self._outbox.get_nowait()
-                if nxt is None:
-                    self._outbox.put(None)
+            batch, size = [], 0
+            while item is not None:
+                text = _encoded(item)
+                if batch and size + len(text) > FRAME_BUDGET:
+                    self._outbox.put(item)  # first in the next frame (it may come after newer answers: ids pair them)
                     break
-                batch.append(nxt)
+                batch.append(text)
+                size += len(text)
+                if self._outbox.empty() or len(batch) >= 256:
+                    break
+                item = self._outbox.get_nowait()
+                if item is None:
+                    self._outbox.put(None)
             try:
-                self._socket.send(json.dumps({"results": batch}))
+                self._socket.send('{"results": [' + ", ".join(batch) + "]}")
             except Exception:  # noqa: BLE001 - dropped: the gateway failed what this socket owed
                 continue
 

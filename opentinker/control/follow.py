@@ -101,6 +101,9 @@ def read_progress(ml, experiment: Any, ml_run: Any, settings: Settings, progress
     progress.eval_failed = int(keys.get(headline_key(keys, "eval/failed_episodes"), 0))
     if progress.failed:
         progress.failure = tags.get("opentinker.rollout/first_failure")
+    if keys.get(headline_key(keys, "rollout/truncated_episodes")):  # the newest step's, shown like a failure
+        cut = tags.get("opentinker.rollout/first_truncation")
+        progress.failure = "; ".join(filter(None, [progress.failure, cut])) or None
     progress.result = {"checkpoint": tags.get("opentinker.checkpoint")}
     if per_agent := {k.rpartition(".")[2]: v for k, v in tags.items() if k.startswith("opentinker.checkpoint.")}:
         progress.result["checkpoints"] = per_agent  # a self-play job: one final checkpoint per learning agent

@@ -228,8 +228,14 @@ class RemoteGameClass:
             except (ShardUnreachable, AnswerRefused) as err:  # a task too large to read costs its episodes, as none does
                 errors.append(err)
                 continue
-            rng.bit_generator.state = answer["rng_state"]
-            return answer["task"]
+            try:
+                rng.bit_generator.state = answer["rng_state"]
+                task = answer["task"]
+                if not isinstance(task, dict):
+                    raise TypeError(f"its task is {type(task).__name__}, not an object")
+            except (KeyError, TypeError, ValueError) as err:  # the job fails with this line: no task stream goes on from garbage
+                raise RemoteGameError(f"POST {shard.url}/generate_task: not a task answer ({type(err).__name__}: {err})") from None
+            return task
         lead = "no shard answered at" if all(isinstance(e, ShardUnreachable) for e in errors) else "no task from"
         return {UNAVAILABLE: f"{lead} {', '.join(s.url for s in self.shards)} ({'; '.join(map(str, errors))})"}
 

@@ -21,10 +21,11 @@ def _rate(metrics: dict[str, Any], prefix: str) -> float:
 
 
 def _none_ended(metrics: dict[str, Any], prefix: str) -> bool:
-    """Every episode failed or was truncated (at max_total_tokens)."""
+    """Every episode failed or was truncated (at max_total_tokens), some truncated (failures alone
+    are judged by the rate, which an operator may set to tolerate them all)."""
     episodes = float(metrics.get(f"{prefix}/episodes", 0) or 0)
-    ended_badly = float(metrics.get(f"{prefix}/failed_episodes", 0)) + float(metrics.get(f"{prefix}/truncated_episodes", 0))
-    return episodes > 0 and ended_badly >= episodes
+    truncated = float(metrics.get(f"{prefix}/truncated_episodes", 0))
+    return episodes > 0 and truncated > 0 and float(metrics.get(f"{prefix}/failed_episodes", 0)) + truncated >= episodes
 
 
 def _unhealthy(metrics: dict[str, Any], prefix: str, spec: HealthSpec) -> bool:
@@ -39,7 +40,7 @@ def _why(metrics: dict[str, Any], prefix: str) -> str:
 def _what(metrics: dict[str, Any], prefix: str, where: str) -> str:
     """`60% of step 3's episodes failed`, or for a step none of whose episodes ended: that."""
     rate = _rate(metrics, prefix)
-    if _none_ended(metrics, prefix) and float(metrics.get(f"{prefix}/truncated_episodes", 0)):
+    if _none_ended(metrics, prefix):
         return f"every episode of {where} failed or was cut at rollout.max_total_tokens"
     return f"{rate:.0%} of {where}'s episodes failed"
 

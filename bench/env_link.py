@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from opentinker.core.polling import wait_healthy  # noqa: E402 - after the checkout is on the path
 GAME = "envs.toy:UppercaseGame"
 
 
@@ -48,19 +50,6 @@ def play(game_class, episodes: int, turns: int) -> float:
     for g in games:
         g.close()
     return calls / seconds
-
-
-def _wait_healthy(url: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).is_success:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not start")
 
 
 def main() -> int:
@@ -97,7 +86,7 @@ def main() -> int:
             (port,) = free_ports(1)
             served = subprocess.Popen([sys.executable, "-m", "opentinker.cli", "env", "serve", GAME, "--port", str(port),
                                        "--token", job["job_token"]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _wait_healthy(f"http://127.0.0.1:{port}")
+            wait_healthy(f"http://127.0.0.1:{port}")
             link = EnvironmentLink(settings.gateway_url, key, job["job_id"], UppercaseGame).open()
             sides = {"served": RemoteGameClass(f"http://127.0.0.1:{port}", token=job["job_token"]),
                      "link": LinkedGameClass(settings.gateway_url, job["job_id"], job["job_token"], "UppercaseGame")}

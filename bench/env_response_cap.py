@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from opentinker.core.polling import wait_healthy  # noqa: E402 - after the checkout is on the path
 MiB = 1024**2
 GOAL_BYTES = 1.5e9
 
@@ -131,19 +133,6 @@ def run_job(url: str, steps: int) -> dict:
 # --- the bench ---------------------------------------------------------------------------------
 
 
-def _wait_healthy(url: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).is_success:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not start")
-
-
 def slowest_of_concurrent_steps(url: str, limit: int | None, episodes: int = 16, rounds: int = 3) -> float:
     """The median over `rounds` of the slowest of `episodes` concurrent steps (answered or refused),
     from the job's side of the wire without a job around it."""
@@ -185,7 +174,7 @@ def one_way(name: str, observation_bytes: int, announce: bool, steps: int, limit
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(observation_bytes), "--port", str(port)] + (["--announce"] if announce else []),
                               env=env, stderr=subprocess.DEVNULL)  # uvicorn's complaints about writes to the connections the job closed
     try:
-        _wait_healthy(url)
+        wait_healthy(url)
         out = subprocess.run([sys.executable, __file__, "--job", url, "--steps", str(steps)], env=env, capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             raise RuntimeError(f"{name}: the job's process ended with {out.returncode}: {out.stderr[-3000:]}")

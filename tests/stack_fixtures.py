@@ -133,3 +133,13 @@ def restart_gateway(settings, down_s: float = 0.0) -> None:
         time.sleep(0.1)
     time.sleep(down_s)
     stack.start("gateway")
+
+
+def deployed_tenants(settings, *names: str) -> list[str]:
+    """The stack's deployments registered, and a key for each tenant named (made anew: rotated)."""
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.control.submit import deploy
+
+    deploy(settings)
+    store = TenantStore(settings.state_dir / "tenants.json")
+    return [store.create(name, rotate=True) for name in names]

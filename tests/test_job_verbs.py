@@ -22,13 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tenants(stack_env):
     """The stack with deployments registered and two tenants; yields (settings, key_a, key_b)."""
-    from opentinker.control.gateway.tenants import TenantStore
-    from opentinker.control.submit import deploy
+    from tests.stack_fixtures import deployed_tenants
 
     settings, _ = stack_env
-    deploy(settings)
-    store = TenantStore(settings.state_dir / "tenants.json")
-    yield settings, store.create("verbsa", rotate=True), store.create("verbsb", rotate=True)
+    yield settings, *deployed_tenants(settings, "verbsa", "verbsb")
 
 
 def _config(tmp_path, with_env: bool) -> dict:

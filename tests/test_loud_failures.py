@@ -214,12 +214,10 @@ def test_a_job_whose_episodes_never_fit_fails_as_unhealthy_saying_truncated(tmp_
 
 @pytest.fixture(scope="module")
 def tenant(stack_env):
-    from opentinker.control.gateway.tenants import TenantStore
-    from opentinker.control.submit import deploy
+    from tests.stack_fixtures import deployed_tenants
 
     settings, _ = stack_env
-    deploy(settings)
-    return settings, TenantStore(settings.state_dir / "tenants.json").create("loud", rotate=True)
+    return settings, *deployed_tenants(settings, "loud")
 
 
 def test_through_the_gateway_such_jobs_fail_in_one_line_with_the_cause_and_free_their_slots(tenant, tmp_path, garbled_server):

@@ -25,13 +25,10 @@ SCHEDULING_S = 300
 @pytest.fixture(scope="module")
 def service(stack_env):
     """The stack with deployments registered and two tenants; yields (settings, key_a, key_b)."""
-    from opentinker.control.gateway.tenants import TenantStore
-    from opentinker.control.submit import deploy
+    from tests.stack_fixtures import deployed_tenants
 
     settings, _ = stack_env
-    deploy(settings)
-    store = TenantStore(settings.state_dir / "tenants.json")
-    yield settings, store.create("acme", rotate=True), store.create("globex", rotate=True)
+    yield settings, *deployed_tenants(settings, "acme", "globex")
 
 
 def _args(tmp_path, steps=2, with_env=False, **overrides):

@@ -55,3 +55,17 @@ def through_blips(call: Callable[[], T], *, give_up_after_s: float, on_retry: Ca
     retrying = Retrying(retry=retry_if_exception(is_blip), wait=wait_exponential(multiplier=0.5, max=10),
                         stop=stop_after_delay(give_up_after_s), before_sleep=before_sleep, reraise=True)
     return retrying(call)
+
+
+def wait_healthy(url: str, timeout: float = 60.0, path: str = "/health") -> None:
+    """Wait until `url` answers `path` with a success (a server this process just started);
+    TimeoutError naming the URL past `timeout`."""
+    import httpx
+
+    def healthy() -> bool | None:
+        try:
+            return True if httpx.get(f"{url.rstrip('/')}{path}", timeout=1.0, trust_env=False).is_success else None
+        except httpx.HTTPError:
+            return None
+
+    wait_for(healthy, interval=0.2, timeout=timeout, what=f"{url} to answer {path}")

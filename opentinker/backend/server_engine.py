@@ -66,11 +66,14 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
 class ServerRolloutEngine:
     """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
 
-    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128):
+    def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128,
+                 adapter_prefix: str = "policy"):
+        """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
+        server name theirs apart."""
         import httpx  # only jobs that sample through a server need it
 
         self.server = server
-        self.tolerance = tolerance
+        self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
         self.client = httpx.Client(base_url=server.url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
@@ -161,7 +164,7 @@ class ServerRolloutEngine:
             return self._sync(version, files, probe)
 
     def _sync(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
-        name = f"policy-v{version}"
+        name = f"{self.adapter_prefix}-v{version}"
         folder = self._folders / name
         folder.mkdir(parents=True, exist_ok=True)
         for key, data in files.items():
@@ -193,6 +196,11 @@ class ServerRolloutEngine:
         shutil.rmtree(self._folders / name, ignore_errors=True)
 
     def close(self) -> None:
+        if self.served != self.server.model:  # a server shared with others keeps only its base
+            try:
+                self._unload(self.served)
+            except Exception:  # noqa: BLE001 - best effort: the server may be gone already
+                pass
         self.pool.shutdown(wait=False)
         self.client.close()
         shutil.rmtree(self._folders, ignore_errors=True)

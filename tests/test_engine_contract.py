@@ -1,7 +1,8 @@
 """One contract for every rollout engine: the in-process transformers engine, the engine that
-samples through an OpenAI-compatible server (against our own CPU server here), and vLLM (GPU
-workers only: skipped here with the reason). Tokens, logprobs against the trainer's recompute,
-stop conditions, and a switch of LoRA version."""
+samples through an OpenAI-compatible server (against our own CPU server here), and vLLM's real
+server, on this CPU or a GPU, taking a version as an adapter by name or as merged weights reloaded
+in place (skipped, with the reason, where vLLM cannot run). Tokens, logprobs against the trainer's
+recompute, stop conditions, and a switch of version."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine, SyncError
 from opentinker.core.spec import LoraSpec
 from opentinker.model import adapter_files, load_model, wrap_model
+from opentinker.model.adapters import merged_weights
 
 # Largest |logprob - recompute| per engine: ours run the trainer's own code in float32; vLLM's
 # kernels differ from transformers' even in float32 (on this CPU within 1e-4, measured 3.2e-5 on SmolLM2).
 TOLERANCE = {"hf": 1e-4, "server": 1e-4, "vllm": 1e-2 if torch.cuda.is_available() else 1e-4}
+TOLERANCE["vllm_merged"] = TOLERANCE["vllm"]
 PROMPTS = ["The capital of France is", "1 2 3 4 5", "Once upon a time, in a land far away, there was"]
 LORA = LoraSpec(r=8, alpha=16)
+_SUBJECTS = itertools.count()  # names each subject's adapters apart on a shared server
 
 
 class Subject:
@@ -63,7 +67,7 @@ def _model_folder(tmp_path, tiny_path, stop_token: int | None = None):
     return str(folder)
 
 
-def make_subject(kind: str, model_name: str):
+def make_subject(kind: str, model_name: str, pool=None):
     base, tokenizer = load_model(model_name)
     model = wrap_model(base, LORA)
     if kind == "hf":
@@ -86,56 +90,24 @@ def make_subject(kind: str, model_name: str):
             engine.sync_adapter(version, adapter_files(model), probe)
 
         return Subject(engine, model, tokenizer, publish), engine.close
-    if kind == "vllm":  # vLLM's server taking adapters at run time, as a job's own server (one per model folder, shared)
+    if kind in ("vllm", "vllm_merged"):  # vLLM's server as a job's own: adapters by name, or merged weights reloaded in place
         gpus = int(torch.cuda.is_available())
         model = model.cuda() if gpus else model
-        server = VLLM_SERVERS.get(model_name)
-        engine = ServerRolloutEngine(ServerHandle(server.url, "base"), tolerance=TOLERANCE["vllm"], adapter_prefix=f"s{next(_SUBJECTS)}")
+        merged = kind == "vllm_merged"
+        server = pool.get(model_name, "merged" if merged else "lora")
+        engine = ServerRolloutEngine(ServerHandle(server.url, "base", weights="merged" if merged else "lora"), tolerance=TOLERANCE["vllm"],
+                                     adapter_prefix=f"s{next(_SUBJECTS)}")
         where = Placement(torch.device("cuda", 0), torch.float32) if gpus else cpu()
         probe = Probe(tokenizer("a probe")["input_ids"], lambda p, t: score_tokens(model, where, p, t))
 
         def publish(version: int) -> None:
-            engine.sync_adapter(version, adapter_files(model), probe)
+            if merged:
+                engine.sync_weights(version, merged_weights(model), probe)
+            else:
+                engine.sync_adapter(version, adapter_files(model), probe)
 
         return Subject(engine, model, tokenizer, publish), engine.close
     raise AssertionError(kind)
-
-
-class _VLLMServers:
-    """vLLM servers for this module's tests, one per model folder, started at first use (40-60 s each
-    on the 2-core CPU) and stopped at the module's end."""
-
-    def __init__(self):
-        self.running: dict[str, object] = {}
-
-    def get(self, folder: str):
-        if folder not in self.running:
-            import tempfile
-            from pathlib import Path
-
-            from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
-            from opentinker.inference.launch import free_port
-
-            workdir = Path(tempfile.mkdtemp())
-            self.running[folder] = VLLMServer(adapter_server_args(folder, None, "float32", LORA.r, workdir, "base"), "127.0.0.1",
-                                              free_port("127.0.0.1"), "base", workdir, num_gpus=int(torch.cuda.is_available()),
-                                              env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-        return self.running[folder]
-
-    def stop(self) -> None:
-        for server in self.running.values():
-            server.stop()
-        self.running.clear()
-
-
-VLLM_SERVERS = _VLLMServers()
-_SUBJECTS = itertools.count()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_vllm_servers():
-    yield
-    VLLM_SERVERS.stop()
 
 
 @pytest.fixture(scope="module")
@@ -145,28 +117,20 @@ def model_folders(tmp_path_factory, tiny_path):
     return lambda stop_token=None: _model_folder(root / str(stop_token), tiny_path, stop_token)
 
 
-def _skip_reason(kind: str) -> str | None:
-    if kind == "vllm":
-        from opentinker.inference.engine_vllm import VLLMUnavailable, check_available
-
-        try:
-            check_available(int(torch.cuda.is_available()))
-        except VLLMUnavailable as err:
-            return str(err)
-    return None
-
-
-@pytest.fixture(params=["hf", "server", "vllm"])
+@pytest.fixture(params=["hf", "server", "vllm", "vllm_merged"])
 def engine_kind(request):
-    reason = _skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
     return request.param
 
 
 @pytest.fixture
-def subject(engine_kind, model_folders):
-    made, close = make_subject(engine_kind, model_folders())
+def pool(engine_kind, request):
+    """The session's vLLM servers for the vLLM kinds (skipped where vLLM cannot run)."""
+    return request.getfixturevalue("vllm_pool") if engine_kind.startswith("vllm") else None
+
+
+@pytest.fixture
+def subject(engine_kind, model_folders, pool):
+    made, close = make_subject(engine_kind, model_folders(), pool)
     made.publish(0)
     made.kind = engine_kind
     yield made
@@ -220,15 +184,18 @@ def test_greedy_is_the_argmax_and_repeatable(subject):
     assert first[1].token_ids == argmax[: len(first[1].token_ids)]
 
 
-def test_stop_tokens_end_a_completion_and_stay_in_the_record(engine_kind, model_folders):
+def test_stop_tokens_end_a_completion_and_stay_in_the_record(engine_kind, model_folders, pool):
     """A token of the model's generation config ends the completion (finish 'stop'), and the
-    token is the record's last, with its logprob."""
-    plain, close = make_subject(engine_kind, model_folders())
+    token is the record's last, with its logprob. (vLLM reads the stop tokens the same whichever way it
+    takes weights: one of its two ways here, a server less to start.)"""
+    if engine_kind == "vllm_merged":
+        pytest.skip("vLLM's stop tokens are checked with kind 'vllm': the same server code")
+    plain, close = make_subject(engine_kind, model_folders(), pool)
     prompt = plain.prompts()[0]
     greedy = plain.engine.generate([prompt], SamplingParams(max_new_tokens=6, greedy=True))[0].token_ids
     close()
     stop_token = greedy[2]
-    stopping, close = make_subject(engine_kind, model_folders(stop_token))
+    stopping, close = make_subject(engine_kind, model_folders(stop_token), pool)
     stopping.publish(0)
     try:
         c = stopping.engine.generate([prompt], SamplingParams(max_new_tokens=6, greedy=True))[0]

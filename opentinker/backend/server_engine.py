@@ -5,9 +5,11 @@ Token ids go in (`prompt` as lists of ids) and come back as ids with each token'
 the exact tokens the server sampled, as with the in-process engine. Prompts that share a token
 budget go in one request; requests run concurrently, so the server batches them.
 
-Weights reach the server as LoRA adapters: after every update the adapter is written to a folder
-and loaded under a new name per policy version (`policy-v<N>`, vLLM's `/v1/load_lora_adapter`),
-and the sync is verified, not trusted: the server must list the new name, answer a probe under
+Weights reach the server as LoRA adapters (`sync_adapter`): after every update the adapter is written
+to a folder and loaded under a new name per policy version (`policy-v<N>`, vLLM's `/v1/load_lora_adapter`);
+or, on a vLLM server started with opentinker.inference.vllm_worker, as the policy's merged weights
+reloaded in place (`sync_weights`: no LoRA path to pay at decode, 3.3x slower on the CPU). Either
+sync is verified, not trusted: the server must list the new name, answer a probe under
 it, and the probe's logprobs must match what the trainer's own model computes for the same
 tokens within `tolerance` (mean absolute difference). A load the server refuses, a name it does
 not list, or weights that answer like an older version raise `SyncError`. The previous version
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from opentinker.backend.rollout import Completion, SamplingParams
@@ -34,6 +37,10 @@ from opentinker.backend.rollout import Completion, SamplingParams
 
 class SyncError(RuntimeError):
     """The policy's new weights did not verifiably reach the inference server."""
+
+
+class ServerGone(RuntimeError):
+    """The inference server a job samples through stopped answering."""
 
 
 @dataclass
@@ -45,6 +52,7 @@ class ServerHandle:
     model: str
     api_key: str | None = None
     stop: Callable[[], None] = lambda: None
+    weights: str = "lora"  # how a policy version reaches it: "lora" (sync_adapter) or "merged" (sync_weights)
 
 
 @dataclass
@@ -70,8 +78,6 @@ class ServerRolloutEngine:
                  adapter_prefix: str = "policy"):
         """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
         server name theirs apart."""
-        import httpx  # only jobs that sample through a server need it
-
         self.server = server
         self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
@@ -89,6 +95,8 @@ class ServerRolloutEngine:
         self.generated_tokens = 0
         self.generate_seconds = 0.0
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
+        shm = Path("/dev/shm")  # merged weights go through memory where there is a tmpfs
+        self._shared = Path(tempfile.mkdtemp(prefix="opentinker-weights-", dir=shm if shm.is_dir() else None))
 
     # --- sampling ------------------------------------------------------------------------------
     def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
@@ -100,7 +108,7 @@ class ServerRolloutEngine:
         }
         if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
             body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
-        reply = self.client.post("/v1/completions", json=body)
+        reply = self._call("POST", "/v1/completions", json=body)
         if not reply.is_success:
             raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
         data = reply.json()
@@ -113,6 +121,14 @@ class ServerRolloutEngine:
                 raise RuntimeError(f"the inference server returned {len(ids)} tokens, {len(logprobs)} logprobs for a budget of {budget}")
             out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length"))
         return out
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """A request to the server; a server that does not answer is ServerGone, one line the job fails with."""
+        try:
+            return self.client.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise ServerGone(f"the inference server at {self.server.url} does not answer ({type(err).__name__}): it stopped, "
+                             "or was killed; run the job id again to resume from its last checkpoint") from None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
                  images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
@@ -169,10 +185,10 @@ class ServerRolloutEngine:
         folder.mkdir(parents=True, exist_ok=True)
         for key, data in files.items():
             (folder / key.removeprefix("adapter/")).write_bytes(data)
-        reply = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
+        reply = self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
         if not reply.is_success:
             raise SyncError(f"the inference server refused adapter {name} ({reply.status_code}): {reply.text[:300]}")
-        listed = {m["id"] for m in self.client.get("/v1/models").json().get("data", [])}
+        listed = {m["id"] for m in self._call("GET", "/v1/models").json().get("data", [])}
         if name not in listed:
             raise SyncError(f"the inference server loaded adapter {name} but does not list it (it lists {sorted(listed)})")
         (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens, name)
@@ -191,8 +207,46 @@ class ServerRolloutEngine:
             self._unload(previous)
         return gap
 
+    def sync_weights(self, version: int, weights: dict[str, torch.Tensor], probe: Probe) -> float | None:
+        """Reload the server's weights in place with `weights` (the policy's merged weights, named
+        as its checkpoint names them: opentinker.model.adapters.merged_weights) as `version`, through
+        the worker extension opentinker.inference.vllm_worker; its prefix cache (key/values of the
+        old weights) is emptied, and the probe verifies the result as for an adapter. One sync at a
+        time; None when `version` is on the server already."""
+        with self._syncing:
+            if self.synced_version == version:
+                return None
+            from safetensors.torch import save_file
+
+            path = self._shared / f"weights-v{version}.safetensors"
+            save_file(weights, str(path))
+            try:
+                reply = self._call("POST", "/collective_rpc", json={"method": "load_weights_from", "args": [str(path)]})
+            finally:
+                path.unlink(missing_ok=True)
+            if not reply.is_success:
+                raise SyncError(f"the inference server refused the weights of version {version} ({reply.status_code}): {reply.text[:300]}")
+            self._reset_prefix_cache()
+            (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens, self.server.model)
+            expected = probe.recompute(probe.prompt, answer.token_ids)
+            gap = sum(abs(a - b) for a, b in zip(answer.logprobs, expected)) / max(1, len(expected))
+            if not gap <= self.tolerance:
+                raise SyncError(f"the server's weights answer the probe {gap:.3g} (mean |logprob difference|) away from the "
+                                f"trainer's version {version}, over the tolerance {self.tolerance:g}")
+            self.synced_version = self.policy_version = version
+            return gap
+
+    def _reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty the server's prefix cache, whose key/values the old weights computed (it refuses while
+        requests hold blocks: tried again until they end)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._call("POST", "/reset_prefix_cache").json().get("success"):
+            if time.monotonic() > deadline:
+                raise SyncError(f"the inference server kept its prefix cache for {timeout_s:g} s (requests still hold it)")
+            time.sleep(0.05)
+
     def _unload(self, name: str) -> None:
-        self.client.post("/v1/unload_lora_adapter", json={"lora_name": name})
+        self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
         shutil.rmtree(self._folders / name, ignore_errors=True)
 
     def close(self) -> None:
@@ -204,4 +258,5 @@ class ServerRolloutEngine:
         self.pool.shutdown(wait=False)
         self.client.close()
         shutil.rmtree(self._folders, ignore_errors=True)
+        shutil.rmtree(self._shared, ignore_errors=True)
         self.server.stop()

@@ -200,7 +200,7 @@ class Settings(BaseSettings):
     beside this environment (what `make install` creates with infra/vllm/install.sh), else
     /opt/vllm/bin/python (the GPU worker image's)."""
 
-    vllm_cpu_kv_cache_gib: float = Field(2.0, gt=0)
+    vllm_cpu_kv_cache_gib: int = Field(2, ge=1)
     """On a CPU, the memory (GiB) a vLLM server keeps for its key/value cache (VLLM_CPU_KVCACHE_SPACE;
     vLLM's own default asks for nearly all of the machine's memory and refuses)."""
 

@@ -158,9 +158,14 @@ class RolloutSpec(Section):
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
     prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
-    engine: Literal["local", "server"] = Field(
-        "local", description="local: transformers generation in the job's process; server: through an OpenAI-compatible "
+    engine: Literal["local", "server", "vllm"] = Field(
+        "local", description="local: transformers generation in the job's process; vllm: a vLLM server the job starts "
+        "(on its CPU or its GPU) that takes the policy's weights after every update; server: through an OpenAI-compatible "
         "inference server (vLLM on GPU workers, ours on CPU) that takes the LoRA adapter after every update")
+    weight_sync: Literal["auto", "merged", "lora"] = Field(
+        "auto", description="engine 'vllm': how each update's weights reach the server. merged: the policy's weights (a LoRA "
+        "merged in) reloaded in place (vLLM then decodes at its base speed); lora: the adapter loaded by name (vLLM's LoRA "
+        "path: 3.3x slower to decode on the CPU); auto: merged on a CPU, lora on a GPU")
     server_url: str | None = Field(None, description="engine 'server': a running server to sample through (it must read the "
                                    "job's adapter folders from this machine's disk); None: the job starts its own beside it")
     sync_tolerance: float | None = Field(None, gt=0, description="engine 'server': largest mean |logprob difference| between the "
@@ -365,10 +370,13 @@ class JobSpec(BaseJobSpec):
 
     @model_validator(mode="after")
     def _placement_fits_the_job(self) -> "JobSpec":
+        if self.rollout.engine == "vllm" and self.rollout.weight_sync == "lora" and not isinstance(self.adapter, LoraSpec):
+            raise ValueError("rollout.weight_sync: 'lora' moves a LoRA adapter; a full fine-tune (adapter.kind 'full') "
+                             "syncs its weights with 'merged'")
         if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):
             raise ValueError("rollout.engine: 'server' moves the policy to the inference server as a LoRA adapter; "
                              "a full fine-tune (adapter.kind 'full') samples with engine 'local'")
-        if self.rollout.engine == "server" and self.multiagent is not None:
+        if self.rollout.engine in ("server", "vllm") and self.multiagent is not None:
             raise ValueError("rollout.engine: self-play jobs sample with engine 'local'")
         if self.resources.share_base and (not isinstance(self.adapter, LoraSpec) or self.model.init_from or self.multiagent is not None
                                           or not self.resources.colocate or self.rollout.engine != "local"):

@@ -119,24 +119,41 @@ def model_args(checkpoint_url: str, workdir: Path, name: str) -> list[str]:
 
 
 def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_rank: int, workdir: Path, name: str) -> list[str]:
-    """`vllm serve` arguments for a job's rollout server: the job's base (merged with its
-    `init_from` policy, if any) taking LoRA adapters at run time (`/v1/load_lora_adapter`; the
-    process needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), with logprobs of the sampling
-    distribution (after temperature), the ones the trainer scores."""
+    """vLLM arguments for a job's rollout server: the job's base (merged with its `init_from`
+    policy, if any) taking LoRA adapters at run time (`/v1/load_lora_adapter`; the process needs
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), with logprobs of the sampling distribution (after
+    temperature), the ones the trainer scores."""
+    return [str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype, "--enable-lora",
+            "--max-loras", "2", "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
+            "--gpu-memory-utilization", "0.4"]  # the trainer holds the rest of the job's GPU
+
+
+def merged_server_args(model_name: str, init_from: str | None, dtype: str, workdir: Path, name: str) -> tuple[list[str], dict[str, str]]:
+    """(arguments, environment) for a job's rollout server that takes the policy's merged weights
+    in place (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
+    opentinker.inference.vllm_worker (the one module of the project vLLM's processes import: its
+    folder goes on their path) and vLLM's dev endpoints (`/collective_rpc`, `/reset_prefix_cache`:
+    the server is the job's own, on loopback), logprobs of the sampling distribution."""
+    import opentinker
+
+    return ([str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype,
+             "--worker-extension-cls", "opentinker.inference.vllm_worker.WeightLoader", "--logprobs-mode", "processed_logprobs"],
+            {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(Path(opentinker.__file__).resolve().parents[1])})
+
+
+def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Path) -> Path:
+    """The job's base model as a folder: the known model's, or merged with its `init_from` policy."""
     from opentinker.model import load_model
     from opentinker.model.loading import resolve_model
 
-    if init_from:
-        model, tokenizer = load_model(model_name, dtype, init_from=init_from)
-        base = workdir / "base"
-        model.save_pretrained(base)
-        tokenizer.save_pretrained(base)
-        del model
-    else:
-        base = resolve_model(model_name)
-    return [str(base), "--served-model-name", name, "--dtype", dtype, "--enable-lora", "--max-loras", "2",
-            "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
-            "--gpu-memory-utilization", "0.4"]  # the trainer holds the rest of the job's GPU
+    if not init_from:
+        return resolve_model(model_name)
+    model, tokenizer = load_model(model_name, dtype, init_from=init_from)
+    base = workdir / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    del model
+    return base
 
 
 # Linux: the child asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG survives exec), so a
@@ -177,14 +194,13 @@ class VLLMServer:
             command += ["--api-key", api_key]
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
-        child_env = {**os.environ, **(env or {})}
+        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # the project stays out, but what `env` puts in
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             command += ["--enforce-eager"]
-            child_env |= {"VLLM_CPU_KVCACHE_SPACE": f"{get_settings().vllm_cpu_kv_cache_gib:g}",
+            child_env |= {"VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
-        child_env.pop("PYTHONPATH", None)  # the project's packages stay out of vLLM's environment
-        with self.log.open("ab") as out:
+        with self.log.open("wb") as out:  # this start's log only: `why` reads it
             self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT,
                                              env=child_env, start_new_session=True)
         self._wait_ready(timeout)
@@ -211,7 +227,12 @@ class VLLMServer:
         if "Address already in use" in text or "address already in use" in text:
             return f"port {self.port} on {self.host} is taken"
         errors = re.findall(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception|Failed)\w*: .+)$", text, re.M)
-        last = errors[-1].strip() if errors else None
+        causes = [e.strip() for e in errors if not re.search(r"root cause above|EngineDeadError|Engine core initialization failed", e)]
+        last = (causes or errors or [None])[-1]
+        if last:
+            last = re.sub(r"(?<=[.!]) (Try|See|Consider|Please) .*$", "", last.strip())  # the error, not vLLM's advice
+        if last and "ValidationError" in last and (detail := re.search(r"Value error, (.+?)(?: \[type=|$)", text[text.rindex(last):], re.M)):
+            last = detail.group(1).split(". ")[0]  # a refused argument: pydantic's first sentence
         if last and re.search(r"KV cache|kv_cache|num_gpu_blocks|cache blocks", last, re.I):
             return f"the key/value cache does not fit ({last}); raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len"
         if last and re.search(r"compil|inductor|dynamo", last, re.I):

@@ -42,3 +42,24 @@ def adapter_files(model, **save_options) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, **save_options)
         return {f"adapter/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+
+def merged_weights(model) -> dict:
+    """The policy as a plain model's weights, named as its Hugging Face checkpoint names them: a
+    LoRA's low-rank update merged into each layer it adapts (W + scaling · B A), the rest as is;
+    a full model's own. What a vLLM server reloads in place of its weights (no LoRA path to pay
+    at decode); the model itself is left unchanged."""
+    import torch
+
+    lora = {name: module for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "lora_A")}
+    out = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                continue
+            owner, _, leaf = name.rpartition(".base_layer.")
+            if owner in lora and leaf == "weight":
+                module = lora[owner]
+                param = param + sum(module.lora_B[a].weight @ module.lora_A[a].weight * module.scaling[a] for a in module.active_adapters)
+            out[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = param.detach().contiguous()
+    return out

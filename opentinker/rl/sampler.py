@@ -34,6 +34,7 @@ from opentinker.core.trajectory import Trajectory
 from opentinker.rl.producer import Producer
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.model import adapter_files
+from opentinker.model.adapters import merged_weights
 from opentinker.tracking.metrics import episode_stats
 from opentinker.tracking.transcripts import transcripts
 
@@ -95,9 +96,9 @@ class Sampler:
         self.wanted_version = 0  # the policy version episodes should be sampled from
         if engine is not None:
             self.engine = engine
-        elif r.engine == "server":
+        elif r.engine in ("server", "vllm"):
             if getattr(tokenizer, "processor", None) is not None:
-                raise ValueError("rollout.engine: 'server' samples text only; a vision-language model samples with engine 'local'")
+                raise ValueError(f"rollout.engine: '{r.engine}' samples text only; a vision-language model samples with engine 'local'")
             self.engine = ServerRolloutEngine(self._server(start_server, job_id), sync_tolerance(spec, where))
             self.probe = Probe(tokenizer(PROBE_TEXT)["input_ids"], lambda prompt, tokens: score_tokens(self.model, where, prompt, tokens))
         else:
@@ -115,10 +116,11 @@ class Sampler:
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
-        if r.server_url:
+        if r.server_url and r.engine == "server":
             return ServerHandle(url=r.server_url, model=self.spec.model.name)
         if start_server is None:
-            raise ValueError("rollout.engine: 'server' needs rollout.server_url here (jobs run by opentinker start their own server)")
+            raise ValueError(f"rollout.engine: '{r.engine}' needs a server this process cannot start here "
+                             "(jobs run by opentinker start their own; or engine 'server' with rollout.server_url)")
         return start_server(self.spec, job_id, self.where)
 
     @property
@@ -130,7 +132,10 @@ class Sampler:
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
         t0 = time.perf_counter()
-        gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)  # one sync at a time
+        if self.engine.server.weights == "merged":  # the policy's weights reloaded in place (one sync at a time)
+            gap = self.engine.sync_weights(self.wanted_version, merged_weights(self.model), self.probe)
+        else:
+            gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)
         if gap is not None:  # None: another thread's sync put this version there first
             self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 

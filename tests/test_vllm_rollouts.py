@@ -89,12 +89,13 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     """Three steps of a LoRA job on a vLLM server taking merged weights: each step samples the
     version the trainer is at (the probe within tolerance), and the tokens it trains on score within
     1e-4 of the trainer's recompute of that version."""
+    adapter = {"kind": "lora", "r": 8, "alpha": 16}
     from opentinker.backend.server_engine import ServerHandle
     from opentinker.rl import RLJob
 
     server = vllm_pool.get(str(tiny_path), "merged")
     spec = tiny_spec(tmp_path, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
-                     optimization={"steps": 3, "lr": 5e-2})
+                     optimization={"steps": 3, "lr": 5e-2}, adapter=adapter)
     job = RLJob(spec, job_id="through-vllm", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
     gaps, versions = [], []
     original = job.policy.update

@@ -169,7 +169,7 @@ class ServerRolloutEngine:
         """Nothing to free here: the server manages its own cache."""
 
     # --- weights -------------------------------------------------------------------------------
-    def sync_adapter(self, version: int, files: dict[str, bytes], probe: Probe) -> float | None:
+    def sync_adapter(self, version: int, files: dict[str, bytes] | Callable[[], dict[str, bytes]], probe: Probe) -> float | None:
         """Load the adapter (`adapter/…` files as `adapter_files` writes them) as `policy-v<version>`
         and verify it; returns the probe's mean absolute logprob difference. SyncError otherwise.
         One sync at a time (the producer and an evaluation may both ask for the same version): None
@@ -177,7 +177,7 @@ class ServerRolloutEngine:
         with self._syncing:
             if self.synced_version == version:
                 return None
-            return self._sync(version, files, probe)
+            return self._sync(version, files() if callable(files) else files, probe)
 
     def _sync(self, version: int, files: dict[str, bytes], probe: Probe) -> float:
         name = f"{self.adapter_prefix}-v{version}"
@@ -207,19 +207,20 @@ class ServerRolloutEngine:
             self._unload(previous)
         return gap
 
-    def sync_weights(self, version: int, weights: dict[str, torch.Tensor], probe: Probe) -> float | None:
+    def sync_weights(self, version: int, weights: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
         """Reload the server's weights in place with `weights` (the policy's merged weights, named
         as its checkpoint names them: opentinker.model.adapters.merged_weights) as `version`, through
         the worker extension opentinker.inference.vllm_worker; its prefix cache (key/values of the
         old weights) is emptied, and the probe verifies the result as for an adapter. One sync at a
-        time; None when `version` is on the server already."""
+        time; None when `version` is on the server already. `weights` may be a function, called only
+        by the sync that moves them (the callers that find the version there already pay nothing)."""
         with self._syncing:
             if self.synced_version == version:
                 return None
             from safetensors.torch import save_file
 
             path = self._shared / f"weights-v{version}.safetensors"
-            save_file(weights, str(path))
+            save_file(weights() if callable(weights) else weights, str(path))
             try:
                 reply = self._call("POST", "/collective_rpc", json={"method": "load_weights_from", "args": [str(path)]})
             finally:

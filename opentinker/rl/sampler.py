@@ -119,8 +119,8 @@ class Sampler:
         if r.server_url and r.engine == "server":
             return ServerHandle(url=r.server_url, model=self.spec.model.name)
         if start_server is None:
-            raise ValueError(f"rollout.engine: '{r.engine}' needs a server this process cannot start here "
-                             "(jobs run by opentinker start their own; or engine 'server' with rollout.server_url)")
+            raise ValueError("rollout.engine: 'server' needs rollout.server_url here (jobs run by opentinker start their own server)"
+                             if r.engine == "server" else "rollout.engine: 'vllm': jobs run by opentinker start their vLLM server, this one cannot")
         return start_server(self.spec, job_id, self.where)
 
     @property
@@ -132,10 +132,11 @@ class Sampler:
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
         t0 = time.perf_counter()
-        if self.engine.server.weights == "merged":  # the policy's weights reloaded in place (one sync at a time)
-            gap = self.engine.sync_weights(self.wanted_version, merged_weights(self.model), self.probe)
+        # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start)
+        if self.engine.server.weights == "merged":  # the policy's weights reloaded in place
+            gap = self.engine.sync_weights(self.wanted_version, lambda: merged_weights(self.model), self.probe)
         else:
-            gap = self.engine.sync_adapter(self.wanted_version, adapter_files(self.model), self.probe)
+            gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
         if gap is not None:  # None: another thread's sync put this version there first
             self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 

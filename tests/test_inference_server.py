@@ -205,33 +205,35 @@ def test_a_job_folder_serves_its_latest_step(trained):
 
 def _has_vllm_and_gpu() -> bool:
     from opentinker.core.hardware import detect_gpus
-    from opentinker.inference.engine_vllm import vllm_executable
+    from opentinker.inference.engine_vllm import vllm_python
 
-    return vllm_executable() is not None and detect_gpus() > 0
+    return vllm_python() is not None and detect_gpus() > 0
 
 
-@pytest.mark.skipif(_has_vllm_and_gpu(), reason="this worker can run vLLM: the guard has nothing to refuse")
-def test_vllm_is_refused_clearly_without_a_gpu_or_the_package(trained):
+@pytest.mark.skipif(_has_vllm_and_gpu(), reason="this worker can run vLLM on a GPU: the guard has nothing to refuse")
+def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
     from opentinker.inference.engine_vllm import VLLMUnavailable
     from opentinker.inference.launch import launch
     from opentinker.inference.spec import InferenceSpec
 
     _, url, _, _ = trained
-    with pytest.raises(VLLMUnavailable, match=r"engine 'vllm' needs (the vllm package|a CUDA GPU)"):
+    with pytest.raises(VLLMUnavailable, match=r"engine 'vllm' (needs vLLM's own environment|on GPUs needs a CUDA GPU)"):
         launch(url, InferenceSpec(model_path=url, num_gpus=1), "127.0.0.1")
     with pytest.raises(ValueError, match="engine 'hf' serves on CPU"):
         launch(url, InferenceSpec(model_path=url, num_gpus=1, engine="hf"), "127.0.0.1")
 
 
-@pytest.mark.skipif(not _has_vllm_and_gpu(), reason="needs a CUDA GPU and vLLM (opentinker.inference.engine_vllm.INSTALL_HINT)")
-def test_vllm_serves_the_lora_checkpoint(trained):
+def test_vllm_serves_the_lora_checkpoint(trained, vllm_pool):
+    """The checkpoint's base plus its adapter through vLLM (on the GPU if there is one, else this CPU)."""
     from openai import OpenAI
 
+    from opentinker.core.hardware import detect_gpus
     from opentinker.inference.launch import launch
     from opentinker.inference.spec import InferenceSpec
 
     _, url, _, _ = trained
-    server = launch(url, InferenceSpec(model_path=url, num_gpus=1), "127.0.0.1", name="policy")
+    gpus = int(detect_gpus() > 0)
+    server = launch(url, InferenceSpec(model_path=url, num_gpus=gpus, engine="vllm"), "127.0.0.1", name="policy")
     try:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         ids = {m.id for m in client.models.list()}

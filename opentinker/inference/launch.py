@@ -26,7 +26,7 @@ def check_engine(spec: InferenceSpec) -> None:
     if spec.engine_kind == "vllm":
         from opentinker.inference.engine_vllm import check_available
 
-        check_available()
+        check_available(spec.num_gpus)
     elif spec.num_gpus > 0:
         raise ValueError("engine 'hf' serves on CPU: ask for num_gpus=0, or engine 'vllm' for GPUs")
 

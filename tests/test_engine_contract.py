@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,11 +111,13 @@ def make_subject(kind: str, model_name: str, pool=None):
     raise AssertionError(kind)
 
 
-@pytest.fixture(scope="module")
-def model_folders(tmp_path_factory, tiny_path):
-    """The tiny model's folder, and one whose generation config also stops at `stop_token` (made once per token)."""
-    root = tmp_path_factory.mktemp("engine-models")
-    return lambda stop_token=None: _model_folder(root / str(stop_token), tiny_path, stop_token)
+@pytest.fixture
+def model_folders(tmp_path_factory, tiny_path, engine_kind, request):
+    """The tiny model's folder (for vLLM the tiny model with heads of 32, the smallest its CPU attention
+    takes), and one whose generation config also stops at `stop_token`; made once per kind and token."""
+    source = request.getfixturevalue("vllm_tiny_path") if engine_kind.startswith("vllm") else tiny_path
+    root = tmp_path_factory.getbasetemp() / f"engine-models-{Path(str(source)).name}"
+    return lambda stop_token=None: _model_folder(root / str(stop_token), source, stop_token)
 
 
 @pytest.fixture(params=["hf", "server", "vllm", "vllm_merged"])
@@ -184,6 +187,22 @@ def test_greedy_is_the_argmax_and_repeatable(subject):
     assert first[1].token_ids == argmax[: len(first[1].token_ids)]
 
 
+def test_a_lora_version_switch_changes_what_is_sampled(subject):
+    """New adapter weights published as version 1, then 2: completions follow each, carry the
+    version, and match the trainer's recompute of the weights of that version."""
+    prompts = subject.prompts()
+    before = subject.engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+    for version in (1, 2):
+        _perturb(subject.model, seed=version)
+        subject.publish(version)
+        after = subject.engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
+        assert subject.engine.policy_version == version
+        for c, p in zip(after, prompts):
+            assert _gap(subject, p, c) < TOLERANCE[subject.kind]
+        assert [c.token_ids for c in after] != [c.token_ids for c in before]
+        before = after
+
+
 def test_stop_tokens_end_a_completion_and_stay_in_the_record(engine_kind, model_folders, pool):
     """A token of the model's generation config ends the completion (finish 'stop'), and the
     token is the record's last, with its logprob. (vLLM reads the stop tokens the same whichever way it
@@ -203,22 +222,6 @@ def test_stop_tokens_end_a_completion_and_stay_in_the_record(engine_kind, model_
         assert (c.token_ids, c.finish_reason, len(c.logprobs)) == (greedy[:cut], "stop", cut)
     finally:
         close()
-
-
-def test_a_lora_version_switch_changes_what_is_sampled(subject):
-    """New adapter weights published as version 1, then 2: completions follow each, carry the
-    version, and match the trainer's recompute of the weights of that version."""
-    prompts = subject.prompts()
-    before = subject.engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
-    for version in (1, 2):
-        _perturb(subject.model, seed=version)
-        subject.publish(version)
-        after = subject.engine.generate(prompts, SamplingParams(max_new_tokens=6, greedy=True))
-        assert subject.engine.policy_version == version
-        for c, p in zip(after, prompts):
-            assert _gap(subject, p, c) < TOLERANCE[subject.kind]
-        assert [c.token_ids for c in after] != [c.token_ids for c in before]
-        before = after
 
 
 # --- the server engine's sync is verified, not trusted ---------------------------------------

@@ -223,15 +223,19 @@ def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
         launch(url, InferenceSpec(model_path=url, num_gpus=1, engine="hf"), "127.0.0.1")
 
 
-def test_vllm_serves_the_lora_checkpoint(trained, vllm_pool):
-    """The checkpoint's base plus its adapter through vLLM (on the GPU if there is one, else this CPU)."""
+def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path):
+    """A LoRA checkpoint's base plus its adapter through vLLM (on the GPU if there is one, else this CPU)."""
     from openai import OpenAI
 
     from opentinker.core.hardware import detect_gpus
+    from opentinker.env import environment_from_spec
     from opentinker.inference.launch import launch
     from opentinker.inference.spec import InferenceSpec
+    from opentinker.rl import Policy
 
-    _, url, _, _ = trained
+    vllm_pool.stop()  # room for this server
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path})
+    url = Policy(spec, job_id="served-by-vllm").save(1, environment_from_spec(spec).state()).url
     gpus = int(detect_gpus() > 0)
     server = launch(url, InferenceSpec(model_path=url, num_gpus=gpus, engine="vllm"), "127.0.0.1", name="policy")
     try:

@@ -45,7 +45,7 @@ def _spans(mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, tiny_path):
+def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_path):
     """Three turns of a scripted game, sampled by vLLM with the policy's merged weights: the
     record is the prompt, then each turn's sampled tokens (mask 1, vLLM's logprobs within 1e-4 of
     the recompute) and the observation's tokens (mask 0), appended, never re-tokenized."""
@@ -59,8 +59,8 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, tiny_path):
     from opentinker.model.adapters import merged_weights
     from tests.games import ScriptedTurns
 
-    server = vllm_pool.get(str(tiny_path), "merged")
-    base, tok = load_model(str(tiny_path))
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    base, tok = load_model(vllm_tiny_path)
     model = wrap_model(base, LoraSpec(r=8, alpha=16))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -85,7 +85,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, tiny_path):
         assert _scored(model, t) < TOLERANCE
 
 
-def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vllm_pool, tiny_path, tmp_path):
+def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vllm_pool, vllm_tiny_path, tmp_path):
     """Three steps of a LoRA job on a vLLM server taking merged weights: each step samples the
     version the trainer is at (the probe within tolerance), and the tokens it trains on score within
     1e-4 of the trainer's recompute of that version."""
@@ -93,8 +93,8 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     from opentinker.backend.server_engine import ServerHandle
     from opentinker.rl import RLJob
 
-    server = vllm_pool.get(str(tiny_path), "merged")
-    spec = tiny_spec(tmp_path, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 3, "lr": 5e-2}, adapter=adapter)
     job = RLJob(spec, job_id="through-vllm", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
     gaps, versions = [], []
@@ -119,17 +119,18 @@ def _vllm_servers_of_this_process() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if "vllm.entrypoints" in " ".join(p.cmdline())]
 
 
-def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm_pool, tmp_path):
+def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm_pool, vllm_tiny_path, tmp_path):
     """The job starts its own server (the product's path); SIGKILL to it after step 1's checkpoint:
     step 2 fails in one line naming the server; the same job id resumes from step 1 with a new server."""
     from opentinker.backend.server_engine import ServerGone
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import RLJob
 
-    spec = tiny_spec(tmp_path, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+    vllm_pool.stop()  # the job's own servers take their place (memory)
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
                      optimization={"steps": 3}, checkpoint={"every": 1})
     job = RLJob(spec, job_id="killed-server", start_server=rollout_server)
-    mine = [p for p in _vllm_servers_of_this_process() if p.pid not in {s._process.pid for s in vllm_pool.running.values()}]
+    mine = _vllm_servers_of_this_process()
 
     def kill_after_step_one(report) -> None:
         if report.step == 1:
@@ -151,20 +152,21 @@ def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm
     assert (result.resumed_from, result.steps_done) == (1, 3)
 
 
-def test_vllm_start_up_failures_read_as_one_line(vllm_pool, tiny_path):
+def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
     """A port taken, a key/value cache that does not fit: `vLLM did not start: <why>` with the log's path."""
     from opentinker.inference.engine_hf import ModelLoadError
     from opentinker.inference.engine_vllm import VLLMServer, merged_server_args
     from opentinker.inference.launch import free_port
 
     workdir = Path(tempfile.mkdtemp())
-    args, env = merged_server_args(str(tiny_path), None, "float32", workdir, "base")
+    args, env = merged_server_args(vllm_tiny_path, None, "float32", workdir, "base")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ModelLoadError, match=rf"^vLLM did not start: port {port} on 127.0.0.1 is taken \(exit code 1; log: "):
             VLLMServer(args, "127.0.0.1", port, "base", workdir, num_gpus=0, env=env)
-    with pytest.raises(ModelLoadError, match=r"^vLLM did not start: the key/value cache does not fit \(ValueError: No available memory "
-                                             r"for the cache blocks\.\); raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB"):
-        VLLMServer([*args, "--num-gpu-blocks-override", "1"], "127.0.0.1", free_port("127.0.0.1"), "base", workdir, num_gpus=0, env=env)
+    with pytest.raises(ModelLoadError, match=r"^vLLM did not start: the key/value cache does not fit \(\w+Error: .+\); "
+                                             r"raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len \(exit code 1; log: "):
+        VLLMServer([*args, "--num-gpu-blocks-override", "1"], "127.0.0.1", free_port("127.0.0.1"), "base", Path(tempfile.mkdtemp()),
+                   num_gpus=0, env=env)

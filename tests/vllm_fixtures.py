@@ -1,6 +1,8 @@
 """Real vLLM servers for the test session, one per (model folder, way of taking weights), started at
-first use (30-60 s each on the 2-core CPU) and stopped when the session ends. Skipped, with the
-reason, where vLLM cannot run (no `.venv-vllm`, or a CPU without AVX-512)."""
+first use (30-60 s each on the 2-core CPU; at most two kept, each holding about 2.4 GB with its
+1 GiB key/value cache) and stopped when the session ends; and the tiny model in a shape vLLM's CPU
+attention takes (heads of 32; the suite's tiny model has heads of 16). Skipped, with the reason,
+where vLLM cannot run (no `.venv-vllm`, or a CPU without AVX-512)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def vllm_missing() -> str | None:
 
 
 class VLLMPool:
+    KEEP = 2  # servers alive at once (the least recently used goes first)
+
     def __init__(self):
         self.running: dict[tuple[str, str], object] = {}
 
@@ -34,7 +38,11 @@ class VLLMPool:
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, merged_server_args
         from opentinker.inference.launch import free_port
 
-        if (folder, weights) not in self.running:
+        if (folder, weights) in self.running:
+            self.running[(folder, weights)] = self.running.pop((folder, weights))  # now the most recently used
+        else:
+            while len(self.running) >= self.KEEP:
+                self.running.pop(next(iter(self.running))).stop()
             workdir = Path(tempfile.mkdtemp(prefix="vllm-test-"))
             if weights == "merged":
                 args, env = merged_server_args(folder, None, "float32", workdir, "base")
@@ -57,3 +65,23 @@ def vllm_pool():
     pool = VLLMPool()
     yield pool
     pool.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_path(tmp_path_factory) -> str:
+    """The tiny model with heads of 32 (2 heads, 1 key/value head), built once from the real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from opentinker.model.loading import tokenizer_path
+
+    folder = tmp_path_factory.mktemp("tiny-h32")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from opentinker.backend.rollout import Completion, SamplingParams
@@ -78,6 +77,8 @@ class ServerRolloutEngine:
                  adapter_prefix: str = "policy"):
         """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
         server name theirs apart."""
+        import httpx  # only jobs that sample through a server need it (the core runtime runs without)
+
         self.server = server
         self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
         headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
@@ -122,8 +123,10 @@ class ServerRolloutEngine:
             out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length"))
         return out
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """A request to the server; a server that does not answer is ServerGone, one line the job fails with."""
+        import httpx
+
         try:
             return self.client.request(method, path, **kwargs)
         except httpx.TransportError as err:

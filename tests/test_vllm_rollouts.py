@@ -153,7 +153,8 @@ def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm
 
 
 def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
-    """A port taken, a key/value cache that does not fit: `vLLM did not start: <why>` with the log's path."""
+    """A port taken, a key/value cache that does not fit, an argument refused: `vLLM did not start: <why>` with the
+    log's path."""
     from opentinker.inference.engine_hf import ModelLoadError
     from opentinker.inference.engine_vllm import VLLMServer, merged_server_args
     from opentinker.inference.launch import free_port
@@ -169,4 +170,7 @@ def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
     with pytest.raises(ModelLoadError, match=r"^vLLM did not start: the key/value cache does not fit \(\w+Error: .+\); "
                                              r"raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len \(exit code 1; log: "):
         VLLMServer([*args, "--num-gpu-blocks-override", "1"], "127.0.0.1", free_port("127.0.0.1"), "base", Path(tempfile.mkdtemp()),
+                   num_gpus=0, env=env)
+    with pytest.raises(ModelLoadError, match=r"^vLLM did not start: its arguments were refused: argument --max-model-len: .+ \(exit code 2; log: "):
+        VLLMServer([*args, "--max-model-len", "many"], "127.0.0.1", free_port("127.0.0.1"), "base", Path(tempfile.mkdtemp()),
                    num_gpus=0, env=env)

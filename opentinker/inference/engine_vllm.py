@@ -191,7 +191,7 @@ class VLLMServer:
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if api_key:  # vLLM then asks every /v1 request for it
-            command += ["--api-key", api_key]
+            command.append(f"--api-key={api_key}")  # one argument: a key may begin with "-"
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
         child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # the project stays out, but what `env` puts in
@@ -231,6 +231,8 @@ class VLLMServer:
         errors = re.findall(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception|Failed)\w*: .+)$", text, re.M)
         causes = [e.strip() for e in errors if not re.search(r"root cause above|EngineDeadError|Engine core initialization failed", e)]
         last = (causes or errors or [None])[-1]
+        if not last and (usage := re.search(r"^\S+\.py: error: (.+)$", text, re.M)):
+            last = f"its arguments were refused: {usage.group(1)}"  # argparse's line, before any engine starts
         if last:
             last = re.sub(r"(?<=[.!]) (Try|See|Consider|Please) .*$", "", last.strip())  # the error, not vLLM's advice
         if last and "ValidationError" in last and (detail := re.search(r"Value error, (.+?)(?: \[type=|$)", text[text.rindex(last):], re.M)):

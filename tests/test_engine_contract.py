@@ -20,7 +20,7 @@ from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine, SyncError
 from opentinker.core.spec import LoraSpec
 from opentinker.model import adapter_files, load_model, wrap_model
-from opentinker.model.adapters import merged_weights
+from opentinker.model.adapters import lora_factors
 
 # Largest |logprob - recompute| per engine: ours run the trainer's own code in float32; vLLM's
 # kernels differ from transformers' even in float32 (on this CPU within 1e-4, measured 3.2e-5 on SmolLM2).
@@ -91,7 +91,7 @@ def make_subject(kind: str, model_name: str, pool=None):
             engine.sync_adapter(version, adapter_files(model), probe)
 
         return Subject(engine, model, tokenizer, publish), engine.close
-    if kind in ("vllm", "vllm_merged"):  # vLLM's server as a job's own: adapters by name, or merged weights reloaded in place
+    if kind in ("vllm", "vllm_merged"):  # vLLM's server as a job's own: adapters by name, or their factors merged by the server in place
         gpus = int(torch.cuda.is_available())
         model = model.cuda() if gpus else model
         merged = kind == "vllm_merged"
@@ -103,7 +103,7 @@ def make_subject(kind: str, model_name: str, pool=None):
 
         def publish(version: int) -> None:
             if merged:
-                engine.sync_weights(version, merged_weights(model), probe)
+                engine.sync_weights(version, lora_factors(model), probe)
             else:
                 engine.sync_adapter(version, adapter_files(model), probe)
 

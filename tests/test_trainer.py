@@ -38,15 +38,19 @@ def test_stale_rollouts_are_refused_unless_allowed(tiny):
     assert trainer.version == 2
 
 
-def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tiny):
+@pytest.mark.parametrize("behaviour", ["older versions", "a coarser sampler"])
+def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tiny, behaviour):
     """Decoupled PPO's proximal policy is the policy before the update's one optimizer step, the
     weights every pass of the update runs on: the trainer's loss and gradient equal those computed
-    by the definition (pi_prox from a forward without gradient before the update, by hand here)."""
+    by the definition (pi_prox from a forward without gradient before the update, by hand here).
+    The same loss corrects tokens drawn by older versions (k > 0) and tokens drawn by the same
+    weights in a lower precision (a bfloat16 vLLM under a float32 trainer, at k = 0)."""
     from opentinker.algo import compute_advantages
 
     model, tok = tiny
-    algorithm = AlgorithmSpec(max_staleness=2, importance_cap=2.0, clip_range=0.2)
-    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), algorithm, OptimizationSpec(lr=1e-3))
+    algorithm = AlgorithmSpec(max_staleness=2 if behaviour == "older versions" else 0, importance_cap=2.0, clip_range=0.2)
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), algorithm, OptimizationSpec(lr=1e-3), sampled_coarser=behaviour == "a coarser sampler")
+    assert trainer.off_policy
     trajs = _with_signal(_batch(trainer, tok, seed=3))
     for t in trajs:  # drawn by an older policy: behaviour logprobs away from the current ones, some past the cap
         t.sampling_logprobs = [lp + (0.9 * (i % 3) - 0.9) * m for i, (lp, m) in enumerate(zip(t.sampling_logprobs, t.loss_mask))]

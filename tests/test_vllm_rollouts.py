@@ -56,7 +56,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
     from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
     from opentinker.core.spec import LoraSpec
     from opentinker.model import load_model, wrap_model
-    from opentinker.model.adapters import merged_weights
+    from opentinker.model.adapters import lora_factors
     from tests.games import ScriptedTurns
 
     server = vllm_pool.get(vllm_tiny_path, "merged")
@@ -67,7 +67,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
     engine = ServerRolloutEngine(ServerHandle(server.url, "base", weights="merged"), TOLERANCE)
-    engine.sync_weights(0, merged_weights(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t)))
+    engine.sync_weights(0, lora_factors(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t)))
     chat = chat_format(tok)
     try:
         trajs = run_episodes(engine, chat, [ScriptedTurns(turns=3) for _ in range(4)], [{"id": i} for i in range(4)],
@@ -113,6 +113,36 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     assert result.steps_done == 3
     assert versions == [{0}, {1}, {2}] and max(gaps) < TOLERANCE, gaps
     assert all(h["rollout/sync_logprob_gap"] <= 1e-3 and h["rollout/policy_version"] == h["step"] - 1 for h in result.history)
+
+
+def test_a_bfloat16_sampler_under_a_float32_trainer_is_corrected_by_decoupled_ppo(vllm_pool, vllm_tiny_path, tmp_path):
+    """rollout.sampler_dtype bfloat16: the server samples in bfloat16 (its tokens' logprobs are not the
+    trainer's float32 ones), the sync probe allows bfloat16's gap, and the update weighs each token by
+    the capped pi_trainer / pi_sampler at k = 0 (the weight's metrics are logged)."""
+    from opentinker.backend.server_engine import ServerHandle
+    from opentinker.rl import RLJob
+
+    server = vllm_pool.get(vllm_tiny_path, "merged", dtype="bfloat16")
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16},
+                     rollout={"engine": "vllm", "sampler_dtype": "bfloat16", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+                     optimization={"steps": 2, "lr": 5e-2})
+    job = RLJob(spec, job_id="bf16-sampler", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    gaps = []
+    original = job.policy.update
+
+    def update(batch):
+        gaps.append(max(_scored(job.policy.model, t) for t in batch.trajectories if t.num_sampled))
+        return original(batch)
+
+    job.policy.update = update
+    try:
+        assert job.policy.trainer.off_policy and spec.algorithm.max_staleness == 0
+        result = job.run()
+    finally:
+        job.close()
+    assert result.steps_done == 2 and min(gaps) > TOLERANCE, gaps  # bfloat16's numbers, not float32's
+    for h in result.history:
+        assert 0 < h["update/behaviour_weight_mean"] <= spec.algorithm.importance_cap and 0 < h["rollout/sync_logprob_gap"] <= 0.1
 
 
 def _vllm_servers_of_this_process() -> list[psutil.Process]:

@@ -29,28 +29,29 @@ class VLLMPool:
     KEEP = 2  # servers alive at once (the least recently used goes first)
 
     def __init__(self):
-        self.running: dict[tuple[str, str], object] = {}
+        self.running: dict[tuple[str, str, str], object] = {}
 
-    def get(self, folder: str, weights: str = "lora", max_rank: int = 8):
-        """A server on `folder`, named "base", taking adapters by name (`lora`) or merged weights."""
+    def get(self, folder: str, weights: str = "lora", max_rank: int = 8, dtype: str = "float32"):
+        """A server on `folder`, named "base", in `dtype`, taking adapters by name (`lora`) or merged weights."""
         import torch
 
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, merged_server_args
         from opentinker.inference.launch import free_port
 
-        if (folder, weights) in self.running:
-            self.running[(folder, weights)] = self.running.pop((folder, weights))  # now the most recently used
+        key = (folder, weights, dtype)
+        if key in self.running:
+            self.running[key] = self.running.pop(key)  # now the most recently used
         else:
             while len(self.running) >= self.KEEP:
                 self.running.pop(next(iter(self.running))).stop()
             workdir = Path(tempfile.mkdtemp(prefix="vllm-test-"))
             if weights == "merged":
-                args, env = merged_server_args(folder, None, "float32", workdir, "base")
+                args, env = merged_server_args(folder, None, dtype, workdir, "base")
             else:
-                args, env = adapter_server_args(folder, None, "float32", max_rank, workdir, "base"), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-            self.running[(folder, weights)] = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir,
+                args, env = adapter_server_args(folder, None, dtype, max_rank, workdir, "base"), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+            self.running[key] = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir,
                                                          num_gpus=int(torch.cuda.is_available()), env=env)
-        return self.running[(folder, weights)]
+        return self.running[key]
 
     def stop(self) -> None:
         for server in self.running.values():

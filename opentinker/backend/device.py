@@ -57,6 +57,11 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def sampling_dtype(sampler_dtype: str, where: Placement) -> torch.dtype:
+    """The precision a job's vLLM server samples in (`rollout.sampler_dtype`): its own, or the job's."""
+    return where.compute_dtype if sampler_dtype == "auto" else getattr(torch, sampler_dtype)
+
+
 def placement(num_gpus: float = 0, dtype: str = "auto") -> Placement:
     """The device and precision of a job asking for `num_gpus` GPUs (ValueError when there are none)."""
     check_gpus(num_gpus)

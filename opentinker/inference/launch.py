@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from opentinker.backend.device import Placement
+from opentinker.backend.device import Placement, sampling_dtype
 from opentinker.backend.server_engine import ServerHandle
 from opentinker.core.spec import JobSpec
 from opentinker.inference.spec import InferenceSpec
@@ -83,7 +83,7 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, merged_server_args
 
         workdir = Path(tempfile.mkdtemp(prefix="opentinker-rollout-server-"))
-        dtype = str(where.compute_dtype).removeprefix("torch.")
+        dtype = str(sampling_dtype(spec.rollout.sampler_dtype, where)).removeprefix("torch.")
         sync = weight_sync(spec, where) if spec.rollout.engine == "vllm" else "lora"
         if sync == "merged":
             args, env = merged_server_args(name, init_from, dtype, workdir, name)

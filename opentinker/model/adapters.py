@@ -44,22 +44,27 @@ def adapter_files(model, **save_options) -> dict[str, bytes]:
         return {f"adapter/{p.name}": p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
 
-def merged_weights(model) -> dict:
-    """The policy as a plain model's weights, named as its Hugging Face checkpoint names them: a
-    LoRA's low-rank update merged into each layer it adapts (W + scaling · B A), the rest as is;
-    a full model's own. What a vLLM server reloads in place of its weights (no LoRA path to pay
-    at decode); the model itself is left unchanged."""
+def lora_factors(model) -> dict:
+    """The policy's LoRA as low-rank factors per adapted weight, named as the base checkpoint names
+    that weight: `<name>.lora_A` (r x in) and `<name>.lora_B` (out x r, its scaling folded in), so
+    that W + B @ A is the merged weight. What a vLLM server merges into its own base weights to take
+    a new policy version in place (opentinker.inference.vllm_worker): megabytes to move, where the
+    merged model is the whole of it, and no LoRA path to pay at decode. Only a LoRA's factors train
+    (a job that trains other weights too is refused: they would not reach the server)."""
     import torch
 
-    lora = {name: module for name, module in model.named_modules() if hasattr(module, "base_layer") and hasattr(module, "lora_A")}
+    others = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_A." not in n and ".lora_B." not in n]
+    if others:
+        raise ValueError(f"the merged weight sync carries LoRA factors only, and this policy trains {others[0]} too")
     out = {}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_" in name:
+        for name, module in model.named_modules():
+            if not (hasattr(module, "base_layer") and hasattr(module, "lora_A")):
                 continue
-            owner, _, leaf = name.rpartition(".base_layer.")
-            if owner in lora and leaf == "weight":
-                module = lora[owner]
-                param = param + sum(module.lora_B[a].weight @ module.lora_A[a].weight * module.scaling[a] for a in module.active_adapters)
-            out[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = param.detach().contiguous()
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if not active:
+                continue
+            weight = name.removeprefix("base_model.model.") + ".weight"
+            out[f"{weight}.lora_A"] = torch.cat([module.lora_A[a].weight for a in active]).cpu().contiguous()
+            out[f"{weight}.lora_B"] = torch.cat([module.lora_B[a].weight * module.scaling[a] for a in active], dim=1).cpu().contiguous()
     return out

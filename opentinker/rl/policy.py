@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from opentinker.backend import PolicyTrainer
-from opentinker.backend.device import placement
+from opentinker.backend.device import placement, sampling_dtype
 from opentinker.core.ids import check_folder_name
 from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, read_policy_info
@@ -65,8 +65,10 @@ class Policy:
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
+        where = placement(spec.resources.num_gpus, spec.model.dtype)
+        coarser = spec.rollout.engine == "vllm" and sampling_dtype(spec.rollout.sampler_dtype, where).itemsize < where.compute_dtype.itemsize
         self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
-                                     placement(spec.resources.num_gpus, spec.model.dtype))
+                                     where, sampled_coarser=coarser)
 
     @property
     def model(self):

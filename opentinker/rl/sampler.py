@@ -26,7 +26,7 @@ import torch
 from opentinker.agent import EpisodeLimits, chat_format, run_episodes
 from opentinker.agent.guard import stuck_calls
 from opentinker.backend import HFRolloutEngine, SamplingParams
-from opentinker.backend.device import Placement, placement
+from opentinker.backend.device import Placement, placement, sampling_dtype
 from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
 from opentinker.core.spec import JobSpec
@@ -34,7 +34,7 @@ from opentinker.core.trajectory import Trajectory
 from opentinker.rl.producer import Producer
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.model import adapter_files
-from opentinker.model.adapters import merged_weights
+from opentinker.model.adapters import lora_factors
 from opentinker.tracking.metrics import episode_stats
 from opentinker.tracking.transcripts import transcripts
 
@@ -77,7 +77,7 @@ def sync_tolerance(spec: JobSpec, where: Placement) -> float:
     """`rollout.sync_tolerance`, or what the compute precision allows (see backend/device.py)."""
     if spec.rollout.sync_tolerance is not None:
         return spec.rollout.sync_tolerance
-    return 1e-3 if where.compute_dtype == torch.float32 else 0.1
+    return 1e-3 if where.compute_dtype == torch.float32 and sampling_dtype(spec.rollout.sampler_dtype, where) == torch.float32 else 0.1
 
 
 EVAL_EPISODES = 2**40  # validation episodes are numbered apart from training ones (their generators' seeds)
@@ -133,8 +133,8 @@ class Sampler:
             return
         t0 = time.perf_counter()
         # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start)
-        if self.engine.server.weights == "merged":  # the policy's weights reloaded in place
-            gap = self.engine.sync_weights(self.wanted_version, lambda: merged_weights(self.model), self.probe)
+        if self.engine.server.weights == "merged":  # the LoRA's factors, merged into the weights by the server
+            gap = self.engine.sync_weights(self.wanted_version, lambda: lora_factors(self.model), self.probe)
         else:
             gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
         if gap is not None:  # None: another thread's sync put this version there first

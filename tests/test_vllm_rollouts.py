@@ -145,6 +145,29 @@ def test_a_bfloat16_sampler_under_a_float32_trainer_is_corrected_by_decoupled_pp
         assert 0 < h["update/behaviour_weight_mean"] <= spec.algorithm.importance_cap and 0 < h["rollout/sync_logprob_gap"] <= 0.1
 
 
+def test_k_2_through_vllm_updates_land_while_episodes_run(vllm_pool, vllm_tiny_path, tmp_path):
+    """max_staleness 2 through vLLM: the producer plays ahead while the trainer updates, each update
+    is merged into the server's weights between its steps while requests run on (no wait for them);
+    every trained token records a version at most 2 behind (a request records the version it started
+    on: tokens drawn after an update in flight are newer than they say, never older; the trainer
+    refuses more than 2), and the update weighs them by decoupled PPO."""
+    from opentinker.backend.server_engine import ServerHandle
+    from opentinker.rl import RLJob
+
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16}, algorithm={"max_staleness": 2},
+                     rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6}, optimization={"steps": 4, "lr": 5e-2})
+    job = RLJob(spec, job_id="k2-through-vllm", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    try:
+        result = job.run()
+    finally:
+        job.close()
+    assert result.steps_done == 4
+    for h in result.history:
+        assert h["rollout/version_lag_max"] <= 2 and 0 < h["update/behaviour_weight_mean"] <= spec.algorithm.importance_cap
+    assert sum(h["rollout/groups_dropped"] for h in result.history) == 0
+
+
 def _vllm_servers_of_this_process() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if "vllm.entrypoints" in " ".join(p.cmdline())]
 

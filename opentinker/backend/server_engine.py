@@ -102,12 +102,18 @@ class ServerRolloutEngine:
 
     # --- sampling ------------------------------------------------------------------------------
     def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
-                 generator: torch.Generator | None = None) -> list[Completion]:
+                 generator: torch.Generator | None = None, version: int | None = None) -> list[Completion]:
+        """`version`: the policy version on the server as the request starts, which its tokens
+        record (a sync during the request lands between the server's steps, so later tokens may be
+        newer: the record errs old, as the staleness bound needs). For weights reloaded in place it
+        also salts the server's prefix cache: key/values computed by one version serve no other."""
         body: dict[str, Any] = {
             "model": model, "prompt": prompts, "max_tokens": budget,
             "temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
             "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
+        if self.server.weights == "merged" and version is not None:
+            body["cache_salt"] = f"v{version}"
         if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
             body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self._call("POST", "/v1/completions", json=body)
@@ -121,7 +127,8 @@ class ServerRolloutEngine:
             ids, logprobs = _token_ids(choice), [float(x) for x in choice["logprobs"]["token_logprobs"]]
             if len(ids) != len(logprobs) or len(ids) > budget:
                 raise RuntimeError(f"the inference server returned {len(ids)} tokens, {len(logprobs)} logprobs for a budget of {budget}")
-            out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length"))
+            out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length",
+                                  [version] * len(ids) if version is not None else []))
         return out
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -148,10 +155,10 @@ class ServerRolloutEngine:
         for i, b in enumerate(budgets):
             requests.setdefault((max(1, b), id(gens[i])), []).append(i)
         with self._names:
-            model = self.served
+            model, version = self.served, self.policy_version
             self._using[model] += 1
         try:
-            futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]])
+            futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]], version)
                        for key, rows in requests.items()}
             results: dict[int, Completion] = {}
             for key, rows in requests.items():
@@ -214,8 +221,8 @@ class ServerRolloutEngine:
     def sync_weights(self, version: int, factors: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
         """Reload the server's weights in place as its base plus the LoRA `factors`
         (opentinker.model.adapters.lora_factors) as `version`, through the worker extension
-        opentinker.inference.vllm_worker, which merges them; its prefix cache (key/values of the old
-        weights) is emptied, and the probe verifies the result as for an adapter. One sync at a time;
+        opentinker.inference.vllm_worker, which merges them between two of its steps (requests in
+        flight go on: an in-flight update), and the probe verifies the result as for an adapter. One sync at a time;
         None when `version` is on the server already. `factors` may be a function, called only by the
         sync that moves them (the callers that find the version there already pay nothing)."""
         with self._syncing:
@@ -231,8 +238,10 @@ class ServerRolloutEngine:
                 path.unlink(missing_ok=True)
             if not reply.is_success:
                 raise SyncError(f"the inference server refused the weights of version {version} ({reply.status_code}): {reply.text[:300]}")
-            self._reset_prefix_cache()
-            (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens, self.server.model)
+            # requests in flight go on, now drawing from the new weights (in-flight); the new version's requests
+            # salt the prefix cache with it, so no key/values of the old weights serve them (no reset to wait for)
+            (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens,
+                                      self.server.model, version=version)
             expected = probe.recompute(probe.prompt, answer.token_ids)
             gap = sum(abs(a - b) for a, b in zip(answer.logprobs, expected)) / max(1, len(expected))
             if not gap <= self.tolerance:
@@ -240,15 +249,6 @@ class ServerRolloutEngine:
                                 f"trainer's version {version}, over the tolerance {self.tolerance:g}")
             self.synced_version = self.policy_version = version
             return gap
-
-    def _reset_prefix_cache(self, timeout_s: float = 60.0) -> None:
-        """Empty the server's prefix cache, whose key/values the old weights computed (it refuses while
-        requests hold blocks: tried again until they end)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._call("POST", "/reset_prefix_cache").json().get("success"):
-            if time.monotonic() > deadline:
-                raise SyncError(f"the inference server kept its prefix cache for {timeout_s:g} s (requests still hold it)")
-            time.sleep(0.05)
 
     def _unload(self, name: str) -> None:
         self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})

@@ -160,8 +160,8 @@ class RolloutSpec(Section):
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
     engine: Literal["local", "server", "vllm"] = Field("local", description="local: transformers generation in the job's process; vllm: a vLLM server "
         "the job starts (CPU or GPU) taking the policy's weights after every update; server: an OpenAI-compatible server taking its LoRA adapter")
-    weight_sync: Literal["auto", "merged", "lora"] = Field("auto", description="engine 'vllm' (LoRA jobs): merged: the policy's weights (its LoRA merged in) reloaded "
-        "in place; lora: the adapter by name (vLLM's LoRA path: 3.3x slower to decode on a CPU); auto: merged on a CPU, lora on a GPU")
+    weight_sync: Literal["auto", "merged", "lora"] = Field("auto", description="engine 'vllm' (LoRA jobs): merged: the LoRA's factors merged by the server into its "
+        "weights in place; lora: the adapter by name (vLLM's LoRA path: 3.3x slower to decode on a CPU); auto: merged on a CPU, lora on a GPU")
     sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine 'vllm': the precision its server samples in "
         "(auto: the job's compute precision). bfloat16 under a float32 trainer samples faster and its tokens' logprobs differ from the "
         "trainer's (SmolLM2: 0.03 on average): the loss then weighs each token by decoupled PPO's capped pi_trainer / pi_sampler")
@@ -380,8 +380,9 @@ class JobSpec(BaseJobSpec):
                                           or not self.resources.colocate or self.rollout.engine != "local"):
             raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
                              "rollout.engine 'local' and not self-play, trains as an adapter of a shared base-model worker")
-        if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine != "local"):
-            raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' on a base of their own")
+        if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine == "server"):
+            raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' or 'vllm' "
+                             "on a base of their own")
         if self.resources.share_base and self.optimization.compile:
             raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                              "(resources.share_base) cannot compile them")

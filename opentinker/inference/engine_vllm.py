@@ -256,6 +256,12 @@ class VLLMServer:
         import signal
 
         if self._process.poll() is None:
+            import threading
+            import traceback
+
+            with self.log.open("a") as log:  # who stopped it, for whoever reads why it went away
+                caller = " <- ".join(f"{f.name}:{f.lineno} {f.line}" for f in reversed(traceback.extract_stack(limit=6)[:-1]))
+                log.write(f"\n[opentinker] the job stops this server (thread {threading.current_thread().name}): {caller}\n")
             os.killpg(self._process.pid, signal.SIGTERM)
             try:
                 self._process.wait(timeout)

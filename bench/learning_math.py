@@ -71,6 +71,8 @@ def main() -> int:
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=None, help="the RL learning rate (default: the spec's)")
     parser.add_argument("--seed", type=int, default=None, help="the job's seed (default: the spec's, 0); the curve moves with it")
+    parser.add_argument("--engine", choices=["local", "vllm"], default=None, help="rollout.engine (default: the spec's)")
+    parser.add_argument("--sampler-dtype", choices=["auto", "float32", "bfloat16"], default=None, help="rollout.sampler_dtype (engine vllm)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     recipe = "sft_rl" if args.sft_first else "rl"
@@ -82,8 +84,9 @@ def main() -> int:
 
     from opentinker.cli.common import quiet_libraries
     from bench.progress import eval_line, step_line
-    from opentinker.rl import RLJob
     from opentinker.core.spec import load_spec
+    from opentinker.inference.launch import rollout_server
+    from opentinker.rl import RLJob
 
     quiet_libraries()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -98,9 +101,10 @@ def main() -> int:
             "evaluation": spec.evaluation.model_copy(update={"every": args.every}),
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
             "seed": spec.seed if args.seed is None else args.seed,
+            "rollout": spec.rollout.model_copy(update={k: v for k, v in {"engine": args.engine, "sampler_dtype": args.sampler_dtype}.items() if v}),
         })
         t0 = time.perf_counter()
-        job = RLJob(spec, job_id="bench-learning")
+        job = RLJob(spec, job_id="bench-learning", start_server=rollout_server)
         load_s = time.perf_counter() - t0
         sampled: dict[int, float] = {}
         eval_at: dict[int, float] = {}

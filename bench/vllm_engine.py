@@ -5,16 +5,18 @@ tokens at temperature 0.7; 64 greedy held-out problems), `--steps` steps a way w
 before the first and after the last. Each way in a process of its own, the same seed:
 
 - `hf`: rollout.engine local, the HF engine in the job's process (today's default);
-- `vllm`: rollout.engine vllm, the job's own vLLM server (float32, eager), the policy's merged
-  weights reloaded in place after every update (rollout.weight_sync merged, the CPU's default);
-- `vllm-lora` (with `--ways`): the same server taking the adapter by name.
+- `vllm`: rollout.engine vllm, the job's own vLLM server (float32, eager), the policy's LoRA factors
+  merged into its weights in place after every update (rollout.weight_sync merged, the CPU's default);
+- `vllm-bf16`: the same, the server sampling in bfloat16 (the trainer in float32, the loss weighing
+  each token by decoupled PPO's capped pi_trainer / pi_sampler);
+- `vllm-lora` (with `--ways`): the server taking the adapter by name.
 
 Per way: the job's start (model, and the server's start-up), per step the rollout's wait, its
 generated tokens, the weight sync and the update, the evaluations' seconds, and the peak memory of
 the job's process and of its server's processes. Ratios against `hf`: rollout tokens per second (the
 step's generated tokens over the trainer's wait for them), evaluation seconds, step seconds.
 
-    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm]
+    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm,vllm-bf16]
 writes bench/results/vllm_engine.{json,md}
 """
 
@@ -75,6 +77,7 @@ print("RESULT " + json.dumps({"start_s": built, **started, "steps": steps, "eval
 """
 
 WAYS = {"hf": {"engine": "local"}, "vllm": {"engine": "vllm", "weight_sync": "merged"},
+        "vllm-bf16": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "bfloat16"},
         "vllm-lora": {"engine": "vllm", "weight_sync": "lora"}}
 
 
@@ -106,7 +109,7 @@ def run_way(way: str, steps: int, tmp: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ways", default="hf,vllm")
+    parser.add_argument("--ways", default="hf,vllm,vllm-bf16")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_engine"))
     args = parser.parse_args()
     import tempfile
@@ -138,7 +141,7 @@ def main() -> int:
     out.with_suffix(".md").write_text(
         f"# The demo's rollouts and evaluations: vLLM against the HF engine (same run, {machine})\n\n"
         f"examples/math_grpo.yaml (SmolLM2-135M-Instruct, LoRA r16, GRPO, 8 x 4 episodes of up to 24 tokens a step, 64 greedy "
-        f"held-out problems), {args.steps} steps a way, each in a process of its own, float32. Start: the job's start, the server's "
+        f"held-out problems), {args.steps} steps a way, each in a process of its own, the trainer in float32 (vllm-bf16: its server samples in bfloat16). Start: the job's start, the server's "
         f"start-up included (vLLM eager on the CPU); rollout: the trainer's wait for a step's episodes; sync: the update's weights "
         f"reaching the engine; memory: peak RSS of the job's process and of its server's processes.\n\n"
         f"| way | start (s) | server start-up (s) | rollout tokens/s | rollout (s) | sync (s) | update (s) | step (s) | evaluation (s) | "

@@ -97,7 +97,7 @@ class ServerRolloutEngine:
         self.generated_tokens = 0
         self.generate_seconds = 0.0
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
-        shm = Path("/dev/shm")  # merged weights go through memory where there is a tmpfs
+        shm = Path("/dev/shm")  # the LoRA factors go through memory where there is a tmpfs
         self._shared = Path(tempfile.mkdtemp(prefix="opentinker-weights-", dir=shm if shm.is_dir() else None))
 
     # --- sampling ------------------------------------------------------------------------------

@@ -129,11 +129,11 @@ def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_
 
 
 def merged_server_args(model_name: str, init_from: str | None, dtype: str, workdir: Path, name: str) -> tuple[list[str], dict[str, str]]:
-    """(arguments, environment) for a job's rollout server that takes the policy's merged weights
-    in place (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
+    """(arguments, environment) for a job's rollout server that merges the policy's LoRA into its
+    weights in place (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
     opentinker.inference.vllm_worker (the one module of the project vLLM's processes import: its
-    folder goes on their path) and vLLM's dev endpoints (`/collective_rpc`, `/reset_prefix_cache`:
-    the server is the job's own, on loopback), logprobs of the sampling distribution."""
+    folder goes on their path) and vLLM's dev endpoints (`/collective_rpc`: the server is the job's
+    own, on loopback), logprobs of the sampling distribution."""
     import opentinker
 
     return ([str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype,

@@ -10,15 +10,15 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
 from opentinker.core.model_names import folder_problem, is_resolvable
-from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, format_errors, input_problem, read_spec_file
+from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, read_spec_file, validate_spec
 
 
 def storage_url(v: str) -> str:
@@ -33,9 +33,6 @@ def storage_url(v: str) -> str:
     if scheme == "file" and not rest.startswith("/"):
         v = "file://" + str(Path(rest).resolve())
     return v.rstrip("/")
-
-
-_M = TypeVar("_M", bound=BaseModel)
 
 
 def _finite(v: float) -> float:
@@ -394,19 +391,6 @@ class JobSpec(BaseJobSpec):
             raise ValueError(f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
                              f"so group_size must be at least 2 (got {self.rollout.group_size})")
         return self
-
-
-def validate_spec(model: type[_M], data: Any) -> _M:
-    """Validate a plain dict (e.g. from YAML or a client) into `model` (JobSpec, SFTSpec), or
-    raise SpecError with one `field.path: reason` line per problem."""
-    if not isinstance(data, dict):
-        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
-    if problem := input_problem(data):
-        raise SpecError(problem)
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(format_errors(err)) from None
 
 
 read_spec_yaml = read_spec_file  # a spec file's YAML, read within the limits of core.spec_limits (SpecError in one line)

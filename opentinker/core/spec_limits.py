@@ -15,7 +15,7 @@ import json
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -339,3 +339,24 @@ def format_errors(err) -> str:
     if len(lines) > MAX_ERROR_LINES:
         lines = [*lines[:MAX_ERROR_LINES], f"<spec>: {len(lines) - MAX_ERROR_LINES} more problems"]
     return "\n".join(lines)
+
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+_M = TypeVar("_M", bound="BaseModel")
+
+
+def validate_spec(model: type[_M], data: Any) -> _M:
+    """Validate a plain dict (e.g. from YAML or a client) into `model` (JobSpec, SFTSpec), or
+    raise SpecError with one `field.path: reason` line per problem."""
+    from pydantic import ValidationError  # the limits above serve where pydantic is not installed (a GPU bench machine)
+
+    if not isinstance(data, dict):
+        raise SpecError(f"<spec>: expected a mapping, got {type(data).__name__}")
+    if problem := input_problem(data):
+        raise SpecError(problem)
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(format_errors(err)) from None

@@ -16,6 +16,7 @@ opentinker/backend/server_engine.py); the model here is then the trainer's refer
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ class Sampler:
                                           prefix_cache_tokens=r.prefix_cache_tokens if r.max_turns > 1 else 0,  # one turn: nothing to reuse
                                           placement=where)
         self.sync_metrics: dict[str, float] = {}
+        self._model_in_use = threading.Lock()  # a server engine's sync reads the model: no new weights land meanwhile
         self.chat = chat_format(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
@@ -132,11 +134,13 @@ class Sampler:
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
         t0 = time.perf_counter()
-        # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start)
-        if self.engine.server.weights == "merged":  # the LoRA's factors, merged into the weights by the server
-            gap = self.engine.sync_weights(self.wanted_version, lambda: lora_factors(self.model), self.probe)
-        else:
-            gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
+        # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start);
+        # the model holds that version until its probe is checked (at k > 0 the trainer's next sync waits for it)
+        with self._model_in_use:
+            if self.engine.server.weights == "merged":  # the LoRA's factors, merged into the weights by the server
+                gap = self.engine.sync_weights(self.wanted_version, lambda: lora_factors(self.model), self.probe)
+            else:
+                gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
         if gap is not None:  # None: another thread's sync put this version there first
             self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
 
@@ -166,7 +170,11 @@ class Sampler:
                 self.engine.policy_version = version
 
         stream = getattr(self.engine, "stream", None)
-        stream.between_steps(load) if stream is not None else load()
+        if stream is not None:
+            stream.between_steps(load)
+        else:
+            with self._model_in_use:  # not while a server engine's sync reads this model and checks its probe against it
+                load()
         if self.producer is not None:
             self.producer.publish(version)
         return version

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-from opentinker.core.spec_limits import SHARED_PASS_TOKENS  # an example longer than this cannot share a base
-from opentinker.core.spec import BaseJobSpec, LearningRate, Section, SpecError, dump_spec, read_spec_yaml, storage_url, validate_spec
+from opentinker.core.spec import BaseJobSpec, LearningRate, Section, SpecError, dump_spec, read_spec_yaml, storage_url
+from opentinker.core.spec_limits import SHARED_PASS_TOKENS, validate_spec  # an example longer than SHARED_PASS_TOKENS cannot share a base
 
 
 SFT_SPEC_FILE = "sft_spec.yaml"

@@ -24,6 +24,7 @@ from pathlib import Path
 from opentinker.control.processes import group_members, reap, signal_group, tail
 from opentinker.control.services import RAY_NODE_ENV, is_stand_in, ray_node_ports, short_dir, worker_prefect_env
 from opentinker.control.submit import check_ray_address
+from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, address_toward, mlflow_env, prefect_env, ray_env, settings_env
 
@@ -84,13 +85,14 @@ class WorkerNode:
 
     def env(self) -> dict[str, str]:
         """Both processes: the settings (dialing the stack at `host`, binding servers here), the
-        head to join as the cluster jobs use, and the stack's Ray token."""
+        head to join as the cluster jobs use, the stack's Ray token, and the mark of the stack's processes
+        (what they and their children listen on is no environment: core.env_hosts)."""
         s = self.settings
         base = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
         here = {"OPENTINKER_RAY_ADDRESS": self.join, "OPENTINKER_WORK_POOL": self.pool,
                 "OPENTINKER_BIND_HOST": s.bind_host or self.local_address,
                 "OPENTINKER_ADVERTISED_HOST": s.advertised_host or self.local_address}
-        return {**base, **settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), **here}
+        return {**base, **settings_env(s), **prefect_env(s), **mlflow_env(s), **ray_env(s), **here, **OWN_SERVER_MARK}
 
     @property
     def temp_dir(self) -> Path:

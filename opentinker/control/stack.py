@@ -33,6 +33,7 @@ import psutil
 
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
 from opentinker.control.services import SPECS, is_stand_in, ray_temp_dir, services_for
+from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, get_settings
 
@@ -178,7 +179,7 @@ class Stack:
         spec = SPECS[name]
         # Drop inherited OPENTINKER_* so a field left unset here is unset there too.
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("OPENTINKER_")}
-        env = {**inherited, **spec.env(self.settings)}
+        env = {**inherited, **spec.env(self.settings), **OWN_SERVER_MARK}  # what it and its children listen on is no environment
         with open(self.log_file(name), "ab") as log:
             log.write(f"\n=== opentinker: starting {name} at {time.ctime()} ===\n".encode())
             log.flush()

@@ -12,12 +12,15 @@ case; `*.domain`: any name under domain) or whose every address lies inside an a
 network (an IP literal is itself; a name is resolved with getaddrinfo, and one that does not
 resolve is refused). `*` allows any URL of those schemes.
 
-The stack's own servers (Prefect, MLflow, the gateway, Ray: `OwnServers`) are refused first, by
-address, never by spelling: the host is resolved as a connection would resolve it (inet_aton's
-hex, octal, decimal and short IPv4 forms, IPv4-mapped and IPv4-compatible IPv6, a trailing dot,
-every address of a name) and one of their ports on an address of this machine (loopback, 0.0.0.0
-and ::, which reach it, any interface's: they may listen on a wildcard) or of the stack's host is
-refused, whatever the allowlist says.
+The stack's own servers (`OwnServers`) are refused first, by address, never by spelling: its fixed
+ports (Prefect, MLflow, the gateway, Ray) and any port a process of the stack listens on here (a
+job's vLLM server with its unauthenticated dev endpoints, Ray's agents, a rollout server: random
+ports), known by the mark in the environment of each process the stack starts (OWN_SERVER_MARK)
+or of an ancestor. The host is resolved as a connection would resolve it (inet_aton's hex,
+octal, decimal and short IPv4 forms, IPv4-mapped and IPv4-compatible IPv6, a trailing dot, every
+address of a name) and one of those ports on an address of this machine (loopback, 0.0.0.0 and
+::, which reach it, any interface's: they may listen on a wildcard), or a fixed port on the
+stack's host, is refused, whatever the allowlist says.
 
 DNS rebinding: a name checked here could answer differently when the client connects. So the
 clients (opentinker.env.confined_net) check again as each connection is made and connect to the
@@ -37,6 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 SETTING = "OPENTINKER_ENV_URL_ALLOW"
+OWN_SERVER_MARK = {"OPENTINKER_OWN_SERVER": "1"}  # in the environment of every process the stack starts
 SCHEMES = ("http", "https", "ws", "wss")
 DEFAULT_PORTS = {"http": 80, "ws": 80, "https": 443, "wss": 443}
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -106,20 +110,51 @@ class OwnServers:
 
     ports: frozenset[int] = frozenset()
     hosts: tuple[str, ...] = ()  # the stack's host names as the settings give them, resolved when checked
+    marked: bool = False  # also every port a marked process listens on on this machine
 
     @classmethod
     def of(cls, settings: Any) -> OwnServers:
-        """Those of a Settings: Prefect, MLflow, the gateway, Ray's GCS and client server."""
+        """Those of a Settings: Prefect, MLflow, the gateway, Ray's GCS and client server, and
+        whatever the stack's processes listen on here."""
         ports = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
         hosts = {settings.host, settings.listen_host, settings.gateway_listen_host, settings.advertised_host} - {None, ""}
-        return cls(frozenset(ports), tuple(sorted(hosts)))
+        return cls(frozenset(ports), tuple(sorted(hosts)), marked=True)
 
     def first_held(self, found: list[Address], port: int | None) -> Address | None:
         """The first of `found` that is one of these servers at `port` (None: none is)."""
-        if port not in self.ports:
-            return None
-        stack = {a for host in self.hosts for a in _resolved(host)}
-        return next((a for a in found if a in stack or on_this_machine(a)), None)
+        if port in self.ports:
+            stack = {a for host in self.hosts for a in _resolved(host)}
+            return next((a for a in found if a in stack or on_this_machine(a)), None)
+        if self.marked and port is not None and (here := [a for a in found if on_this_machine(a)]) and marked_listener(port):
+            return here[0]
+        return None
+
+
+def marked_listener(port: int) -> bool:
+    """Whether a process of the stack listens on `port` on this machine, on any address (a
+    connection to loopback reaches a wildcard listener too): one with OWN_SERVER_MARK in its
+    environment, or a descendant of one (Ray's agents and workers rename themselves, which
+    overwrites what /proc shows of their environment; their raylet still shows it). A process of
+    another user is never the stack's (its sockets' owners are not visible: not refused)."""
+    import psutil
+
+    (name, value), = OWN_SERVER_MARK.items()
+
+    def marked(process: psutil.Process) -> bool:
+        try:
+            return process.environ().get(name) == value
+        except psutil.Error:  # gone since, or not ours to read
+            return False
+
+    for conn in psutil.net_connections("tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+            try:
+                process = psutil.Process(conn.pid)
+                if any(marked(p) for p in [process, *process.parents()]):
+                    return True
+            except psutil.Error:
+                continue
+    return False
 
 
 def _resolved(host: str) -> list[Address]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
 
@@ -194,7 +195,8 @@ class VLLMServer:
             command.append(f"--api-key={api_key}")  # one argument: a key may begin with "-"
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
-        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})  # the project stays out, but what `env` puts in
+        # the project stays out, but what `env` puts in; marked as the stack's: no env.url reaches it (core.env_hosts)
+        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {}) | OWN_SERVER_MARK
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound

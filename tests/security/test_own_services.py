@@ -160,3 +160,60 @@ def test_loopback_ports_that_are_not_the_stacks_still_play(as_the_stack):
             assert counting.requests > before
     finally:
         served.stop()
+
+
+def _marked_ports(under_pid: int) -> dict[int, str]:
+    """Ports the processes of a stack's process tree listen on: {port: the process's name}."""
+    import psutil
+
+    tree = {under_pid} | {p.pid for p in psutil.Process(under_pid).children(recursive=True)}
+    return {c.laddr.port: psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in tree}
+
+
+def test_no_env_url_reaches_the_stacks_servers_on_random_ports(stack_key, as_the_stack, tmp_path):
+    """Ray's agents and workers listen on ports chosen at start (not the stack's fixed ones): the
+    gateway and the worker refuse each as an env.url, whatever its spelling, while the bare rule
+    (no stack) would have let the client reach it."""
+    from opentinker.env import environment_from_spec
+
+    settings, key = stack_key
+    fixed = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
+    ray_head = int((settings.state_dir / "pids" / "ray.pid").read_text())
+    random_ports = {port: name for port, name in _marked_ports(ray_head).items() if port not in fixed}
+    assert random_ports, "the stack's Ray head listens on no port beside its fixed ones"
+    for port in sorted(random_ports)[:4]:
+        for host in ("127.0.0.1", "0x7f000001", "[::ffff:127.0.0.1]"):
+            url = f"http://{host}:{port}"
+            config = tiny_spec(tmp_path, env={"game": None, "url": url}).model_dump(mode="json")
+            config.pop("job_id", None)
+            response = httpx.post(f"{settings.gateway_url}/v1/jobs", json={"config": config},
+                                  headers={"Authorization": f"Bearer {key}"}, timeout=60, trust_env=False)
+            assert response.status_code == 422 and response.json()["detail"].endswith(OWN), (random_ports[port], response.text)
+            with pytest.raises(ValueError, match=OWN):
+                environment_from_spec(_spec(url), job_id="job-own")
+        assert EnvHosts.parse(settings.env_url_allow).refusal(f"http://127.0.0.1:{port}") is None  # the hole without the mark
+
+
+def test_no_env_url_reaches_a_jobs_vllm_server(stack_key, as_the_stack, vllm_pool, vllm_tiny_path, tmp_path):
+    """A job's vLLM server (loopback, a random port) answers vLLM's dev endpoints, which its API key
+    does not guard (`/collective_rpc` runs a method in its worker): an env.url naming that port is
+    refused by the gateway, at the worker's check and at the connection, by any spelling, while the
+    bare rule reaches it."""
+    from urllib.parse import urlsplit
+
+    settings, key = stack_key
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    port = urlsplit(server.url).port
+    config = tiny_spec(tmp_path, env={"game": None, "url": f"http://localhost:{port}"}).model_dump(mode="json")
+    config.pop("job_id", None)
+    response = httpx.post(f"{settings.gateway_url}/v1/jobs", json={"config": config}, headers={"Authorization": f"Bearer {key}"},
+                          timeout=60, trust_env=False)
+    assert response.status_code == 422 and response.json()["detail"].endswith(OWN), response.text
+    hosts, bare = Settings().env_hosts, EnvHosts.parse(Settings().env_url_allow)
+    for host in SPELLINGS:
+        assert (hosts.refusal(f"http://{host}:{port}") or "").endswith(OWN), host
+    with confined_client(hosts, timeout=10) as client, pytest.raises(httpx.ConnectError, match="one of this service's own servers"):
+        client.post(f"http://0x7f000001:{port}/reset_prefix_cache")
+    with confined_client(bare, timeout=10) as client:  # the hole: a dev endpoint, no key asked
+        assert client.get(f"http://0x7f000001:{port}/is_sleeping").status_code == 200

@@ -36,6 +36,9 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
         if actors.hosted is not None:
             logger.info(f"job {job.job_id} {actors.hosted.line()}")
             tracker.set_tags({"opentinker.base_worker": actors.hosted.line()})
+        if actors.engine_choice:
+            logger.info(f"job {job.job_id}: {actors.engine_choice}")
+            tracker.set_tags({"opentinker.rollout_engine": actors.engine_choice})
         try:
             result = run_steps(spec, TaskSteps(actors, job.job_id), LoopHooks(
                 on_restore=job.on_restore(tracker),

@@ -205,14 +205,14 @@ def test_a_job_folder_serves_its_latest_step(trained):
 
 def _has_vllm_and_gpu() -> bool:
     from opentinker.core.hardware import detect_gpus
-    from opentinker.inference.engine_vllm import vllm_python
+    from opentinker.backend.vllm_env import vllm_python
 
     return vllm_python() is not None and detect_gpus() > 0
 
 
 @pytest.mark.skipif(_has_vllm_and_gpu(), reason="this worker can run vLLM on a GPU: the guard has nothing to refuse")
 def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
-    from opentinker.inference.engine_vllm import VLLMUnavailable
+    from opentinker.backend.vllm_env import VLLMUnavailable
     from opentinker.inference.launch import launch
     from opentinker.inference.spec import InferenceSpec
 

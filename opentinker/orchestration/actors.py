@@ -31,6 +31,7 @@ class JobActors:
     policy: Any = None
     sampler: Any = None
     hosted: Any = None
+    engine_choice: str | None = None  # how `rollout.engine: auto` was decided (opentinker.rl.engine_choice)
 
     @property
     def colocated(self) -> bool:
@@ -81,21 +82,23 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
 
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
+    from opentinker.rl.engine_choice import choose_engine
 
     if spec.resources.share_base:
         from opentinker.core.settings import get_settings
         from opentinker.orchestration.on_base_worker import JobOnBaseWorker
 
         return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
+    spec, choice = choose_engine(spec, starts_servers=True)  # here, once: trainer and sampler must agree on how it samples
     if spec.resources.colocate and not streams_apart(spec):
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
-        return JobActors(job=job)
+        return JobActors(job=job, engine_choice=choice)
     policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
-    return JobActors(policy=policy, sampler=sampler)
+    return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
 
 
 def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None) -> Any:

@@ -16,6 +16,7 @@ from opentinker.backend.device import check_gpus
 from opentinker.core.ids import job_id_for
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
+from opentinker.rl.engine_choice import choose_engine
 from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
 from opentinker.rl.policy import Policy, Restored
 from opentinker.rl.sampler import Evaluation, Sampler, StartServer
@@ -28,14 +29,16 @@ class RLJob:
 
     def __init__(self, spec: JobSpec, job_id: str | None = None, start_server: StartServer | None = None,
                  tenant: str | None = None, model: Any = None, tokenizer: Any = None, rollout_engine: Any = None):
-        """`start_server` starts the job's own inference server for `rollout.engine: server`
-        (opentinker.inference.launch.rollout_server; the runtime's callers pass it). `tenant` is
+        """`start_server` starts the job's own inference server for `rollout.engine: vllm` or
+        `server` (opentinker.inference.launch.rollout_server; the runtime's callers pass it; without
+        it `auto` chooses `local`). `tenant` is
         whose job it is (its checkpoints are signed as such; None: the operator's). A host that
         shares a base gives the job's `model` (an AdapterModel), `tokenizer` and `rollout_engine`;
         the job then leaves the process's global seeds alone (other jobs draw from them): it samples
         from the engine's own generator, which its checkpoints keep. A job id
         that is not one folder name (core/ids.py) is refused first: InvalidJobId, nothing written."""
         job_id = job_id_for(spec, job_id)
+        spec, self.engine_choice = choose_engine(spec, starts_servers=start_server is not None and rollout_engine is None)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         check_gpus(spec.resources.num_gpus)
         self.spec = spec

@@ -143,3 +143,19 @@ class SometimesBroken(ScriptedTurns):
             time.sleep(30)
         letters = [c for c in action if c.isalpha()]
         return StepResult(observation="", reward=float(bool(letters) and letters[0].isupper()), done=True)
+
+
+class SlowForOneTask(ScriptedTurns):
+    """One turn; the task with id 0 waits 1.5 s at its step (a slow tool), the others answer at once."""
+
+    def __init__(self):
+        super().__init__(turns=1)
+
+    def reset(self, **task: Any) -> str:
+        self.id = int(task.get("id", 0))
+        return super().reset(**task)
+
+    def step(self, action: str) -> StepResult:
+        if self.id == 0:
+            time.sleep(1.5)
+        return super().step(action)

@@ -241,3 +241,25 @@ def test_a_slow_environment_holds_only_its_own_episode(setup):
     assert seen == [0, 0, 0]  # every fast episode ended before the slow one's first step did
     assert len(engine.calls) == 12 and [len(t.env_seconds) for t in trajs] == [3, 3, 3, 3]
     assert trajs[0].env_seconds[0] >= 3.0 and max(s for t in trajs[1:] for s in t.env_seconds) < 3.0
+    # each turn's wait for the engine, apart from the environment's time (rollout/turn_seconds_mean)
+    assert [len(t.turn_seconds) for t in trajs] == [3, 3, 3, 3] and max(s for t in trajs for s in t.turn_seconds) < 3.0
+
+
+def test_a_steps_metrics_say_where_its_time_went(tmp_path, monkeypatch):
+    """One group's tool takes 1.5 s, the other three groups' none: the step's 8 episodes waited
+    1.5 s x 2 / 8 on tools on average, its last group ended about 1.5 s after its median one, and
+    each turn's wait for the engine and the engine's own seconds are there."""
+    from opentinker.rl import RLJob
+    from tests.conftest import tiny_spec
+
+    monkeypatch.setenv("OPENTINKER_GAME_ALLOWLIST", "envs,tests.games")
+    spec = tiny_spec(tmp_path, env={"game": "tests.games:SlowForOneTask", "config": {"dataset": [{"id": i} for i in range(4)]}},
+                     rollout={"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 2}, optimization={"steps": 1})
+    job = RLJob(spec, job_id="where-time-went")
+    try:
+        metrics = job.rollout(0)
+    finally:
+        job.close()
+    assert metrics["rollout/episode_tool_seconds"] == pytest.approx(1.5 * 2 / 8, abs=0.1)  # 2 of 8 episodes waited 1.5 s
+    assert 1.3 < metrics["rollout/straggler_seconds"] < 3.0
+    assert 0 < metrics["rollout/turn_seconds_mean"] and 0 < metrics["rollout/engine_seconds"] <= metrics["rollout/seconds"]

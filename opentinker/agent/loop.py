@@ -175,7 +175,9 @@ def _generate(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: Samp
     extra: dict[str, Any] = {"generators": [ep.generator]} if ep.generator is not None else {}
     if traj.images:  # a VLM's record: the pixels of its images too
         extra["images"] = [traj.images]
+    t0 = time.perf_counter()
     (comp,) = engine.generate([traj.token_ids], params, [limits.max_total_tokens - len(traj)], **extra)
+    traj.turn_seconds.append(time.perf_counter() - t0)
     action = chat.decode(comp.token_ids)
     traj.append_sampled(comp.token_ids, comp.logprobs, action, comp.versions or [engine.policy_version] * len(comp.token_ids))
     traj.messages.append({"role": "assistant", "content": action})

@@ -49,6 +49,7 @@ class Trajectory:
     sampling_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     env_seconds: list[float] = field(default_factory=list)  # how long each environment step took
+    turn_seconds: list[float] = field(default_factory=list)  # how long each turn waited for the engine's reply
     turns: list[Turn] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     task: dict[str, Any] = field(default_factory=dict)

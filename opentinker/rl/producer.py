@@ -42,6 +42,7 @@ class Group:
     task: dict[str, Any]
     env_state: dict[str, Any]  # the environment's state before this group's task was drawn
     started: float = field(default_factory=time.monotonic)
+    finished: float | None = None  # when its last episode ended (time.monotonic)
     trajectories: list[Trajectory] | None = None
     error: BaseException | None = None
 
@@ -154,5 +155,5 @@ class Producer:
         except BaseException as err:  # noqa: BLE001 - the engine failed: the step that takes it raises
             trajectories, group.error = None, err
         with self.condition:
-            group.trajectories = trajectories
+            group.trajectories, group.finished = trajectories, time.monotonic()
             self.condition.notify_all()

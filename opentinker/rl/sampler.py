@@ -198,6 +198,8 @@ class Sampler:
         gen_seconds, engine_tokens, decoded, useful = (a - b for a, b in zip(after, before))
         lags = [self.wanted_version - v for t in trajs for v in t.sampled_versions] or [0]
         env_seconds = sorted(s for t in trajs for s in t.env_seconds) or [0.0]
+        turn_seconds = [s for t in trajs for s in t.turn_seconds]
+        finished = sorted(g.finished for g in kept if g.finished is not None) or [0.0]
         metrics = episode_stats(trajs, "rollout") | {
             "rollout/generated_tokens": float(sum(t.num_sampled for t in trajs)),
             "rollout/tokens_per_s": engine_tokens / gen_seconds if gen_seconds else 0.0,  # the engine's, all its sequences
@@ -213,6 +215,12 @@ class Sampler:
             "rollout/env_step_p50": env_seconds[len(env_seconds) // 2],
             "rollout/env_step_p95": env_seconds[min(len(env_seconds) - 1, int(0.95 * len(env_seconds)))],
             "rollout/env_calls_stuck": float(stuck_calls()),  # past their deadline, still running (capped: agent/guard.py)
+            # where a step's time goes: the engine computing, a turn waiting for its reply, an episode waiting on its
+            # tools, and the step's last group after its median one (the straggler the trainer waits for at k = 0)
+            "rollout/engine_seconds": gen_seconds,
+            "rollout/turn_seconds_mean": sum(turn_seconds) / len(turn_seconds) if turn_seconds else 0.0,
+            "rollout/episode_tool_seconds": sum(sum(t.env_seconds) for t in trajs) / len(trajs) if trajs else 0.0,
+            "rollout/straggler_seconds": finished[-1] - finished[len(finished) // 2],
         } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
         self._batch = RolloutBatch(step=step, policy_version=self.wanted_version, trajectories=trajs, metrics=metrics)
         return metrics

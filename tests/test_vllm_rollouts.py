@@ -169,7 +169,17 @@ def test_k_2_through_vllm_updates_land_while_episodes_run(vllm_pool, vllm_tiny_p
 
 
 def _vllm_servers_of_this_process() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "vllm.entrypoints" in " ".join(p.cmdline())]
+    """vLLM's server processes under this one (not their supervisors, which run `python -c`)."""
+    return [p for p in psutil.Process().children(recursive=True) if p.cmdline()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]]
+
+
+def _vllm_processes() -> set[int]:
+    """Every vLLM process on this machine: servers, supervisors and engine cores (which rename themselves)."""
+    found = set()
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if (p.info["name"] or "").startswith("VLLM") or "vllm.entrypoints" in " ".join(p.info["cmdline"] or []):
+            found.add(p.pid)
+    return found
 
 
 def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm_pool, vllm_tiny_path, tmp_path):
@@ -188,7 +198,7 @@ def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm
     def kill_after_step_one(report) -> None:
         if report.step == 1:
             for process in mine:
-                os.killpg(process.pid, signal.SIGKILL)
+                os.killpg(os.getpgid(process.pid), signal.SIGKILL)
 
     try:
         with pytest.raises(ServerGone) as failed:
@@ -238,6 +248,7 @@ def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_e
     from flows.rl_train import rl_train
 
     vllm_pool.stop()  # the job's own server takes their place (memory)
+    before = _vllm_processes()
     settings, _ = stack_env
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
                      optimization={"steps": 2}, evaluation={"every": 2, "n_samples": 4}, checkpoint={"every": 1})
@@ -249,9 +260,7 @@ def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_e
     (run,) = client.search_runs([client.get_experiment_by_name(settings.project).experiment_id],
                                 filter_string="tags.`opentinker.job_id` = 'auto-vllm'")
     assert run.data.tags["opentinker.rollout_engine"] == "rollout.engine auto chose vllm (sampler_dtype auto)"
-    leftover = [p for p in psutil.process_iter(["cmdline"]) if "vllm.entrypoints" in " ".join(p.info["cmdline"] or [])
-                and vllm_tiny_path in " ".join(p.info["cmdline"] or [])]
-    assert not leftover
+    assert wait_gone(_vllm_processes() - before)  # the actor is killed at the job's end: its server's whole group goes with it
 
 
 def test_auto_chooses_local_where_vllm_cannot_sample_the_job(tmp_path, monkeypatch):
@@ -272,3 +281,36 @@ def test_auto_chooses_local_where_vllm_cannot_sample_the_job(tmp_path, monkeypat
     assert line.startswith("rollout.engine auto chose local: engine 'vllm' needs vLLM's own environment (OPENTINKER_VLLM_PYTHON=")
     spec, _ = choose_engine(tiny_spec(tmp_path, model={"name": "smollm2-135m-instruct"}, rollout={"sampler_dtype": "bfloat16"}), True)
     assert spec.rollout.sampler_dtype == "auto"  # vLLM's precision does not apply to the local engine
+
+
+def wait_gone(pids: set[int], timeout: float = 30.0) -> bool:
+    _, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=timeout)
+    return not alive
+
+
+def test_a_killed_job_process_leaves_no_vllm_process_behind(vllm_tiny_path, tmp_path):
+    """A process that started a vLLM server dies by SIGKILL (a flow process, a Ray actor killed at
+    its job's end): the server's supervisor kills its whole group, the engine core (a process of
+    its own, renamed VLLM::EngineCore) included."""
+    import subprocess
+    import sys
+
+    from tests.vllm_fixtures import vllm_missing
+
+    if reason := vllm_missing():
+        pytest.skip(reason)
+    code = ("import sys, time, tempfile; from pathlib import Path\n"
+            "from opentinker.inference.engine_vllm import VLLMServer, merged_server_args\n"
+            "from opentinker.inference.launch import free_port\n"
+            "work = Path(tempfile.mkdtemp()); args, env = merged_server_args(sys.argv[1], None, 'float32', work, 'base')\n"
+            "VLLMServer(args, '127.0.0.1', free_port('127.0.0.1'), 'base', work, num_gpus=0, env=env)\n"
+            "print('up', flush=True); time.sleep(600)\n")
+    starter = subprocess.Popen([sys.executable, "-c", code, vllm_tiny_path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout.readline().strip() == "up"
+        group = {p.pid for p in psutil.Process(starter.pid).children(recursive=True)}
+        assert any(psutil.Process(p).name().startswith("VLLM") for p in group)  # the engine core runs apart
+    finally:
+        starter.kill()
+        starter.wait()
+    assert wait_gone(group), [psutil.Process(p).name() for p in group if psutil.pid_exists(p)]

@@ -111,13 +111,18 @@ def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Pa
     return base
 
 
-# Linux: the child asks for SIGTERM when its parent dies (PR_SET_PDEATHSIG survives exec), so a
-# flow process killed even by SIGKILL never leaves a GPU server behind. Done in the child itself,
-# not through preexec_fn, which is unsafe in a process with threads.
-_DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
+# Linux: vLLM's server runs under a small supervisor, the leader of its process group, which asks
+# for SIGTERM when its parent dies (PR_SET_PDEATHSIG, set in the child itself: preexec_fn is unsafe
+# in a process with threads) and answers it by killing the whole group. The server's engine core is
+# a process of its own: had the server been the one to get the signal, the engine core (1.5-3 GB)
+# outlived a flow process or Ray actor that was killed (measured: one left behind by every job
+# whose actor was killed at its end). `argv[1]`: the parent's pid (it may have died already).
+_SUPERVISOR = (
+    "import ctypes, os, signal, subprocess, sys\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))\n"
     "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-    "os.execv(sys.argv[1], sys.argv[1:])"
+    "if os.getppid() != int(sys.argv[1]):\n    os.killpg(0, signal.SIGKILL)\n"
+    "sys.exit(subprocess.Popen(sys.argv[2:]).wait())\n"
 )
 
 
@@ -164,8 +169,8 @@ class VLLMServer:
             child_env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
         with self.log.open("wb") as out:  # this start's log only: `why` reads it
-            self._process = subprocess.Popen([sys.executable, "-c", _DIE_WITH_PARENT, *command], stdout=out, stderr=subprocess.STDOUT,
-                                             env=child_env, start_new_session=True)
+            self._process = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *command], stdout=out,
+                                             stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -208,7 +213,8 @@ class VLLMServer:
         return self._process.poll() is None
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to the server's process group (its engine core and workers too), SIGKILL past `timeout`."""
+        """SIGTERM to the server's process group, which its supervisor answers by killing the group (the
+        server, its engine core and workers); SIGKILL past `timeout`."""
         import signal
 
         if self._process.poll() is None:

@@ -152,7 +152,7 @@ def summary(result: dict) -> dict:
             "lag_mean": total(steps, "rollout/version_lag_mean") / max(len(steps), 1),
             "lag_max": max((s["rollout/version_lag_max"] for s in steps), default=0), "dropped": total(steps, "rollout/groups_dropped"),
             "failed_episodes": total(steps, "rollout/failed_episodes"), "barrier_stalls": result.get("barrier_stalls", 0),
-            "time": {"engine busy": total(steps, "rollout/engine_seconds"), "trainer busy": total(steps, "update/seconds"),
+            "time": {"engine requests": total(steps, "rollout/engine_seconds"), "trainer busy": total(steps, "update/seconds"),
                      "trainer waiting for rollouts": total(steps, "rollout/seconds"),
                      "an episode on its tools": total(steps, "rollout/episode_tool_seconds"),
                      "slowest group after the median": total(steps, "rollout/straggler_seconds"),
@@ -262,14 +262,14 @@ def report(result: dict, args) -> list[str]:
           f"greedy held-out accuracy on {args.eval_n} problems every {args.every} steps; {result['engine']}. A turn waits "
           f"**{result['turn_s']:.2f} s** for its reply here (calibrated, no latency); the calculator's latency is lognormal, "
           f"sigma {result['sigma']:g}, mean rho x that. Each way in a process of its own, one run.", "",
-          "| rho | way | episodes/s | train s | first step s | final accuracy | lag mean / max | engine busy s | trainer busy s "
+          "| rho | way | episodes/s | train s | first step s | final accuracy | lag mean / max | engine requests s | trainer busy s "
           "| trainer waiting s | tools s (an episode) | slowest group s | evaluation s |",
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for way, st in result["stats"].items():
         rho, _, name = way.partition(" ")
         t = st["time"]
         md.append(f"| {rho.removeprefix('rho=')} | {name} | {st['episodes_per_s']:.3f} | {st['train_s']:.0f} | {st['first_step_s']:.0f} | "
-                  f"{st['final_accuracy']:.1%} | {st['lag_mean']:.2f} / {st['lag_max']:.0f} | {t['engine busy']:.0f} | {t['trainer busy']:.0f} | "
+                  f"{st['final_accuracy']:.1%} | {st['lag_mean']:.2f} / {st['lag_max']:.0f} | {t['engine requests']:.0f} | {t['trainer busy']:.0f} | "
                   f"{t['trainer waiting for rollouts']:.0f} | {t['an episode on its tools']:.0f} | {t['slowest group after the median']:.0f} | "
                   f"{t['evaluation']:.0f} |")
     md.append("")
@@ -285,7 +285,10 @@ def report(result: dict, args) -> list[str]:
                   f"**{fmt(r['kk_time_to_k0_final_accuracy'])}**" + (" (goal <= 0.75)" if goals else "")
                   + f"; k=0's against lockstep's **{fmt(r['k0_time_to_k0_final_accuracy_vs_lockstep'])}**")
     stalls = sum(st["barrier_stalls"] for st in result["stats"].values())
-    md += ["", f"Barrier stalls (an episode the barrier waited {120:.0f} s for in vain): {stalls}.", "", f"Made with `{result['command']}`"]
+    md += ["", "Engine requests: the engine's own seconds for the HF engine; through a vLLM server, the sum of its requests' times, "
+           "which overlap (the server's busy time is its own process's). Tools: an episode's wait on its tools, averaged over "
+           "episodes and summed over steps. Slowest group: the step's last group after its median one, summed over steps.", "",
+           f"Barrier stalls (an episode the barrier waited {120:.0f} s for in vain): {stalls}.", "", f"Made with `{result['command']}`"]
     return md
 
 

@@ -260,6 +260,7 @@ def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_e
     (run,) = client.search_runs([client.get_experiment_by_name(settings.project).experiment_id],
                                 filter_string="tags.`opentinker.job_id` = 'auto-vllm'")
     assert run.data.tags["opentinker.rollout_engine"] == "rollout.engine auto chose vllm (sampler_dtype auto)"
+    left = _vllm_processes() - before
     assert wait_gone(_vllm_processes() - before)  # the actor is killed at the job's end: its server's whole group goes with it
 
 

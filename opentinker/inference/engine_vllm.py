@@ -111,17 +111,25 @@ def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Pa
     return base
 
 
-# Linux: vLLM's server runs under a small supervisor, the leader of its process group, which asks
-# for SIGTERM when its parent dies (PR_SET_PDEATHSIG, set in the child itself: preexec_fn is unsafe
-# in a process with threads) and answers it by killing the whole group. The server's engine core is
-# a process of its own: had the server been the one to get the signal, the engine core (1.5-3 GB)
-# outlived a flow process or Ray actor that was killed (measured: one left behind by every job
-# whose actor was killed at its end). `argv[1]`: the parent's pid (it may have died already).
+# vLLM's server runs under a small supervisor that leads its process group, and nothing of the
+# group outlives the process that started it: the server's engine core is a process of its own
+# (1.5-3 GB), and when a job's Ray actor is killed at its end, Ray SIGKILLs the actor's direct
+# children only (measured: the engine core, then the server, was left behind by every stack job).
+# So the supervisor forks a watcher first, which polls the starter's pid and kills the whole group
+# once it is gone, however the supervisor itself ended; and the supervisor answers SIGTERM (from
+# `stop`, or PR_SET_PDEATHSIG when its parent dies) by killing the group at once. `argv[1]`: the
+# starter's pid.
 _SUPERVISOR = (
-    "import ctypes, os, signal, subprocess, sys\n"
-    "signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))\n"
+    "import ctypes, os, signal, subprocess, sys, time\n"
+    "starter = int(sys.argv[1])\n"
+    "def end(*_):\n    os.killpg(0, signal.SIGKILL)\n"
+    "if os.fork() == 0:\n"
+    "    while True:\n"
+    "        try:\n            os.kill(starter, 0)\n        except ProcessLookupError:\n            end()\n"
+    "        time.sleep(1.0)\n"
+    "signal.signal(signal.SIGTERM, end)\n"
     "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n    os.killpg(0, signal.SIGKILL)\n"
+    "if os.getppid() != starter:\n    end()\n"
     "sys.exit(subprocess.Popen(sys.argv[2:]).wait())\n"
 )
 
@@ -176,7 +184,9 @@ class VLLMServer:
     def _wait_ready(self, timeout: float) -> None:
         def healthy() -> bool | None:
             if self._process.poll() is not None:
-                raise ModelLoadError(f"vLLM did not start: {self.why()} (exit code {self._process.returncode}; log: {self.log})")
+                failed = ModelLoadError(f"vLLM did not start: {self.why()} (exit code {self._process.returncode}; log: {self.log})")
+                self.stop()  # what is left of its group (the supervisor's watcher)
+                raise failed
             try:
                 return True if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success else None
             except httpx.HTTPError:

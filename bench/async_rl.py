@@ -49,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SIGMA = 1.0
+from bench.lockstep_game import BARRIER_TIMEOUT_S  # noqa: E402 - after ROOT is on the path
 RECORDED = ROOT / "bench" / "results" / "async_rl_lockstep.json"  # the lock-step loop's own run (7e48e46)
 STEP_TIMEOUT_S = 600.0  # a tool of rho = 3 draws tails past the default 10 s, and the barrier waits inside a step
 
@@ -288,7 +289,7 @@ def report(result: dict, args) -> list[str]:
     md += ["", "Engine requests: the engine's own seconds for the HF engine; through a vLLM server, the sum of its requests' times, "
            "which overlap (the server's busy time is its own process's). Tools: an episode's wait on its tools, averaged over "
            "episodes and summed over steps. Slowest group: the step's last group after its median one, summed over steps.", "",
-           f"Barrier stalls (an episode the barrier waited {120:.0f} s for in vain): {stalls}.", "", f"Made with `{result['command']}`"]
+           f"Barrier stalls (an episode the barrier waited {BARRIER_TIMEOUT_S:.0f} s for in vain): {stalls}.", "", f"Made with `{result['command']}`"]
     return md
 
 

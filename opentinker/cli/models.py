@@ -60,6 +60,8 @@ def evaluate(
     margin: float = typer.Option(DEFAULTS["margin"], help="minimum mean reward improvement to promote"),
     alpha: float = typer.Option(DEFAULTS["alpha"], help="significance level of the one-sided sign test"),
     min_samples: int = typer.Option(DEFAULTS["min_samples"], help="fewer paired problems never promote"),
+    engine: str = typer.Option("auto", help="auto (vllm where it runs the model and the evaluation is large enough to repay "
+                               "its start-up, else hf), hf or vllm"),
 ) -> None:
     """Evaluate the challenger against the champion now and move `champion` if it wins."""
     import os
@@ -72,12 +74,16 @@ def evaluate(
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    from functools import partial
+
     from opentinker.eval.promotion import evaluate_and_promote
     from opentinker.core.settings import get_settings
+    from opentinker.inference.evaluation import evaluate as evaluate_on
 
     try:
         with console.status(f"evaluating {name}: challenger vs champion"):
-            record = evaluate_and_promote(name, n_samples=n_samples, margin=margin, alpha=alpha, min_samples=min_samples)
+            record = evaluate_and_promote(name, n_samples=n_samples, margin=margin, alpha=alpha, min_samples=min_samples,
+                                          evaluate=partial(evaluate_on, engine=engine))
     except (LookupError, ValueError, ConnectionError, FileNotFoundError) as err:
         _fail(err)
     if "challenger_mean" in record:

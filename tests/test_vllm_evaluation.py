@@ -5,26 +5,8 @@ is skipped, with the reason, where vLLM cannot run (tests/vllm_fixtures.py)."""
 
 from __future__ import annotations
 
-import torch
-
 from tests.conftest import tiny_spec
-
-
-def _checkpoint(spec, job_id: str, scale: float = 0.1) -> str:
-    """A LoRA checkpoint whose adapter changes every greedy answer of the tiny random model (lora_B
-    is zero at its start). At 0.1 the answers are far from ties; from 0.3 on, a few of 16 came
-    within float32 noise of one and the engines parted there (the logprobs' agreement is
-    tests/test_vllm_rollouts.py's)."""
-    from opentinker.env import environment_from_spec
-    from opentinker.rl import Policy
-
-    policy = Policy(spec, job_id=job_id)
-    draw = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, weight in policy.model.named_parameters():
-            if "lora_B" in name:
-                weight.copy_(torch.randn(weight.shape, generator=draw) * scale)
-    return policy.save(1, environment_from_spec(spec).state()).url
+from tests.vllm_fixtures import lora_checkpoint
 
 
 def test_auto_evaluates_with_hf_where_vllm_would_not_pay_or_cannot_run(tmp_path):
@@ -32,7 +14,7 @@ def test_auto_evaluates_with_hf_where_vllm_would_not_pay_or_cannot_run(tmp_path)
     from opentinker.inference.evaluation import VLLM_PAYS_FROM_TOKENS, evaluation_engine
 
     small = tiny_spec(tmp_path, evaluation={"every": 0, "n_samples": 16})  # 16 problems x 1 turn x 4 tokens
-    url = _checkpoint(small, "eval-engine")
+    url = lora_checkpoint(small, "eval-engine")
     assert evaluation_engine(url, small) == ("hf", f"evaluation engine auto chose hf: at most 64 tokens to sample, under the "
                                                    f"{VLLM_PAYS_FROM_TOKENS} from which vLLM's start-up pays")
     large = tiny_spec(tmp_path, evaluation={"every": 0, "n_samples": 512}, rollout={"max_new_tokens": 16})
@@ -50,12 +32,12 @@ def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_
     vllm_pool.stop()  # room for the evaluation's own server
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, evaluation={"every": 0, "n_samples": 16, "greedy": True},
                      rollout={"max_new_tokens": 6})
-    url = _checkpoint(spec, "eval-both")
+    url = lora_checkpoint(spec, "eval-both")
     large = spec.model_copy(update={"evaluation": spec.evaluation.model_copy(update={"n_samples": 2048})})
     assert evaluation_engine(url, large) == ("vllm", "evaluation engine auto chose vllm")
     hf, vllm = evaluate(url, spec, "hf"), evaluate(url, spec, "vllm")
     assert (hf["engine"], vllm["engine"]) == ("hf", "vllm")
     assert hf["tasks_sha256"] == vllm["tasks_sha256"] and hf["failed"] == vllm["failed"] == 0
     assert vllm["replies"] == hf["replies"] and vllm["rewards"] == hf["rewards"]
-    untrained = evaluate(_checkpoint(spec, "eval-untrained", scale=0.0), spec, "hf")
+    untrained = evaluate(lora_checkpoint(spec, "eval-untrained", scale=0.0), spec, "hf")
     assert untrained["replies"] != hf["replies"]  # the adapter shows in the answers: vLLM served it merged

@@ -6,7 +6,7 @@ float32 against 12.1 s on the HF engine (bench/results/vllm_engine.md), but its 
 about 20 s on a CPU (the policy merged, then vLLM eager). So `engine: auto` takes vLLM only for an
 evaluation that may sample at least VLLM_PAYS_FROM_TOKENS tokens (problems x turns x new tokens: at
 the measured rates, about 125 against 225 tokens/s, vLLM saves 20 s from about 5,800 tokens), and
-only where vLLM runs the model (`serving_engine`); the HF engine in this process otherwise.
+only where vLLM runs the model (`why_not_vllm_here`); the HF engine in this process otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from opentinker.backend.server_engine import ServerHandle, ServerRolloutEngine
 from opentinker.core.spec import JobSpec
 from opentinker.eval.promotion import evaluate_checkpoint
-from opentinker.inference.launch import launch, serving_engine
+from opentinker.inference.launch import launch, why_not_vllm_here
 from opentinker.inference.spec import InferenceSpec
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ def evaluation_engine(checkpoint_url: str, spec: JobSpec, engine: str = "auto") 
     if budget < VLLM_PAYS_FROM_TOKENS:
         return "hf", (f"evaluation engine auto chose hf: at most {budget} tokens to sample, under the "
                       f"{VLLM_PAYS_FROM_TOKENS} from which vLLM's start-up pays")
-    chosen, line = serving_engine(InferenceSpec(model_path=checkpoint_url), checkpoint_url)
-    return chosen, line.replace("engine auto", "evaluation engine auto", 1)
+    why = why_not_vllm_here(checkpoint_url)
+    return ("hf", f"evaluation engine auto chose hf: {why}") if why else ("vllm", "evaluation engine auto chose vllm")
 
 
 @contextmanager
@@ -61,8 +61,7 @@ def evaluation_rollouts(checkpoint_url: str, spec: JobSpec, engine: str = "auto"
     try:
         yield rollouts
     finally:
-        rollouts.close()
-        server.stop()
+        rollouts.close()  # the server with it
 
 
 def evaluate(checkpoint_url: str, spec: JobSpec, engine: str = "auto") -> dict[str, Any]:

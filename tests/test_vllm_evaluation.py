@@ -26,7 +26,9 @@ def test_auto_evaluates_with_hf_where_vllm_would_not_pay_or_cannot_run(tmp_path)
 
 def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_path):
     """The same checkpoint, validation set and seed through both engines: the same greedy replies
-    and rewards; a large enough evaluation of a model vLLM runs chooses vLLM."""
+    and rewards, but for a near-tie (the tiny random model's next-token logits are almost flat, and
+    vLLM's float32 kernels differ from transformers' by up to 3e-5, so one first token of the 16
+    flipped in about one run of six); a large enough evaluation of a model vLLM runs chooses vLLM."""
     from opentinker.inference.evaluation import evaluate, evaluation_engine
 
     vllm_pool.stop()  # room for the evaluation's own server
@@ -38,6 +40,9 @@ def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_
     hf, vllm = evaluate(url, spec, "hf"), evaluate(url, spec, "vllm")
     assert (hf["engine"], vllm["engine"]) == ("hf", "vllm")
     assert hf["tasks_sha256"] == vllm["tasks_sha256"] and hf["failed"] == vllm["failed"] == 0
-    assert vllm["replies"] == hf["replies"] and vllm["rewards"] == hf["rewards"]
+    alike = [i for i, (a, b) in enumerate(zip(vllm["replies"], hf["replies"])) if a == b]
+    assert len(alike) >= len(hf["replies"]) - 1, (vllm["replies"], hf["replies"])
+    assert all(vllm["rewards"][i] == hf["rewards"][i] for i in alike)
     untrained = evaluate(lora_checkpoint(spec, "eval-untrained", scale=0.0), spec, "hf")
-    assert untrained["replies"] != hf["replies"]  # the adapter shows in the answers: vLLM served it merged
+    changed = sum(a != b for a, b in zip(untrained["replies"], hf["replies"]))
+    assert changed >= len(hf["replies"]) // 2, changed  # the adapter shows in most answers: vLLM served it merged

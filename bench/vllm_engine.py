@@ -11,13 +11,16 @@ before the first and after the last. Each way in a process of its own, the same 
   each token by decoupled PPO's capped pi_trainer / pi_sampler);
 - `vllm-lora` (with `--ways`): the server taking the adapter by name.
 
+`--adapter full` runs the same ways as a full fine-tune (lr 1e-5): its weights, all 540 MB of them,
+reach the vLLM server in place of the LoRA's factors.
+
 Per way: the job's start (model, and the server's start-up), per step the rollout's wait, its
 generated tokens, the weight sync and the update, the evaluations' seconds, and the peak memory of
 the job's process and of its server's processes. Ratios against `hf`: rollout tokens per second (the
 step's generated tokens over the trainer's wait for them), evaluation seconds, step seconds.
 
-    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm,vllm-bf16]
-writes bench/results/vllm_engine.{json,md}
+    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm,vllm-bf16] [--adapter lora|full]
+writes bench/results/vllm_engine.{json,md} (vllm_engine_full.{json,md} for a full fine-tune)
 """
 
 from __future__ import annotations
@@ -81,19 +84,22 @@ WAYS = {"hf": {"engine": "local"}, "vllm": {"engine": "vllm", "weight_sync": "me
         "vllm-lora": {"engine": "vllm", "weight_sync": "lora"}}
 
 
-def spec_data(way: str, steps: int, tmp: str) -> dict:
+def spec_data(way: str, steps: int, tmp: str, adapter: str) -> dict:
     from opentinker.core.spec import load_spec
 
     data = load_spec(ROOT / "examples" / "math_grpo.yaml").model_dump(mode="json")
     data["rollout"] |= WAYS[way]
+    if adapter == "full":
+        data["adapter"] = {"kind": "full"}
+        data["optimization"]["lr"] = 1e-5
     data["optimization"]["steps"] = steps
     data["evaluation"]["every"] = steps  # before the first step and after the last
     data["checkpoint"] |= {"every": 0, "base_url": f"file://{tmp}/{way}"}
     return data
 
 
-def run_way(way: str, steps: int, tmp: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN, str(ROOT), json.dumps(spec_data(way, steps, tmp))], capture_output=True,
+def run_way(way: str, steps: int, tmp: str, adapter: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", RUN, str(ROOT), json.dumps(spec_data(way, steps, tmp, adapter))], capture_output=True,
                          text=True, cwd=ROOT, timeout=7200)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None:
@@ -110,8 +116,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ways", default="hf,vllm,vllm-bf16")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_engine"))
+    parser.add_argument("--adapter", choices=("lora", "full"), default="lora")
+    parser.add_argument("--out", default=None, help="default: bench/results/vllm_engine (vllm_engine_full for --adapter full)")
     args = parser.parse_args()
+    args.out = args.out or str(ROOT / "bench" / "results" / ("vllm_engine" if args.adapter == "lora" else "vllm_engine_full"))
     import tempfile
 
     ways = args.ways.split(",")
@@ -119,7 +127,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for way in ways:
             t0 = time.perf_counter()
-            results[way] = run_way(way, args.steps, tmp)
+            results[way] = run_way(way, args.steps, tmp, args.adapter)
             r = results[way]
             print(f"{way}: {r['rollout_tokens_per_s']:.0f} rollout tok/s, eval {r['eval_s']:.1f} s, step {r['step_s']:.1f} s, "
                   f"start {r['start_s']:.0f} s ({time.perf_counter() - t0:.0f} s in all)", flush=True)
@@ -130,7 +138,10 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "steps": args.steps, "ways": results, "ratios": ratios}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "steps": args.steps, "adapter": args.adapter, "ways": results,
+                                                   "ratios": ratios}, indent=1))
+    trained = "LoRA r16" if args.adapter == "lora" else "full fine-tune at lr 1e-5"
+    what = "" if args.adapter == "lora" else ", a full fine-tune"
     rows = "\n".join(
         f"| {way} | {r['start_s']:.0f} | {r.get('server_s', 0):.0f} | {r['rollout_tokens_per_s']:.0f} | "
         f"{statistics.fmean(s['rollout_s'] for s in r['steps']):.1f} | {statistics.fmean(s['sync_s'] for s in r['steps']):.2f} | "
@@ -139,8 +150,8 @@ def main() -> int:
     lines = "; ".join(f"{way}/hf: rollout tokens/s **{q['rollout_tokens_per_s']:.2f}x**, evaluation time **{q['eval_seconds']:.2f}x**, "
                       f"step time {q['step_seconds']:.2f}x" for way, q in ratios.items())
     out.with_suffix(".md").write_text(
-        f"# The demo's rollouts and evaluations: vLLM against the HF engine (same run, {machine})\n\n"
-        f"examples/math_grpo.yaml (SmolLM2-135M-Instruct, LoRA r16, GRPO, 8 x 4 episodes of up to 24 tokens a step, 64 greedy "
+        f"# The demo's rollouts and evaluations{what}: vLLM against the HF engine (same run, {machine})\n\n"
+        f"examples/math_grpo.yaml (SmolLM2-135M-Instruct, {trained}, GRPO, 8 x 4 episodes of up to 24 tokens a step, 64 greedy "
         f"held-out problems), {args.steps} steps a way, each in a process of its own, the trainer in float32 (vllm-bf16: its server samples in bfloat16). Start: the job's start, the server's "
         f"start-up included (vLLM eager on the CPU); rollout: the trainer's wait for a step's episodes; sync: the update's weights "
         f"reaching the engine; memory: peak RSS of the job's process and of its server's processes.\n\n"

@@ -263,7 +263,7 @@ def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path, mo
                                            extra_body={"ignore_eos": True})
         assert capped.usage.completion_tokens == 6  # the server's cap, not the 50 asked for
         auth = {"Authorization": "Bearer otj_key"}  # the tenant holds the key: still no route into the worker
-        for path, body in (("/collective_rpc", {"method": "merge_lora_from", "args": ["/etc/passwd"]}), ("/sleep", {}),
+        for path, body in (("/collective_rpc", {"method": "load_policy_from", "args": ["/etc/passwd"]}), ("/sleep", {}),
                            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})):
             assert httpx.post(f"{server.url}{path}", headers=auth, json=body, timeout=10).status_code == 404, path
     finally:

@@ -97,6 +97,7 @@ def test_server_engine_specs_are_checked(tmp_path):
         parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "server"}})
     with pytest.raises(SpecError, match=r"rollout.server_url.*http"):
         parse_spec(base | {"rollout": {"engine": "server", "server_url": "file:///etc"}})
-    with pytest.raises(SpecError, match="rollout.engine: 'vllm' samples LoRA jobs; a full fine-tune"):
-        parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "vllm"}})
+    with pytest.raises(SpecError, match="rollout.weight_sync: 'lora' moves a LoRA adapter; a full fine-tune"):
+        parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "vllm", "weight_sync": "lora"}})
+    assert parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "vllm"}}).rollout.engine == "vllm"
     assert parse_spec(base | {"rollout": {"engine": "vllm"}}).rollout.weight_sync == "auto"

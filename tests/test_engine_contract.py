@@ -103,7 +103,7 @@ def make_subject(kind: str, model_name: str, pool=None):
 
         def publish(version: int) -> None:
             if merged:
-                engine.sync_weights(version, lora_factors(model), probe)
+                engine.sync_weights(version, lora_factors(model), probe).result()
             else:
                 engine.sync_adapter(version, adapter_files(model), probe)
 

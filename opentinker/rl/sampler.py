@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,9 @@ class Sampler:
                                           placement=where)
         self.sync_metrics: dict[str, float] = {}
         self._model_in_use = threading.Lock()  # a server engine's sync reads the model: no new weights land meanwhile
+        self._publishing = threading.Lock()  # one sync at a time
+        self._verdict: Future[float] | None = None  # the newest in-place sync's probe
+        self._sync_failure: BaseException | None = None
         self.chat = chat_format(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
@@ -130,20 +134,54 @@ class Sampler:
         return self.wanted_version
 
     def _publish(self) -> None:
-        """Server engine: put the wanted version on the server (verified) before episodes play."""
+        """Server engine: put the wanted version on the server before episodes play (an adapter
+        verified first; weights taken in place verified beside the episodes, `_verified`)."""
         if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
             return
-        t0 = time.perf_counter()
-        # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start);
-        # the model holds that version until its probe is checked (at k > 0 the trainer's next sync waits for it)
-        with self._model_in_use:
-            if self.engine.server.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
-                weights = lora_factors if isinstance(self.spec.adapter, LoraSpec) else policy_weights
-                gap = self.engine.sync_weights(self.wanted_version, lambda: weights(self.model), self.probe)
+        # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start and
+        # wait for its reload, not its probe); the model holds that version until the probe has checked it against
+        # the server (at k > 0 the trainer's next weights wait for it)
+        with self._publishing:
+            if self._sync_failure is not None:
+                raise self._sync_failure
+            if self.engine.synced_version == self.wanted_version:
+                return
+            t0 = time.perf_counter()
+            self._model_in_use.acquire()
+            try:
+                if self.engine.server.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
+                    weights = lora_factors if isinstance(self.spec.adapter, LoraSpec) else policy_weights
+                    verdict = self.engine.sync_weights(self.wanted_version, lambda: weights(self.model), self.probe)
+                    gap = None
+                else:
+                    verdict, gap = None, self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
+            except BaseException:
+                self._model_in_use.release()
+                raise
+            self.sync_metrics = {"rollout/sync_seconds": time.perf_counter() - t0}
+            if verdict is None:
+                self._model_in_use.release()
+                if gap is not None:
+                    self.sync_metrics["rollout/sync_logprob_gap"] = gap
             else:
-                gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
-        if gap is not None:  # None: another thread's sync put this version there first
-            self.sync_metrics = {"rollout/sync_logprob_gap": gap, "rollout/sync_seconds": time.perf_counter() - t0}
+                self._verdict = verdict
+                verdict.add_done_callback(self._probed)
+
+    def _probed(self, verdict: Future) -> None:
+        """An in-place sync's probe is done: the model may take newer weights; a failure is kept for
+        `_verified` and the next sync."""
+        if verdict.exception() is not None:
+            self._sync_failure = verdict.exception()
+        self._model_in_use.release()
+
+    def _verified(self) -> None:
+        """Wait for the newest in-place sync's probe (it runs beside the episodes drawn after the
+        reload): its SyncError fails the step before anything trains on those episodes."""
+        if self._verdict is not None:
+            gap = self._verdict.result()
+            self.sync_metrics["rollout/sync_logprob_gap"] = gap
+        if self._sync_failure is not None:
+            raise self._sync_failure
 
     def close(self) -> None:
         """Stop what the sampler started (its producer, its engine's thread, a server engine's own server)."""
@@ -191,6 +229,7 @@ class Sampler:
         # the engine's counters since the previous take: with k > 0 the producer plays between takes
         since, before = self._last_take or (t0, self._engine_counters())
         groups = self.producer.take(step)
+        self._verified()  # the weights that drew them answered the probe as the trainer's
         kept = [g for g in groups if self._lag(g.trajectories) <= k]
         trajs = [t for g in kept for t in g.trajectories]
         waiting, playing = self.producer.waiting()
@@ -270,6 +309,7 @@ class Sampler:
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=e.greedy)
         trajs = run_episodes(self.engine, self.chat, [self.env.make_game() for _ in tasks], tasks, params, self.limits,
                              generators=self._generators(EVAL_EPISODES + step * len(tasks), len(tasks)))
+        self._verified()
         metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
         return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs))
 

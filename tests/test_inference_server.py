@@ -226,8 +226,9 @@ def test_vllm_on_gpus_is_refused_clearly_without_a_gpu_or_the_package(trained):
 def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path, monkeypatch):
     """`engine: auto` serves a LoRA checkpoint through vLLM wherever vLLM runs its model: on this CPU
     merged into the weights on load (vLLM's LoRA path decodes 3.3x slower here), on a GPU as base +
-    adapter. Greedy answers are the HF engine's, the key is asked for, completions are capped, and
-    vLLM's routes into the worker (dev mode, runtime LoRA loading) are not there, key or not."""
+    adapter. Greedy answers are the HF engine's, the key is asked for, completions are capped, a body
+    over the stack's limit gets 413, and vLLM's routes into the worker (dev mode, runtime LoRA
+    loading) are not there, key or not."""
     from openai import OpenAI
 
     from opentinker.core.hardware import detect_gpus
@@ -266,6 +267,8 @@ def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path, mo
         for path, body in (("/collective_rpc", {"method": "load_policy_from", "args": ["/etc/passwd"]}), ("/sleep", {}),
                            ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"})):
             assert httpx.post(f"{server.url}{path}", headers=auth, json=body, timeout=10).status_code == 404, path
+        huge = httpx.post(f"{server.url}/v1/completions", headers=auth, json={"model": "policy", "prompt": "x" * (17 * 1024**2)}, timeout=60)
+        assert huge.status_code == 413, huge.text[:200]  # over the stack's body limit, as our own server answers (vLLM said 400)
     finally:
         server.stop()
 

@@ -40,6 +40,9 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's switches for its dev routes (/collective_rpc, /sleep, ...) and runtime LoRA loading (a
 # path read on the worker): on only where the caller asks for them
 DEV_SWITCHES = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+# where vLLM's processes find the project's modules that run in them (vllm_worker, vllm_body_limit),
+# which import nothing of the project's dependencies
+PROJECT_PATH = str(Path(__file__).resolve().parents[2])
 
 
 def _lora_rank(r: int) -> int:
@@ -96,16 +99,14 @@ def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_
 
 
 def merged_server_args(model_name: str, init_from: str | None, dtype: str, workdir: Path, name: str) -> tuple[list[str], dict[str, str]]:
-    """(arguments, environment) for a job's rollout server that merges the policy's LoRA into its
-    weights in place (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
-    opentinker.inference.vllm_worker (the one module of the project vLLM's processes import: its
-    folder goes on their path) and vLLM's dev endpoints (`/collective_rpc`: the server is the job's
-    own, on loopback), logprobs of the sampling distribution."""
-    import opentinker
-
+    """(arguments, environment) for a job's rollout server that takes the policy's weights in place
+    (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
+    opentinker.inference.vllm_worker (found on PROJECT_PATH) and vLLM's dev endpoints
+    (`/collective_rpc`: the server is the job's own, on loopback), logprobs of the sampling
+    distribution."""
     return ([str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype,
              "--worker-extension-cls", "opentinker.inference.vllm_worker.WeightLoader", "--logprobs-mode", "processed_logprobs"],
-            {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(Path(opentinker.__file__).resolve().parents[1])})
+            {"VLLM_SERVER_DEV_MODE": "1"})
 
 
 def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Path) -> Path:
@@ -197,11 +198,13 @@ class VLLMServer:
             command.append(f"--api-key={api_key}")  # one argument: a key may begin with "-"
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
+        command += ["--middleware", "opentinker.inference.vllm_body_limit.BodyLimit"]  # bodies over the stack's limit: 413
         # the project stays out, but what `env` puts in, and so do vLLM's switches for routes that reach into the
         # worker (a job's own loopback server asks for them in `env`; a served checkpoint faces its tenant);
         # marked as the stack's: no env.url reaches it (core.env_hosts)
         inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in DEV_SWITCHES}
-        child_env = inherited | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1"}
+        child_env = inherited | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1", "PYTHONPATH": PROJECT_PATH,
+                                                                 "OPENTINKER_MAX_REQUEST_BYTES": str(get_settings().max_request_bytes)}
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound

@@ -97,7 +97,8 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/joint_updates.py --device cpu --shape smollm2-135m --prompt-len 64 --new-tokens 16
 	$(PY) bench/tinker_fairness.py
 	$(PY) bench/stream_slots.py
-	$(PY) bench/vllm_engine.py --steps 3 --ways hf,vllm,vllm-lora
+	$(PY) bench/vllm_engine.py --steps 3
+	$(PY) bench/vllm_engine.py --steps 3 --adapter full
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .opentinker .pytest_cache

@@ -138,8 +138,9 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    out.with_suffix(".json").write_text(json.dumps({"machine": machine, "steps": args.steps, "adapter": args.adapter, "ways": results,
-                                                   "ratios": ratios}, indent=1))
+    command = " ".join(["python", "bench/vllm_engine.py", *sys.argv[1:]])
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "steps": args.steps, "adapter": args.adapter,
+                                                   "ways": results, "ratios": ratios}, indent=1))
     trained = "LoRA r16" if args.adapter == "lora" else "full fine-tune at lr 1e-5"
     what = "" if args.adapter == "lora" else ", a full fine-tune"
     rows = "\n".join(

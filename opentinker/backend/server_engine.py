@@ -234,15 +234,15 @@ class ServerRolloutEngine:
         its own. Returns the probe's verdict as a future (its mean |logprob difference|, or
         SyncError): the new weights serve at once, so the probe runs beside the requests that follow
         and the sync costs the reload alone (the probe was 0.3-0.45 s of a 0.9 s sync on the CPU);
-        whoever trains on their tokens waits for the verdict first, and so does the next sync. One
-        sync at a time; None when `version` is on the server already. `weights` may be a function,
+        whoever trains on their tokens waits for the verdict first (`verified`), and so does the next
+        sync, which a failed verdict fails too. One sync at a time; None when `version` is on the
+        server already. `weights` may be a function,
         called only by the sync that moves them (the callers that find the version there already pay
         nothing)."""
         with self._syncing:
             if self.synced_version == version:
                 return None
-            if self._verdict is not None:
-                self._verdict.exception()  # the previous version's probe reads the weights this sync replaces
+            self.verified()  # the previous version's probe reads the weights this sync replaces; its failure stops syncs
             from safetensors.torch import save_file
 
             path = self._shared / f"policy-v{version}.safetensors"
@@ -258,6 +258,11 @@ class ServerRolloutEngine:
             self.synced_version = self.policy_version = version
             self._verdict = self.pool.submit(self._probe_weights, version, probe)
             return self._verdict
+
+    def verified(self) -> float | None:
+        """Wait for the last in-place sync's probe: its mean |logprob difference|, or its SyncError
+        (raised again at every call); None before any sync in place."""
+        return None if self._verdict is None else self._verdict.result()
 
     def _probe_weights(self, version: int, probe: Probe) -> float:
         (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,8 +109,6 @@ class Sampler:
         self.sync_metrics: dict[str, float] = {}
         self._model_in_use = threading.Lock()  # a server engine's sync reads the model: no new weights land meanwhile
         self._publishing = threading.Lock()  # one sync at a time
-        self._verdict: Future[float] | None = None  # the newest in-place sync's probe
-        self._sync_failure: BaseException | None = None
         self.chat = chat_format(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
         self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
@@ -142,46 +139,30 @@ class Sampler:
         # wait for its reload, not its probe); the model holds that version until the probe has checked it against
         # the server (at k > 0 the trainer's next weights wait for it)
         with self._publishing:
-            if self._sync_failure is not None:
-                raise self._sync_failure
             if self.engine.synced_version == self.wanted_version:
                 return
             t0 = time.perf_counter()
             self._model_in_use.acquire()
+            verdict = None
             try:
                 if self.engine.server.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
                     weights = lora_factors if isinstance(self.spec.adapter, LoraSpec) else policy_weights
                     verdict = self.engine.sync_weights(self.wanted_version, lambda: weights(self.model), self.probe)
-                    gap = None
                 else:
-                    verdict, gap = None, self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
-            except BaseException:
-                self._model_in_use.release()
-                raise
-            self.sync_metrics = {"rollout/sync_seconds": time.perf_counter() - t0}
-            if verdict is None:
-                self._model_in_use.release()
-                if gap is not None:
-                    self.sync_metrics["rollout/sync_logprob_gap"] = gap
-            else:
-                self._verdict = verdict
-                verdict.add_done_callback(self._probed)
-
-    def _probed(self, verdict: Future) -> None:
-        """An in-place sync's probe is done: the model may take newer weights; a failure is kept for
-        `_verified` and the next sync."""
-        if verdict.exception() is not None:
-            self._sync_failure = verdict.exception()
-        self._model_in_use.release()
+                    gap = self.engine.sync_adapter(self.wanted_version, lambda: adapter_files(self.model), self.probe)
+                    self.sync_metrics = {"rollout/sync_logprob_gap": gap} if gap is not None else {}
+            finally:
+                if verdict is None:
+                    self._model_in_use.release()
+                else:  # the model keeps this version until the probe beside the episodes has checked it
+                    verdict.add_done_callback(lambda _: self._model_in_use.release())
+            self.sync_metrics["rollout/sync_seconds"] = time.perf_counter() - t0
 
     def _verified(self) -> None:
         """Wait for the newest in-place sync's probe (it runs beside the episodes drawn after the
         reload): its SyncError fails the step before anything trains on those episodes."""
-        if self._verdict is not None:
-            gap = self._verdict.result()
+        if isinstance(self.engine, ServerRolloutEngine) and (gap := self.engine.verified()) is not None:
             self.sync_metrics["rollout/sync_logprob_gap"] = gap
-        if self._sync_failure is not None:
-            raise self._sync_failure
 
     def close(self) -> None:
         """Stop what the sampler started (its producer, its engine's thread, a server engine's own server)."""

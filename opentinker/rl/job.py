@@ -19,7 +19,7 @@ from opentinker.core.spec import JobSpec
 from opentinker.rl.engine_choice import choose_engine
 from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
 from opentinker.rl.policy import Policy, Restored
-from opentinker.rl.sampler import Evaluation, Sampler, StartServer
+from opentinker.rl.sampler import EarlyStart, Evaluation, Sampler, StartServer, abandon
 from opentinker.storage import checkpoint as ckpt
 from opentinker.storage.preflight import check_job_storage
 
@@ -48,12 +48,17 @@ class RLJob:
         own_rng = getattr(rollout_engine, "generator", None)  # a hosted job's own sampling stream (AdapterRollouts)
         # a hosted job's checkpoints keep its own generators: its sampling stream and its adapter's dropout
         own_rngs = None if own_rng is None else {"own": own_rng, "dropout": model.dropout_generator}
-        self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rngs=own_rngs)
-        # Off-policy (max_staleness > 0) the producer samples while the trainer updates: from a model copy of its own
-        self.own_copy = spec.algorithm.max_staleness > 0
-        shared = (None, None) if self.own_copy else (self.policy.model, self.policy.tokenizer)
-        self.sampler = Sampler(spec, *shared, job_id=self.job_id, where=self.policy.placement, start_server=start_server,
-                               engine=rollout_engine)
+        start_server = EarlyStart.of(start_server, spec, job_id, rollout_engine)  # the server starts beside the policy's load
+        try:
+            self.policy = Policy(spec, job_id=self.job_id, model=model, tokenizer=tokenizer, tenant=tenant, own_rngs=own_rngs)
+            # Off-policy (max_staleness > 0) the producer samples while the trainer updates: from a model copy of its own
+            self.own_copy = spec.algorithm.max_staleness > 0
+            shared = (None, None) if self.own_copy else (self.policy.model, self.policy.tokenizer)
+            self.sampler = Sampler(spec, *shared, job_id=self.job_id, where=self.policy.placement, start_server=start_server,
+                                   engine=rollout_engine)
+        except BaseException:
+            abandon(start_server)
+            raise
         if self.own_copy:
             self.sampler.sync(self.policy.weights())  # identical starting weights (LoRA init is random)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,44 @@ def own_model(spec: JobSpec, job_id: str | None, where: Placement):
 # What starts a job's own inference server (opentinker.inference.launch.rollout_server).
 StartServer = Callable[[JobSpec, "str | None", Placement], ServerHandle]
 
+
+
+class EarlyStart:
+    """A job's own server, begun in a thread as soon as the job starts, so that its start (vLLM's
+    takes 16-20 s on a CPU, most of it two Python imports) runs beside the model's load instead of
+    after it. Called as a StartServer it waits for that server (or raises what its start raised);
+    `abandon` stops it once it is up, for a job that failed before taking it."""
+
+    def __init__(self, start_server: StartServer, spec: JobSpec, job_id: str | None):
+        pool = ThreadPoolExecutor(1, thread_name_prefix="server-start")
+        self.started: Future[ServerHandle] = pool.submit(start_server, spec, job_id, placement(spec.resources.num_gpus, spec.model.dtype))
+        pool.shutdown(wait=False)
+        self.abandoned = False
+
+    @classmethod
+    def of(cls, start_server: StartServer | None, spec: JobSpec, job_id: str | None, engine: Any = None) -> StartServer | None:
+        """`start_server`, begun now where the job will start a server of its own (see Sampler._server)."""
+        r = spec.rollout
+        if start_server is None or isinstance(start_server, cls) or engine is not None or r.engine not in ("server", "vllm") \
+                or (r.engine == "server" and r.server_url):
+            return start_server
+        return cls(start_server, spec, job_id)
+
+    def __call__(self, spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:
+        return self.started.result()
+
+    def abandon(self) -> None:
+        if not self.abandoned:  # the sampler and the job around it may both give up on it
+            self.abandoned = True
+            self.started.add_done_callback(lambda done: done.exception() is None and done.result().stop())
+
+
+def abandon(start_server: StartServer | None) -> None:
+    """Stop a server begun early that nothing took (the job failed on its way to it)."""
+    if isinstance(start_server, EarlyStart):
+        start_server.abandon()
+
+
 PROBE_TEXT = "Weight sync probe. The quick brown fox jumps over the lazy dog, and then"
 
 
@@ -90,6 +129,15 @@ class Sampler:
         """`engine`: what samples the episodes, given by the host (a base-model worker's shared
         engine, opentinker.inference.engine_multi_lora.AdapterRollouts); None: per `rollout.engine`."""
         where = where or placement(spec.resources.num_gpus, spec.model.dtype)
+        start_server = EarlyStart.of(start_server, spec, job_id, engine)  # beside the model's load
+        try:
+            self._build(spec, model, tokenizer, env, job_id, where, start_server, engine)
+        except BaseException:
+            abandon(start_server)
+            raise
+
+    def _build(self, spec: JobSpec, model, tokenizer, env: GameEnvironment | None, job_id: str | None, where: Placement,
+               start_server: StartServer | None, engine: Any) -> None:
         if model is None:
             model, tokenizer = own_model(spec, job_id, where)
         self.spec, self.model, self.where = spec, model, where

@@ -5,6 +5,8 @@ is skipped, with the reason, where vLLM cannot run (tests/vllm_fixtures.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import tiny_spec
 from tests.vllm_fixtures import lora_checkpoint
 
@@ -24,11 +26,13 @@ def test_auto_evaluates_with_hf_where_vllm_would_not_pay_or_cannot_run(tmp_path)
     assert evaluation_engine(url, small, "vllm") == ("vllm", "evaluation engine vllm")
 
 
-def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_path):
+def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_path, monkeypatch):
     """The same checkpoint, validation set and seed through both engines: the same greedy replies
-    and rewards, but for a near-tie (the tiny random model's next-token logits are almost flat, and
-    vLLM's float32 kernels differ from transformers' by up to 3e-5, so one first token of the 16
-    flipped in about one run of six); a large enough evaluation of a model vLLM runs chooses vLLM."""
+    and rewards (all 16 since the checkpoint is seeded whole; one near-tie is allowed: the tiny
+    random model's next-token logits are almost flat, and vLLM's float32 kernels differ from
+    transformers' by up to 3e-5); a large enough evaluation of a model vLLM runs chooses vLLM,
+    and through vLLM the policy is not loaded in this process too (only its tokenizer)."""
+    import opentinker.model as model
     from opentinker.inference.evaluation import evaluate, evaluation_engine
 
     vllm_pool.stop()  # room for the evaluation's own server
@@ -37,7 +41,12 @@ def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_
     url = lora_checkpoint(spec, "eval-both")
     large = spec.model_copy(update={"evaluation": spec.evaluation.model_copy(update={"n_samples": 2048})})
     assert evaluation_engine(url, large) == ("vllm", "evaluation engine auto chose vllm")
-    hf, vllm = evaluate(url, spec, "hf"), evaluate(url, spec, "vllm")
+    hf = evaluate(url, spec, "hf")
+    loads: list[str] = []
+    monkeypatch.setattr(model, "load_policy", lambda *a, **k: loads.append(a[0]) or pytest.fail("the policy loaded beside vLLM"))
+    vllm = evaluate(url, spec, "vllm")
+    monkeypatch.undo()
+    assert loads == []
     assert (hf["engine"], vllm["engine"]) == ("hf", "vllm")
     assert hf["tasks_sha256"] == vllm["tasks_sha256"] and hf["failed"] == vllm["failed"] == 0
     alike = [i for i, (a, b) in enumerate(zip(vllm["replies"], hf["replies"])) if a == b]

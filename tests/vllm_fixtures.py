@@ -92,12 +92,16 @@ def lora_checkpoint(spec, job_id: str, scale: float = 0.1) -> str:
     """A saved LoRA checkpoint of `spec` whose adapter changes every greedy answer of the tiny random
     model (lora_B is zero at its start; seeded). At 0.1 the answers are far from ties; from 0.3 on, a
     few of 16 came within float32 noise of one and vLLM and the HF engine parted there (the
-    logprobs' agreement is tests/test_vllm_rollouts.py's)."""
+    logprobs' agreement is tests/test_vllm_rollouts.py's). Seeded whole (lora_A's draw too): the
+    same checkpoint in every run, whatever ran before (unseeded, two answers of 16 were near-ties
+    in about one run of five)."""
     import torch
 
+    from opentinker.core.seeding import seed_everything
     from opentinker.env import environment_from_spec
     from opentinker.rl import Policy
 
+    seed_everything(0)
     policy = Policy(spec, job_id=job_id)
     draw = torch.Generator().manual_seed(0)
     with torch.no_grad():

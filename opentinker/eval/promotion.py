@@ -188,10 +188,14 @@ def evaluate_checkpoint(checkpoint_url: str, spec, engine: Any = None) -> dict[s
     model meets identical conditions. `engine`: a rollout engine serving the checkpoint already
     (opentinker.inference.evaluation starts vLLM where it pays); None: the HF engine here."""
     from opentinker.core.seeding import seed_everything
-    from opentinker.model import load_policy
+    from opentinker.model import load_policy, read_policy_info
+    from opentinker.model.loading import load_tokenizer
     from opentinker.rl import Sampler
 
-    model, tokenizer, _ = load_policy(checkpoint_url)
+    if engine is None:
+        model, tokenizer, _ = load_policy(checkpoint_url)
+    else:  # the server holds the checkpoint's weights: nothing here but its tokenizer
+        model, tokenizer = None, load_tokenizer(read_policy_info(checkpoint_url)["base_model"])
     seed_everything(spec.seed)
     result = Sampler(spec, model, tokenizer, engine=engine).evaluate(0)
     tasks = [t["task"] for t in result.transcripts]

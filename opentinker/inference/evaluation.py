@@ -3,7 +3,8 @@ that is faster for it on this worker.
 
 vLLM evaluates faster once it runs: the demo's 64 greedy problems took 6.8 s through vLLM in
 float32 against 12.1 s on the HF engine (bench/results/vllm_engine.md), but its server starts in
-about 20 s on a CPU (the policy merged, then vLLM eager). So `engine: auto` takes vLLM only for an
+about 20 s on a CPU (the policy merged, then vLLM eager; the evaluation then loads nothing but the
+tokenizer here). So `engine: auto` takes vLLM only for an
 evaluation that may sample at least VLLM_PAYS_FROM_TOKENS tokens (problems x turns x new tokens: at
 the measured rates, about 125 against 225 tokens/s, vLLM saves 20 s from about 5,800 tokens), and
 only where vLLM runs the model (`why_not_vllm_here`); the HF engine in this process otherwise.

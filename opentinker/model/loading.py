@@ -139,7 +139,7 @@ def load_base(name: str, dtype: str = "float32"):
 
 def _load_base(name: str, dtype: str):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from opentinker.model.vision import is_vision_folder, load_vision
 
@@ -148,8 +148,20 @@ def _load_base(name: str, dtype: str):
     if is_vision_folder(path):
         return load_vision(path, torch_dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    return model, _tokenizer(path)
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of a named or local text model, without its weights (for a caller whose
+    model runs elsewhere: an evaluation through a vLLM server)."""
+    return _tokenizer(resolve_model(name))
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.eval()
-    return model, tokenizer
+    return tokenizer

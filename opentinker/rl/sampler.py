@@ -127,7 +127,8 @@ class Sampler:
     def __init__(self, spec: JobSpec, model=None, tokenizer=None, env: GameEnvironment | None = None, job_id: str | None = None,
                  where: Placement | None = None, start_server: StartServer | None = None, engine: Any = None):
         """`engine`: what samples the episodes, given by the host (a base-model worker's shared
-        engine, opentinker.inference.engine_multi_lora.AdapterRollouts); None: per `rollout.engine`."""
+        engine, opentinker.inference.engine_multi_lora.AdapterRollouts, or a server that holds the
+        weights already, which needs no model here: only the tokenizer); None: per `rollout.engine`."""
         where = where or placement(spec.resources.num_gpus, spec.model.dtype)
         start_server = EarlyStart.of(start_server, spec, job_id, engine)  # beside the model's load
         try:
@@ -138,7 +139,7 @@ class Sampler:
 
     def _build(self, spec: JobSpec, model, tokenizer, env: GameEnvironment | None, job_id: str | None, where: Placement,
                start_server: StartServer | None, engine: Any) -> None:
-        if model is None:
+        if model is None and engine is None:
             model, tokenizer = own_model(spec, job_id, where)
         self.spec, self.model, self.where = spec, model, where
         r = spec.rollout

@@ -73,6 +73,12 @@ def own_model(spec: JobSpec, job_id: str | None, where: Placement):
 StartServer = Callable[[JobSpec, "str | None", Placement], ServerHandle]
 
 
+def starts_own_server(spec: JobSpec) -> bool:
+    """Does the job sample through a server it starts itself (`rollout.engine: vllm`, or `server`
+    naming no `server_url`)?"""
+    r = spec.rollout
+    return r.engine == "vllm" or (r.engine == "server" and not r.server_url)
+
 
 class EarlyStart:
     """A job's own server, begun in a thread as soon as the job starts, so that its start (vLLM's
@@ -88,10 +94,8 @@ class EarlyStart:
 
     @classmethod
     def of(cls, start_server: StartServer | None, spec: JobSpec, job_id: str | None, engine: Any = None) -> StartServer | None:
-        """`start_server`, begun now where the job will start a server of its own (see Sampler._server)."""
-        r = spec.rollout
-        if start_server is None or isinstance(start_server, cls) or engine is not None or r.engine not in ("server", "vllm") \
-                or (r.engine == "server" and r.server_url):
+        """`start_server`, begun now where the job will start a server of its own."""
+        if start_server is None or isinstance(start_server, cls) or engine is not None or not starts_own_server(spec):
             return start_server
         return cls(start_server, spec, job_id)
 
@@ -168,7 +172,7 @@ class Sampler:
 
     def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
         r = self.spec.rollout
-        if r.server_url and r.engine == "server":
+        if not starts_own_server(self.spec):
             return ServerHandle(url=r.server_url, model=self.spec.model.name)
         if start_server is None:
             raise ValueError("rollout.engine: 'server' needs rollout.server_url here (jobs run by opentinker start their own server)"

@@ -91,3 +91,29 @@ def test_bad_init_from_fails_clearly(tmp_path):
     with pytest.raises(ValueError, match="corrupt checkpoint: unreadable policy.json"):
         RLJob(parse_spec(_spec(tmp_path, init_from=url)))
     assert ckpt.list_checkpoints(f"file://{tmp_path}", "tiny")[-1].url == url  # nothing was changed or pruned
+
+
+def test_a_tenants_resumed_job_and_its_own_server_keep_one_base(tmp_path):
+    """The job's server (and a sampler of its own) know no tenant; they must still build on the
+    base a tenant's resumed job recorded, not on what its source resolves to now: a server on
+    another base fails the first weight sync's probe."""
+    from opentinker.inference.launch import rollout_server
+
+    RLJob(parse_spec(_spec(tmp_path)), job_id="first").run()
+    step2 = resolve_checkpoint(f"file://{tmp_path}/first")
+    spec = _spec(tmp_path, init_from=f"file://{tmp_path}/first") | {"rollout": {"prompts_per_step": 2, "group_size": 2,
+                                                                             "max_new_tokens": 4, "engine": "server"}}
+    first_run = RLJob(parse_spec(spec), job_id="second", tenant="alice", start_server=rollout_server)
+    try:
+        first_run.run()
+    finally:
+        first_run.close()
+    RLJob(parse_spec(_spec(tmp_path) | {"optimization": {"steps": 3, "lr": 1e-2}}), job_id="first").run()
+    assert resolve_checkpoint(f"file://{tmp_path}/first") != step2  # the source moved on
+    resumed = RLJob(parse_spec(spec | {"optimization": {"steps": 3, "lr": 1e-2}}), job_id="second", tenant="alice",
+                    start_server=rollout_server)
+    try:
+        assert resumed.policy.init_from == step2 == resumed.spec.model.init_from
+        assert resumed.run().steps_done == 3  # its weights synced to a server on that same base
+    finally:
+        resumed.close()

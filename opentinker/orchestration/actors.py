@@ -83,6 +83,7 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
     from opentinker.rl.engine_choice import choose_engine
+    from opentinker.rl.policy import with_pinned_init_from
 
     if spec.resources.share_base:
         from opentinker.core.settings import get_settings
@@ -94,6 +95,7 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job, engine_choice=choice)
+    spec = with_pinned_init_from(spec, job_id, tenant)  # the sampler and its server know no tenant: one base for both sides
     policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])

@@ -18,7 +18,7 @@ from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import JobSpec
 from opentinker.rl.engine_choice import choose_engine
 from opentinker.rl.loop import LoopHooks, LoopResult, StepMetrics, StepReport, run_steps
-from opentinker.rl.policy import Policy, Restored
+from opentinker.rl.policy import Policy, Restored, with_pinned_init_from
 from opentinker.rl.sampler import EarlyStart, Evaluation, Sampler, StartServer, abandon
 from opentinker.storage import checkpoint as ckpt
 from opentinker.storage.preflight import check_job_storage
@@ -41,6 +41,7 @@ class RLJob:
         spec, self.engine_choice = choose_engine(spec, starts_servers=start_server is not None and rollout_engine is None)
         check_job_storage(spec)  # before the model loads: a wrong bucket fails in one line, at once
         check_gpus(spec.resources.num_gpus)
+        spec = with_pinned_init_from(spec, job_id, tenant)  # one base for the policy, its server and its sampler
         self.spec = spec
         self.job_id = job_id
         if model is None:

@@ -49,6 +49,17 @@ def pinned_init_from(spec: JobSpec, job_id: str | None, tenant: str | None = Non
     return resolve_checkpoint(spec.model.init_from)
 
 
+def with_pinned_init_from(spec: JobSpec, job_id: str | None, tenant: str | None = None) -> JobSpec:
+    """The spec with `model.init_from` pinned (pinned_init_from, as `tenant` signs the job's
+    checkpoints), for a job whose parts load it apart: its server and a sampler of its own know
+    no tenant, and resolved again without one they would miss a tenant's recorded base and take
+    whatever a moved alias names now."""
+    pinned = pinned_init_from(spec, job_id, tenant)
+    if pinned == spec.model.init_from:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"init_from": pinned})})
+
+
 class Policy:
     """Model, adapter, optimizer and (for KL) reference of one learner, and its checkpoints under
     `<checkpoint.base_url>/<job_id>/`, signed as `tenant`'s (None: the operator's). Loads its

@@ -73,6 +73,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="the job's seed (default: the spec's, 0); the curve moves with it")
     parser.add_argument("--engine", choices=["local", "vllm"], default=None, help="rollout.engine (default: the spec's)")
     parser.add_argument("--sampler-dtype", choices=["auto", "float32", "bfloat16"], default=None, help="rollout.sampler_dtype (engine vllm)")
+    parser.add_argument("--model-dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                        help="model.dtype, the trainer's compute precision (default: the spec's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     recipe = "sft_rl" if args.sft_first else "rl"
@@ -101,6 +103,7 @@ def main() -> int:
             "evaluation": spec.evaluation.model_copy(update={"every": args.every}),
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
             "seed": spec.seed if args.seed is None else args.seed,
+            "model": spec.model.model_copy(update={"dtype": args.model_dtype or spec.model.dtype}),
             "rollout": spec.rollout.model_copy(update={k: v for k, v in {"engine": args.engine, "sampler_dtype": args.sampler_dtype}.items() if v}),
         })
         t0 = time.perf_counter()

@@ -1,20 +1,22 @@
-"""The demo's learning through vLLM, in float32 and in bfloat16 sampling, against the HF engine.
+"""The demo's learning through vLLM, sampling (and training) in float32 and in bfloat16, against the HF engine.
 
 Each way runs bench/learning_math.py (examples/math_grpo.yaml: SmolLM2-135M-Instruct, LoRA r16,
 GRPO, 25 steps, greedy held-out accuracy on 64 problems every 5) in a process of its own, one after
 the other on this machine, for each seed:
 
-- `hf`: rollout.engine local (the HF engine, today's default);
-- `vllm`: rollout.engine vllm, float32 sampling;
+- `hf`: rollout.engine local (the HF engine) under the float32 trainer: the demo as it was before vLLM;
+- `vllm`: rollout.engine vllm, float32 sampling, float32 trainer;
 - `vllm-bf16`: rollout.engine vllm, rollout.sampler_dtype bfloat16 under the float32 trainer (the
-  loss weighs each token by decoupled PPO's capped pi_trainer / pi_sampler).
+  loss weighs each token by decoupled PPO's capped pi_trainer / pi_sampler);
+- `bf16`: vLLM sampling in bfloat16 and the trainer too (model.dtype bfloat16: its passes under
+  bfloat16 autocast, the adapter and optimizer in float32, the same capped weight): the demo now.
 
 Reports per way: each seed's step-0 and final held-out accuracy and the job's wall time from its
 start (the policy's load and, for vLLM, its server's start included: the part a user waits for
 that the HF engine does not have), and the ways' wall times against `hf` in this same run. "Within noise": the final accuracies' spread across seeds of
 one way against the difference between ways' means.
 
-    python bench/vllm_learning.py [--seeds 0,1,2] [--ways hf,vllm,vllm-bf16] [--hf-seeds 0]
+    python bench/vllm_learning.py [--seeds 0,1,2] [--ways hf,vllm,vllm-bf16,bf16] [--hf-seeds 0]
 writes bench/results/vllm_learning.{json,md}
 """
 
@@ -32,8 +34,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WAYS = {"hf": ["--engine", "local"], "vllm": ["--engine", "vllm", "--sampler-dtype", "float32"],
-        "vllm-bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16"]}
+WAYS = {"hf": ["--engine", "local", "--model-dtype", "float32"],
+        "vllm": ["--engine", "vllm", "--sampler-dtype", "float32", "--model-dtype", "float32"],
+        "vllm-bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "float32"],
+        "bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "bfloat16"]}
 
 
 def run(way: str, seed: int, tmp: str) -> dict:
@@ -54,7 +58,7 @@ def run(way: str, seed: int, tmp: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--ways", default="hf,vllm,vllm-bf16")
+    parser.add_argument("--ways", default="hf,vllm,vllm-bf16,bf16")
     parser.add_argument("--hf-seeds", default="0", help="seeds the HF engine runs (its wall time is the baseline; its curves "
                                                         "for other seeds are bench/results/learning_math_seed*.json)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm_learning"))
@@ -95,7 +99,7 @@ def write(out: Path, seeds: list[int], results: dict[str, list[dict]]) -> None:
     sums = "\n".join(f"| {way} | {s['final_mean']:.1%} | {s['final_spread'] * 100:.1f} points | {s['wall_s_mean']:.0f} | "
                      f"{'-' if s.get('wall_vs_hf') is None else format(s['wall_vs_hf'], '.2f') + 'x'} |" for way, s in summary.items())
     out.with_suffix(".md").write_text(
-        f"# The demo's learning through vLLM: float32 and bfloat16 sampling against the HF engine ({machine}, one run)\n\n"
+        f"# The demo's learning through vLLM: float32 and bfloat16 sampling and training against the HF engine ({machine}, one run)\n\n"
         f"bench/learning_math.py per way and seed (25 steps, greedy held-out accuracy on 64 problems every 5), one after the other. "
         f"Wall time: the job's, from its start (the policy's load and the vLLM server's start, which overlap, included) to its last evaluation.\n\n"
         f"| way | seed | step 0 | final | best | wall (s) | of which the start (s) |\n|---|---:|---:|---:|---:|---:|---:|\n{rows}\n\n"

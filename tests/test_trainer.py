@@ -38,7 +38,7 @@ def test_stale_rollouts_are_refused_unless_allowed(tiny):
     assert trainer.version == 2
 
 
-@pytest.mark.parametrize("behaviour", ["older versions", "a coarser sampler"])
+@pytest.mark.parametrize("behaviour", ["older versions", "another engine in bfloat16"])
 def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tiny, behaviour):
     """Decoupled PPO's proximal policy is the policy before the update's one optimizer step, the
     weights every pass of the update runs on: the trainer's loss and gradient equal those computed
@@ -49,7 +49,7 @@ def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tin
 
     model, tok = tiny
     algorithm = AlgorithmSpec(max_staleness=2 if behaviour == "older versions" else 0, importance_cap=2.0, clip_range=0.2)
-    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), algorithm, OptimizationSpec(lr=1e-3), sampled_coarser=behaviour == "a coarser sampler")
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), algorithm, OptimizationSpec(lr=1e-3), sampled_apart=behaviour == "another engine in bfloat16")
     assert trainer.off_policy
     trajs = _with_signal(_batch(trainer, tok, seed=3))
     for t in trajs:  # drawn by an older policy: behaviour logprobs away from the current ones, some past the cap
@@ -80,6 +80,22 @@ def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tin
     for name, grad in got.items():
         want = dict(trainer.model.named_parameters())[name].grad
         assert torch.allclose(grad, want, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("engine, model_dtype, sampler_dtype, corrects", [
+    ("vllm", "float32", "float32", False),  # vLLM's float32 logprobs are the trainer's within 1e-4 (tested with vLLM)
+    ("vllm", "float32", "bfloat16", True),
+    ("vllm", "bfloat16", "bfloat16", True),  # the same precision, another program's kernels and merged, rounded weights
+    ("vllm", "bfloat16", "float32", True),
+    ("local", "bfloat16", "auto", False),  # the trainer's own model samples, under the same autocast
+])
+def test_a_policy_corrects_for_another_engines_reduced_precision(tmp_path, engine, model_dtype, sampler_dtype, corrects):
+    from opentinker.rl import Policy
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(tmp_path, model={"name": "tiny-random", "dtype": model_dtype},
+                     rollout={"engine": engine, "sampler_dtype": sampler_dtype})
+    assert Policy(spec).trainer.off_policy is corrects
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean"])

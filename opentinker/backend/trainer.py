@@ -87,7 +87,7 @@ class PolicyTrainer:
     """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
 
     def __init__(self, model, tokenizer, adapter: LoraSpec | FullSpec, algorithm: AlgorithmSpec, optim: OptimizationSpec,
-                 temperature: float = 1.0, placement: Placement | None = None, sampled_coarser: bool = False):
+                 temperature: float = 1.0, placement: Placement | None = None, sampled_apart: bool = False):
         self.is_lora = isinstance(adapter, LoraSpec)
         self.placement = placement or cpu()
         if isinstance(model, AdapterModel):  # an adapter of a shared base (a base-model worker's): adapted and placed there
@@ -103,7 +103,7 @@ class PolicyTrainer:
                 p.data = p.data.float()
         self.tokenizer = tokenizer
         self.algorithm = algorithm
-        self.sampled_coarser = sampled_coarser  # the sampler runs in a lower precision than this trainer
+        self.sampled_apart = sampled_apart  # another engine samples, its logprobs not this trainer's (reduced precision)
         self.optim_spec = optim
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -185,10 +185,10 @@ class PolicyTrainer:
     @property
     def off_policy(self) -> bool:
         """Does the loss correct for tokens drawn by another policy than the one it scores: older
-        versions (max_staleness > 0), or the same weights in a lower precision (a bfloat16 sampler
-        under a float32 trainer)? Then the sampler's logprobs are the behaviour policy's, and the
+        versions (max_staleness > 0), or the same weights through another engine in a reduced
+        precision (vLLM in bfloat16, under a float32 or a bfloat16 trainer)? Then the sampler's logprobs are the behaviour policy's, and the
         trainer's own, before its step, the proximal policy's (decoupled PPO)."""
-        return self.algorithm.max_staleness > 0 or self.sampled_coarser
+        return self.algorithm.max_staleness > 0 or self.sampled_apart
 
     def shares_prefixes(self) -> bool:
         """Does `update` score groups against their shared prefix (the flag on, a model that can)?

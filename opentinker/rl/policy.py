@@ -77,9 +77,11 @@ class Policy:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
         self.tokenizer = tokenizer
         where = placement(spec.resources.num_gpus, spec.model.dtype)
-        coarser = spec.rollout.engine == "vllm" and sampling_dtype(spec.rollout.sampler_dtype, where).itemsize < where.compute_dtype.itemsize
+        # vLLM's logprobs are this trainer's within 1e-4 only when both run float32; otherwise (another
+        # program's bfloat16 kernels, merged weights rounded) they are the behaviour policy's
+        apart = spec.rollout.engine == "vllm" and {sampling_dtype(spec.rollout.sampler_dtype, where), where.compute_dtype} != {torch.float32}
         self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
-                                     where, sampled_coarser=coarser)
+                                     where, sampled_apart=apart)
 
     @property
     def model(self):

@@ -7,8 +7,10 @@ tenants at once, `--rounds` times after a warm-up round. Ways, one after the oth
 
 - `shared`: today's path, opentinker.inference.engine_multi_lora.MultiLoraEngine over a SharedBase
   (the Tinker door's samplers on a base-model worker), in this process, float32;
-- `vllm-lora`: a vLLM server with LoRA enabled (`--max-loras` = tenants), every adapter loaded at run
-  time by name, the tenants' requests concurrent (vLLM batches rows of several adapters), float32;
+- `vllm-lora`: what `tinker_sampling_engine: vllm` gives Tinker samplers
+  (opentinker.inference.engine_vllm_lora.VLLMAdapterEngine): a vLLM server with LoRA enabled
+  (`--max-loras` = tenants), every adapter loaded at run time by name, each completion a request,
+  all concurrent (vLLM batches rows of several adapters), float32;
 - `vllm-lora-bf16`: the same in bfloat16.
 
 Reported: generated tokens per second over the rounds, against `shared`.
@@ -27,7 +29,6 @@ import shlex
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,34 +98,31 @@ def shared_way(folders: list[Path], asks: list[list[int]], args) -> dict:
 
 
 def vllm_way(folders: list[Path], asks: list[list[int]], args, dtype: str) -> dict:
-    import httpx
+    """The production path: opentinker.inference.engine_vllm_lora.VLLMAdapterEngine (what
+    `tinker_sampling_engine: vllm` gives Tinker samplers), its server started here."""
+    import torch
 
-    from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
-    from opentinker.inference.launch import free_port
+    from opentinker.backend import SamplingParams
+    from opentinker.backend.device import Placement
+    from opentinker.inference.engine_vllm_lora import VLLMAdapterEngine
+    from opentinker.tinker.sampling import StopRule
 
-    workdir = Path(tempfile.mkdtemp(prefix="bench-vllm-lora-"))
-    server_args = adapter_server_args(MODEL, None, dtype, 16, workdir, "base")
-    server_args[server_args.index("--max-loras") + 1] = str(args.tenants)
-    port = free_port("127.0.0.1")
     t0 = time.perf_counter()
-    server = VLLMServer(server_args, "127.0.0.1", port, "base", workdir, num_gpus=0, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    engine = VLLMAdapterEngine.start(MODEL, Placement(torch.device("cpu"), getattr(torch, dtype)), max_rank=16, max_loras=args.tenants)
     started = time.perf_counter() - t0
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600, trust_env=False)
     try:
         for i, folder in enumerate(folders):
-            client.post("/v1/load_lora_adapter", json={"lora_name": f"tenant{i}", "lora_path": str(folder.resolve())}).raise_for_status()
+            engine.load_adapter(f"tenant{i}", str(folder.resolve()))
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
 
-        def one(i: int) -> int:
-            reply = client.post("/v1/completions", json={"model": f"tenant{i}", "prompt": [asks[i]] * args.samples, "max_tokens": args.new_tokens,
-                                                         "temperature": 1.0, "ignore_eos": True, "seed": i})
-            reply.raise_for_status()
-            return int(reply.json()["usage"]["completion_tokens"])
+        def sample_all() -> int:
+            futures = [engine.generate([ask] * args.samples, [args.new_tokens] * args.samples, params, seed=i, adapter=f"tenant{i}",
+                                       stop_rule=StopRule()) for i, ask in enumerate(asks)]
+            return sum(len(c.token_ids) for f in futures for c in f.result())
 
-        with ThreadPoolExecutor(args.tenants) as pool:
-            return timed_rounds(lambda: sum(pool.map(one, range(args.tenants))), args.rounds) | {"server_start_s": started}
+        return timed_rounds(sample_all, args.rounds) | {"server_start_s": started}
     finally:
-        client.close()
-        server.stop()
+        engine.close()
 
 
 def main() -> int:

@@ -199,6 +199,16 @@ class HFEngine:
             raise ModelLoadError(f"cannot serve {uri}: {type(err).__name__}: {err}") from err
         return cls(model, tokenizer, info, checkpoint=url, max_model_len=max_model_len)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer: the token ids a prompt may hold."""
+        return self.rollout.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The end-of-sequence ids a sample stops at unless told otherwise."""
+        return self.rollout.stop_ids
+
     # --- tokens ------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict[str, Any]]) -> Chunk:
         """The prompt's tokens, and its images' pixel inputs for a VLM (images are content parts

@@ -88,13 +88,15 @@ def model_args(checkpoint_url: str, workdir: Path, name: str, adapters: bool, ma
     return [str(merged), "--served-model-name", name, *options]
 
 
-def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_rank: int, workdir: Path, name: str) -> list[str]:
-    """vLLM arguments for a job's rollout server: the job's base (merged with its `init_from`
-    policy, if any) taking LoRA adapters at run time (`/v1/load_lora_adapter`; the process needs
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), with logprobs of the sampling distribution (after
+def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_rank: int, workdir: Path, name: str,
+                        max_loras: int = 2) -> list[str]:
+    """vLLM arguments for a server of a base taking LoRA adapters at run time (a job's rollout
+    server, Tinker's samplers of a base): the base (merged with a job's `init_from` policy, if any),
+    adapters by name (`/v1/load_lora_adapter`; the process needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
+    `max_loras` of them in one batch, with logprobs of the sampling distribution (after
     temperature), the ones the trainer scores."""
     return [str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype, "--enable-lora",
-            "--max-loras", "2", "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
+            "--max-loras", str(max_loras), "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
             "--gpu-memory-utilization", "0.4"]  # the trainer holds the rest of the job's GPU
 
 

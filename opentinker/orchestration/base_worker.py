@@ -187,7 +187,7 @@ class BaseModelWorker:
                 raise WorkerClosing("this base-model worker is closing (idle): start another")
             session = TinkerSession(session_id, tenant, storage_url, self.settings.models_folder, self.placement,
                                     on_step=lambda model_id, step, m: self.metrics.put((session_id, model_id, step, m)),
-                                    trainers=self.bases, engines=self.bases.engines, max_call_tokens=self.settings.tinker_max_call_tokens)
+                                    trainers=self.bases, engines=self.bases.sampler_engines, max_call_tokens=self.settings.tinker_max_call_tokens)
             self.hosted[session_id] = Hosted(session, create_app(session, token), mlflow)
             self.router.apps[session_id] = self.hosted[session_id].app
         return {"url": f"{self.url}/s/{session_id}"}

@@ -55,7 +55,7 @@ class LocalSessions:
             raise SessionLimit(tenant, len(mine), self.max_sessions, self.absent_s)
         session_id = f"{tenant}-tk-{secrets.token_hex(6)}"
         session = TinkerSession(session_id, tenant, self.storage_url(tenant), self.models_folder, self.placement, trainers=self.bases,
-                                engines=self.bases.engines if self.bases else None, max_call_tokens=self.max_call_tokens)
+                                engines=self.bases.sampler_engines if self.bases else None, max_call_tokens=self.max_call_tokens)
         token = secrets.token_hex(16)
         server = serve_in_thread(create_app(session, token), "127.0.0.1", 0)
         self.live[session_id] = (session, server, token)

@@ -146,25 +146,36 @@ class SamplerRecord:
     deleted: bool = False  # what that look found
 
 
+def own_engine(loader_name: str, placement: Any = None) -> Any:
+    """A sampling engine with a base of its own, of the kind `tinker_sampling_engine` chooses here:
+    vLLM's multi-LoRA server (opentinker.inference.engine_vllm_lora) or the HF engine taking adapters."""
+    from opentinker.backend.device import cpu
+    from opentinker.core.settings import get_settings
+    from opentinker.inference.engine_vllm_lora import VLLMAdapterEngine, sampling_engine_kind
+
+    if sampling_engine_kind(get_settings().tinker_sampling_engine, placement or cpu()) == "vllm":
+        return VLLMAdapterEngine.start(loader_name, placement, max_loras=MAX_LOADED)
+    from opentinker.inference.engine_hf import HFEngine
+
+    return HFEngine.for_adapters(loader_name, where=placement)
+
+
 class SamplingEngines:
     """One batching engine per base model and the adapters loaded in it (the MAX_LOADED most
     recently used; one evicted is loaded again from its folder when next asked for). A session's
     own, or one for every session of a base-model worker (sampler ids hold their session's id)."""
 
     def __init__(self, placement: Any = None, factory: Callable[[str], Any] | None = None):
-        """`factory(loader_name)`: the engine of a base (default: HFEngine.for_adapters, a base of its own)."""
-        self.placement, self.factory = placement, factory
+        """`factory(loader_name)`: the engine of a base (default: `own_engine`, a base of its own)."""
+        self.placement, self.factory = placement, factory or (lambda loader_name: own_engine(loader_name, placement))
         self.engines: dict[str, Any] = {}
         self.loaded: dict[str, OrderedDict[str, None]] = {}
         self.lock = threading.Lock()
 
     def engine(self, loader_name: str) -> Any:
-        from opentinker.inference.engine_hf import HFEngine
-
         with self.lock:
             if loader_name not in self.engines:
-                self.engines[loader_name] = (self.factory(loader_name) if self.factory
-                                             else HFEngine.for_adapters(loader_name, where=self.placement))
+                self.engines[loader_name] = self.factory(loader_name)
                 self.loaded[loader_name] = OrderedDict()
             return self.engines[loader_name]
 
@@ -296,7 +307,7 @@ class Samplers:
         record = self.record(sampler_id)
         self._check_checkpoint(sampler_id, record)
         engine = self._ensure_loaded(sampler_id, record)
-        vocab = engine.rollout.model.get_output_embeddings().weight.shape[0]
+        vocab = engine.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt):
             raise BadSample(f"prompt: token ids must be in [0, {vocab}) for {record.base_model}")
         if len(request.prompt) + request.max_tokens > engine.context_length:
@@ -304,7 +315,7 @@ class Samplers:
                             f"model's context of {engine.context_length}")
         adapter = sampler_id if record.folder is not None else None
         if request.stop is None:
-            rule = StopRule(frozenset(engine.rollout.stop_ids))
+            rule = StopRule(frozenset(engine.stop_ids))
         elif request.stop and isinstance(request.stop[0], str):
             rule = StopRule(strings=tuple(request.stop), tokenizer=engine.tokenizer)
         else:

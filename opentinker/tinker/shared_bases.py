@@ -5,7 +5,8 @@ Each base a client names is loaded once, on first use, as a SharedBase (opentink
 every training client of that base, whatever its session or tenant, is an adapter of it, named by
 its model id (which holds the session id, so names never collide). Their samplers are adapters
 of the same base too (`engines`: a MultiLoraEngine per base, requests of several samplers in one
-batch), registered by sampler id. `stats()` says what each base
+batch), registered by sampler id, or of a vLLM server per base (`sampler_engines`, where
+`tinker_sampling_engine` chooses vLLM); hosted jobs sample their live adapters on `engines`. `stats()` says what each base
 holds and how often calls of several adapters shared a pass.
 """
 
@@ -18,9 +19,11 @@ from typing import Any
 from opentinker.backend import compute_thread
 from opentinker.backend.device import cpu
 from opentinker.backend.shared_base import SharedAdapter, SharedBase
+from opentinker.core.settings import get_settings
 from opentinker.inference.engine_multi_lora import MultiLoraEngine
+from opentinker.inference.engine_vllm_lora import VLLMAdapterEngine, sampling_engine_kind
 from opentinker.tinker.models import resolve_base
-from opentinker.tinker.sampling import SamplingEngines
+from opentinker.tinker.sampling import MAX_LOADED, SamplingEngines
 
 
 class SharedBases:
@@ -31,6 +34,10 @@ class SharedBases:
         # Up to 128 rows a batch: a hosted job's rollout asks for its whole step at once (the demo's: 32 rows), and
         # several jobs' only share a batch when together they fit.
         self.engines = SamplingEngines(placement, factory=lambda loader_name: MultiLoraEngine(self.base(loader_name), max_batch_size=128))
+        # Tinker's samplers: adapters of the shared base too, or of a vLLM server per base (`tinker_sampling_engine`)
+        kind = sampling_engine_kind(get_settings().tinker_sampling_engine, placement or cpu())
+        self.sampler_engines = self.engines if kind == "hf" else SamplingEngines(placement, factory=lambda loader_name: VLLMAdapterEngine.start(
+            loader_name, placement, max_loras=MAX_LOADED, scorer=lambda: self.engines.engine(loader_name)))  # prompts scored on the shared base
         self.lock = threading.Lock()
 
     def base(self, loader_name: str, base_name: str | None = None) -> SharedBase:
@@ -69,3 +76,5 @@ class SharedBases:
         for shared in self.bases.values():
             shared.close()
         self.engines.close()
+        if self.sampler_engines is not self.engines:
+            self.sampler_engines.close()

@@ -147,6 +147,33 @@ def test_ports_in_rays_worker_range_or_shared_are_refused_at_once(tmp_path, port
     assert not (tmp_path / "pids").exists() or not list((tmp_path / "pids").iterdir())  # nothing was started
 
 
+def test_a_ray_heads_helper_ports_are_distinct_even_where_the_os_hands_a_freed_port_out_again(tmp_path, monkeypatch):
+    """The OS may give the port a closed socket just freed to the next bind (a stack failed to start:
+    its dashboard and dashboard agent were both given 33583): a socket here gets port 40000 unless
+    that is held open, then the next free one. Every port of the head's command must differ."""
+    import socket as real_socket
+
+    from opentinker.control import services
+
+    held: set[int] = set()
+
+    class LowestFree:
+        def bind(self, address):
+            self.port = min(set(range(40000, 40100)) - held)
+            held.add(self.port)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            held.discard(self.port)
+
+    monkeypatch.setattr(services, "socket", type("socket_module", (), {"socket": LowestFree, "gethostbyname": real_socket.gethostbyname}))
+    command = services._ray_head_command(local_settings(tmp_path))
+    ports = [command[i + 1] for i, arg in enumerate(command) if arg.endswith("-port") and arg not in ("--port", "--ray-client-server-port")]
+    assert len(ports) == 5 and len(set(ports)) == 5, command
+
+
 def test_our_server_from_another_state_dir_is_not_adopted(stack, tmp_path):
     settings, _ = stack
     other = local_settings(tmp_path, prefect_port=settings.prefect_port)

@@ -162,11 +162,14 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def ray_node_ports() -> list[str]:
-    """Ports of a node's helper servers, chosen free now: Ray's fixed defaults (8265, 52365, ...)
-    would collide with a second node or stack on the same machine."""
-    flags = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
-    return [arg for flag in flags for arg in (flag, str(free_port()))]
+def ray_node_ports(head: bool = False) -> list[str]:
+    """Ports of a node's helper servers (a head's dashboard too), chosen free now and distinct, in
+    one `free_ports`: Ray's fixed defaults (8265, 52365, ...) would collide with a second node or
+    stack on the same machine, and ports chosen one at a time can repeat (a stack once failed to
+    start: "dashboard_agent_http is trying to use a port number 33583 that is used by other components")."""
+    flags = (("--dashboard-port",) if head else ()) + (
+        "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+    return [arg for flag, port in zip(flags, free_ports(len(flags))) for arg in (flag, str(port))]
 
 
 # A node stopped by SIGTERM shuts down at once instead of draining for 30 s (it runs no Serve
@@ -184,8 +187,7 @@ def _ray_head_command(s: Settings) -> list[str]:
     command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(s.ray_port),
                "--ray-client-server-port", str(s.ray_client_port), "--num-cpus", str(cpus), "--num-gpus", str(gpus),
                "--object-store-memory", str(s.ray_object_store_mb * 1024**2), "--temp-dir", str(ray_temp_dir(s)),
-               "--include-dashboard", "false", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(free_port()),
-               *ray_node_ports(), "--disable-usage-stats"]
+               "--include-dashboard", "false", "--dashboard-host", "127.0.0.1", *ray_node_ports(head=True), "--disable-usage-stats"]
     if s.host not in ("127.0.0.1", "localhost"):
         command += ["--node-ip-address", socket.gethostbyname(s.host)]  # the address other nodes reach
     return command

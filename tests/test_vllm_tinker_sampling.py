@@ -120,7 +120,7 @@ def test_vllm_stops_as_the_tinker_api_says(both):
     assert target not in tokenizer.decode(_ints(stopped.tokens)[:-1])
 
 
-def test_an_adapter_folder_vllm_would_unpickle_is_refused(both, tmp_path):
+def test_an_adapter_folder_vllm_would_unpickle_or_too_wide_is_refused(both, tmp_path):
     vllm, _, _, _ = both
     engine = vllm.pool.engine("tiny")
     folder = Path(vllm.records["a"].folder)
@@ -132,6 +132,12 @@ def test_an_adapter_folder_vllm_would_unpickle_is_refused(both, tmp_path):
     with pytest.raises(ValueError, match="new_embeddings.bin, which vLLM would unpickle"):
         engine.load_adapter("hostile", str(hostile))
     assert "hostile" not in engine.adapters
+    engine.max_rank = 4  # as a server started with --max-lora-rank 4 would take
+    try:
+        with pytest.raises(ValueError, match="rank 8 is above the 4 this vLLM server takes"):
+            engine.load_adapter("too-wide", str(folder))
+    finally:
+        engine.max_rank = None
     with pytest.raises(KeyError):
         engine.generate([[1, 2, 3]], [4], None, adapter="hostile").result()
 
@@ -140,3 +146,53 @@ def test_where_tinker_samples_through_vllm():
     """`auto`: the HF engine on a CPU (vLLM's LoRA path is the slower there); `hf` anywhere."""
     assert sampling_engine_kind("auto", cpu()) == "hf"
     assert sampling_engine_kind("hf", cpu()) == "hf"
+
+
+def test_the_tinker_sdk_samples_through_vllm_on_a_base_model_worker(vllm_pool, vllm_tiny_path, tmp_path, monkeypatch):
+    """The unmodified SDK through the gateway, sessions sharing their bases (a base-model worker's
+    way) with OPENTINKER_TINKER_SAMPLING_ENGINE=vllm: a sampler of a trained client samples through
+    the base's vLLM engine, and its sampled logprobs equal (1e-4, float32) what compute_logprobs
+    gives for the same tokens, which the shared base scores. The engine's server is the test
+    session's (a start of its own is 20-30 s and 2.4 GB more; `start` is what the worker calls)."""
+    import tinker
+    from tinker import types
+
+    from opentinker.control.gateway.tinker_local import local_gateway
+
+    server = vllm_pool.get(vllm_tiny_path, "lora")
+    started = []
+
+    def start(cls, loader_name, where=None, max_rank=64, max_loras=16, scorer=None):
+        started.append(loader_name)
+        return cls(server.url, "base", Path(loader_name), where=where, scorer=scorer, max_rank=8)
+    monkeypatch.setattr(VLLMAdapterEngine, "start", classmethod(start))
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-h32").symlink_to(vllm_tiny_path)
+    monkeypatch.setenv("OPENTINKER_MODEL_DIR", str(models))
+    monkeypatch.setenv("OPENTINKER_TINKER_SAMPLING_ENGINE", "vllm")
+    monkeypatch.setenv("OPENTINKER_VLLM_CPU_KV_CACHE_GIB", "1")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    url, keys, sessions, gateway = local_gateway(tmp_path / "state", tenants=("alice",), shared_bases=True)
+    client = tinker.ServiceClient(base_url=url, api_key=keys["alice"])
+    try:
+        trainer = client.create_lora_training_client(base_model="tiny-h32", rank=8, seed=0).result()
+        ids = list(range(5, 17))
+        datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * 11})
+        trainer.forward_backward([datum], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+        prompt = types.ModelInput.from_ints(ids[:6])
+        out = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=8, seed=3, stop=[])).result()
+        assert started == [str(models / "tiny-h32")] and sessions.bases.sampler_engines is not sessions.bases.engines
+        for seq in out.sequences:
+            assert len(seq.tokens) == 8 and seq.stop_reason == "length"
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(ids[:6] + seq.tokens)).result()
+            np.testing.assert_allclose(seq.logprobs, scored[6:], atol=1e-4)
+        base = client.create_sampling_client(base_model="tiny-h32")
+        assert base.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result().sequences[0].tokens != \
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])).result().sequences[0].tokens
+    finally:
+        client.close("success") if hasattr(client, "close") else None
+        gateway.stop()
+        sessions.close()

@@ -160,10 +160,8 @@ class Settings(BaseSettings):
     half of this machine's RAM on the CPU pool."""
 
     tinker_sampling_engine: Literal["auto", "hf", "vllm"] = "auto"
-    """What samples for Tinker sampling clients: `vllm`, one vLLM server per base taking the
-    samplers' adapters at run time (its multi-LoRA); `hf`, the HF engine (on a base-model worker,
-    over the base its training clients share); `auto`, vLLM on a GPU where it is installed and the
-    HF engine on a CPU (where vLLM's LoRA path made 0.49-0.65x its tokens per second)."""
+    """Tinker samplers' engine: `vllm` (a server per base, its multi-LoRA), `hf`, or `auto`: vLLM on
+    a GPU where installed, HF on a CPU (vLLM made 0.47-0.65x its tokens/s; docs/tinker.md)."""
 
     tinker_worker_idle_s: float = Field(300.0, gt=0)
     """A base-model worker with no session for this long exits (the next session starts a new one)."""
@@ -202,10 +200,8 @@ class Settings(BaseSettings):
     observations are larger (several big images) needs more."""
 
     vllm_python: str | None = None
-    """The Python of vLLM's own environment (vLLM pins a fastapi Prefect cannot share), whose
-    `-m vllm.entrypoints.openai.api_server` the project starts; default: `.venv-vllm/bin/python`
-    beside this environment (what `make install` creates with infra/vllm/install.sh), else
-    /opt/vllm/bin/python (the GPU worker image's)."""
+    """The Python of vLLM's own environment (it pins a fastapi Prefect cannot share); default:
+    `.venv-vllm/bin/python` beside this one (`make install`), else /opt/vllm/bin/python (GPU image)."""
 
     vllm_cpu_kv_cache_gib: int = Field(2, ge=1)
     """On a CPU, the memory (GiB) a vLLM server keeps for its key/value cache (VLLM_CPU_KVCACHE_SPACE;

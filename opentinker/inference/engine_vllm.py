@@ -45,7 +45,7 @@ DEV_SWITCHES = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 PROJECT_PATH = str(Path(__file__).resolve().parents[2])
 
 
-def _lora_rank(r: int) -> int:
+def vllm_lora_rank(r: int) -> int:
     for rank in LORA_RANKS:
         if rank >= r:
             return rank
@@ -78,7 +78,7 @@ def model_args(checkpoint_url: str, workdir: Path, name: str, adapters: bool, ma
         base = f"{name}-base"
         module = {"name": name, "path": str(local), "base_model_name": base}
         return [str(resolve_model(info["base_model"])), "--served-model-name", base, *options,
-                "--enable-lora", "--max-lora-rank", str(_lora_rank(int(adapter.get("r", 16)))),
+                "--enable-lora", "--max-lora-rank", str(vllm_lora_rank(int(adapter.get("r", 16)))),
                 "--lora-modules", json.dumps(module)]
     model, tokenizer, _ = load_policy(checkpoint_url)
     merged = workdir / "model"
@@ -96,7 +96,7 @@ def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_
     `max_loras` of them in one batch, with logprobs of the sampling distribution (after
     temperature), the ones the trainer scores."""
     return [str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype, "--enable-lora",
-            "--max-loras", str(max_loras), "--max-lora-rank", str(_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
+            "--max-loras", str(max_loras), "--max-lora-rank", str(vllm_lora_rank(max_rank)), "--logprobs-mode", "processed_logprobs",
             "--gpu-memory-utilization", "0.4"]  # the trainer holds the rest of the job's GPU
 
 

@@ -20,6 +20,7 @@ Which engine Tinker samplers use is `tinker_sampling_engine` (opentinker.core.se
 
 from __future__ import annotations
 
+import json
 import secrets
 import tempfile
 import threading
@@ -70,7 +71,7 @@ class VLLMAdapterEngine:
     kind = "vllm-multi-lora"
 
     def __init__(self, url: str, model: str, folder: Path, api_key: str | None = None, stop: Any = None,
-                 where: Placement | None = None, scorer: Callable[[], Any] | None = None,
+                 where: Placement | None = None, scorer: Callable[[], Any] | None = None, max_rank: int | None = None,
                  max_concurrent: int = 128, timeout_s: float = 600.0):
         """The server at `url` serving base `folder` as `model`; `stop()` ends it with this engine.
         `scorer()`: the HF engine that scores prompts (see `score_prompt`), made at its first use
@@ -79,7 +80,7 @@ class VLLMAdapterEngine:
 
         from opentinker.model.loading import load_tokenizer
 
-        self.model, self.folder, self._stop, self.where = model, Path(folder), stop, where or cpu()
+        self.model, self.folder, self._stop, self.where, self.max_rank = model, Path(folder), stop, where or cpu(), max_rank
         self._make_scorer, self.owns_scorer = scorer or self._own_scorer, scorer is None
         self._scorer: Any = None
         self._scorer_lock = threading.Lock()
@@ -104,7 +105,7 @@ class VLLMAdapterEngine:
               scorer: Callable[[], Any] | None = None) -> VLLMAdapterEngine:
         """A vLLM server of its own on base `loader_name`, on this process's device in its precision,
         taking up to `max_loras` adapters of rank <= `max_rank` in one batch (more are swapped in)."""
-        from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
+        from opentinker.inference.engine_vllm import VLLMServer, vllm_lora_rank, adapter_server_args
         from opentinker.inference.launch import free_port
         from opentinker.model.loading import resolve_model
 
@@ -115,7 +116,8 @@ class VLLMAdapterEngine:
         key = secrets.token_urlsafe(24)
         server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir, num_gpus=int(where.device.type == "cuda"),
                             api_key=key, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-        return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer)
+        return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer,
+                   max_rank=vllm_lora_rank(max_rank))
 
     # --- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> None:
@@ -129,6 +131,10 @@ class VLLMAdapterEngine:
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED)
         if pickled:
             raise ValueError(f"{path}: holds {pickled[0]}, which vLLM would unpickle; an adapter is safetensors and JSON only")
+        rank = json.loads((folder / "adapter_config.json").read_text()).get("r")
+        if self.max_rank is not None and isinstance(rank, int) and rank > self.max_rank:
+            raise ValueError(f"adapter {name!r}: rank {rank} is above the {self.max_rank} this vLLM server takes (its --max-lora-rank, "
+                             "fixed at its start: buffers for every adapter slot at that rank)")
         reply = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
         if not reply.is_success:
             raise ValueError(f"adapter {name!r}: vLLM refused it ({reply.status_code}): {reply.text[:300]}")
@@ -139,7 +145,10 @@ class VLLMAdapterEngine:
         if name not in self.adapters:
             raise KeyError(name)
         del self.adapters[name]
-        self.client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+        try:
+            self.client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
+        except httpx.TransportError:  # the server is gone, and its adapters with it
+            pass
         with self._scorer_lock:
             if self._scorer is not None and name in (self._scorer.adapters or {}):
                 self._scorer.unload_adapter(name)

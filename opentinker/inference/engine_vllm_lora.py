@@ -105,7 +105,7 @@ class VLLMAdapterEngine:
               scorer: Callable[[], Any] | None = None) -> VLLMAdapterEngine:
         """A vLLM server of its own on base `loader_name`, on this process's device in its precision,
         taking up to `max_loras` adapters of rank <= `max_rank` in one batch (more are swapped in)."""
-        from opentinker.inference.engine_vllm import VLLMServer, vllm_lora_rank, adapter_server_args
+        from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, vllm_lora_rank
         from opentinker.inference.launch import free_port
         from opentinker.model.loading import resolve_model
 
@@ -116,8 +116,12 @@ class VLLMAdapterEngine:
         key = secrets.token_urlsafe(24)
         server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir, num_gpus=int(where.device.type == "cuda"),
                             api_key=key, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-        return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer,
-                   max_rank=vllm_lora_rank(max_rank))
+        try:
+            return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer,
+                       max_rank=vllm_lora_rank(max_rank))
+        except BaseException:  # nothing would stop it then
+            server.stop()
+            raise
 
     # --- adapters ------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> None:

@@ -149,3 +149,10 @@ def warpers(params: Any) -> list[Any]:
     if params.top_p < 1.0:
         out.append(TopPLogitsWarper(top_p=params.top_p))
     return out
+
+
+def end_of_sequence_ids(tokenizer: Any, eos: int | list[int] | None) -> list[int]:
+    """The ids a completion stops at unless told otherwise: the tokenizer's end of sequence and the
+    model's generation config's (`eos`: one id, several, or None)."""
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return sorted({tokenizer.eos_token_id, *eos} - {None})

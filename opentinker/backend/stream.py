@@ -39,7 +39,7 @@ import torch
 from opentinker.backend.batch_cache import cache_of, layers_of, pad_left, prompt_inputs
 from opentinker.backend.device import Placement
 from opentinker.backend.prefix_cache import LayerStates, PrefixCache
-from opentinker.backend.sequences import Completion, Draws, Sequence, choose
+from opentinker.backend.sequences import Completion, Draws, Sequence, choose, end_of_sequence_ids
 from opentinker.backend.slots import SlotDecoder, supports_slots
 from opentinker.model.vision import pixel_batch
 
@@ -88,8 +88,7 @@ class StreamEngine:
         self.row_scope, self.run_step, self.admits, self.before_admit = row_scope, run_step, admits, before_admit
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        self.stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        self.stop_ids = end_of_sequence_ids(tokenizer, eos)
         self.policy_version = 0
         self.keep = logits_kwargs(model)
         self.waiting: queue.Queue[list[Sequence] | _Call | None] = queue.Queue()

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import httpx
 
 from opentinker.backend.device import Placement, cpu
-from opentinker.backend.sequences import Completion
+from opentinker.backend.sequences import Completion, end_of_sequence_ids
 from opentinker.inference.engine_hf import gathered
 
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")  # what vLLM's LoRA loader would torch.load from an adapter folder
@@ -40,7 +40,7 @@ PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")  # what vLLM's LoRA loader wo
 def sampling_engine_kind(setting: str, where: Placement) -> str:
     """'vllm' or 'hf' for Tinker samplers (`tinker_sampling_engine`): `auto` is vLLM on a GPU where
     it is installed (many tenants' adapters on one base is what its multi-LoRA kernels are for) and
-    the HF engine on a CPU, where vLLM's LoRA path made 0.49x (float32) and 0.65x (bfloat16) the
+    the HF engine on a CPU, where this engine made 0.47x (float32) and 0.65x (bfloat16) the
     shared base's tokens per second (bench/tinker_sampling_vllm.py)."""
     from opentinker.backend.vllm_env import check_available, vllm_python
 
@@ -60,8 +60,7 @@ def _end_ids(folder: Path, tokenizer: Any) -> list[int]:
         eos = GenerationConfig.from_pretrained(folder).eos_token_id
     except OSError:  # no generation_config.json
         eos = None
-    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return sorted({tokenizer.eos_token_id, *eos} - {None})
+    return end_of_sequence_ids(tokenizer, eos)
 
 
 class VLLMAdapterEngine:

@@ -124,3 +124,38 @@ def test_validate_refuses_reasoning_gym_prompts_that_cannot_fit(tmp_path):
     spec.write_text(yaml.safe_dump(data))
     out = _cli("validate", str(spec), env={"COLUMNS": "1000"})
     assert out.returncode == 2 and out.stdout.strip() == f"invalid spec {spec}: {line}", out
+
+
+def test_validate_and_submission_refuse_episodes_longer_than_the_models_context(tmp_path, tiny_path):
+    """`rollout.max_total_tokens` over the model's max_position_embeddings (vLLM refused it 18 s into
+    the job) is refused by `validate` and at submission, naming the field and both numbers; a known
+    model's context is known unbuilt, a local folder's is its config.json's. Equal to it passes."""
+    import json
+    import shutil
+
+    import pytest
+    import yaml
+
+    from opentinker.core.model_names import KNOWN_CONTEXTS, TINY
+    from opentinker.core.spec import SpecError
+    from tests.conftest import tiny_spec
+
+    assert KNOWN_CONTEXTS[TINY] == json.loads((tiny_path / "config.json").read_text())["max_position_embeddings"]
+    data = {"model": {"name": "tiny-random"}, "env": {"game": "envs.toy:UppercaseGame"}, "rollout": {"max_total_tokens": 1025}}
+    line = _gateway_line(tmp_path, data)
+    assert line == ("<spec>: rollout.max_total_tokens: 1025 is more than the 1024 tokens tiny-random takes "
+                    "(its max_position_embeddings); make it at most 1024")
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    out = _cli("validate", str(spec), env={"COLUMNS": "1000"})
+    assert out.returncode == 2 and out.stdout.strip() == f"invalid spec {spec}: {line}", out
+    spec.write_text(yaml.safe_dump({**data, "rollout": {"max_total_tokens": 1024}}))
+    out = _cli("validate", str(spec))
+    assert out.returncode == 0 and out.stdout.startswith("ok "), out
+
+    model = shutil.copytree(tiny_path, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    with pytest.raises(SpecError, match=rf"rollout.max_total_tokens: 513 is more than the 512 tokens {model} takes"):
+        tiny_spec(tmp_path, model={"name": str(model)}, rollout={"max_total_tokens": 513})
+    assert tiny_spec(tmp_path, model={"name": str(model)}, rollout={"max_total_tokens": 512}).rollout.max_total_tokens == 512

@@ -372,14 +372,15 @@ def test_set_checkpoint_ttl_sets_and_removes_an_expiry(service, trainer, gateway
 
 def test_deletes_leave_nothing_behind(gateway):
     """A sampler made from a checkpoint stops serving once that checkpoint is deleted (its next call
-    says so); a snapshot sampler is no checkpoint and serves on. A run emptied while its session lives
+    says so, and its adapter has left the engine then); a snapshot sampler is no checkpoint and serves
+    on. A run emptied while its session lives
     stays listed and its client saves and loads again; a run emptied after its session ended leaves
     the listing."""
     import time
 
     from opentinker.tinker.sampling import CHECK_EVERY_S
 
-    url, keys, _ = gateway
+    url, keys, sessions = gateway
     service = tinker.ServiceClient(base_url=url, api_key=keys["alice"])  # a session of its own: it ends here
     rest = tinker.RestClient(base_url=url, api_key=keys["alice"])
 
@@ -394,6 +395,10 @@ def test_deletes_leave_nothing_behind(gateway):
         snapshot = trainer.save_weights_and_get_sampling_client().result()
         prompt, params = types.ModelInput.from_ints(seq(5, 4)), types.SamplingParams(max_tokens=2)
         from_path.sample(prompt, 1, params).result()
+        samplers = sessions.live[session_id][0].samplers
+        (sampler_id,) = [name for name, record in samplers.records.items() if record.model_path == saved[1]]
+        engine = samplers.pool.engines[samplers.records[sampler_id].loader_name]
+        assert sampler_id in engine.adapters and sampler_id in engine.rollout.stream.model.peft_config
         for path in saved:
             rest.delete_checkpoint_from_tinker_path(path).result()
         deleted_at = time.monotonic()
@@ -402,8 +407,11 @@ def test_deletes_leave_nothing_behind(gateway):
         service.create_training_client_from_state(again[0]).result()
         service.create_sampling_client(model_path=again[1]).result().sample(prompt, 1, params).result()
         time.sleep(max(0.0, deleted_at + CHECK_EVERY_S - time.monotonic()))
-        with pytest.raises(tinker.RequestFailedError, match=rf"its checkpoint {saved[1]} was deleted .*serves no more"):
-            from_path.sample(prompt, 1, params).result()
+        for _ in range(2):  # the adapter leaves the engine at the first refusal; the next one finds it gone
+            with pytest.raises(tinker.RequestFailedError, match=rf"its checkpoint {saved[1]} was deleted .*serves no more"):
+                from_path.sample(prompt, 1, params).result()
+            assert sampler_id not in engine.adapters and sampler_id not in engine.rollout.stream.model.peft_config
+            assert sampler_id not in samplers.pool.loaded[samplers.records[sampler_id].loader_name]
         assert len(snapshot.sample(prompt, 1, params).result().sequences) == 1
     finally:
         service.close("success").result()

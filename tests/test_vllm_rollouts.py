@@ -66,7 +66,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    engine = ServerRolloutEngine(ServerHandle(server.url, "base", weights="merged"), TOLERANCE)
+    engine = ServerRolloutEngine(server.handle("merged"), TOLERANCE)
     engine.sync_weights(0, lora_factors(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t))).result()
     chat = chat_format(tok)
     try:
@@ -97,7 +97,7 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 3, "lr": 5e-2 if adapter["kind"] == "lora" else 1e-2}, adapter=adapter)
-    job = RLJob(spec, job_id=f"through-vllm-{adapter['kind']}", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    job = RLJob(spec, job_id=f"through-vllm-{adapter['kind']}", start_server=lambda *_: server.handle("merged"))
     gaps, versions = [], []
     original = job.policy.update
 
@@ -130,7 +130,7 @@ def test_weights_taken_in_place_but_not_the_trainers_fail_the_step_before_its_up
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 3, "lr": 5e-2}, adapter={"kind": "lora", "r": 8, "alpha": 16})
-    job = RLJob(spec, job_id="stale-in-place", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    job = RLJob(spec, job_id="stale-in-place", start_server=lambda *_: server.handle("merged"))
     trained, original = [], job.policy.update
     job.policy.update = lambda batch: (trained.append(batch.step), original(batch))[1]
     try:
@@ -152,7 +152,7 @@ def test_a_bfloat16_sampler_under_a_float32_trainer_is_corrected_by_decoupled_pp
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16},
                      rollout={"engine": "vllm", "sampler_dtype": "bfloat16", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 2, "lr": 5e-2})
-    job = RLJob(spec, job_id="bf16-sampler", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    job = RLJob(spec, job_id="bf16-sampler", start_server=lambda *_: server.handle("merged"))
     gaps = []
     original = job.policy.update
 
@@ -183,7 +183,7 @@ def test_k_2_through_vllm_updates_land_while_episodes_run(vllm_pool, vllm_tiny_p
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16}, algorithm={"max_staleness": 2},
                      rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6}, optimization={"steps": 4, "lr": 5e-2})
-    job = RLJob(spec, job_id="k2-through-vllm", start_server=lambda *_: ServerHandle(server.url, "base", weights="merged"))
+    job = RLJob(spec, job_id="k2-through-vllm", start_server=lambda *_: server.handle("merged"))
     try:
         result = job.run()
     finally:
@@ -279,7 +279,7 @@ def test_a_server_that_dies_says_how_in_its_log(vllm_tiny_path):
         (api,) = [c for c in psutil.Process(server._process.pid).children() if c.cmdline()[1:3] == ["-m", SERVER_MODULE]]  # not the watcher
         api.send_signal(signal.SIGKILL)
         server._process.wait(timeout=30)
-        assert server.why() == "vLLM's server exited with -9 (negative: the signal that ended it)"
+        assert server.why() == "vLLM's server was ended by signal SIGKILL"
     finally:
         server.stop()
     from opentinker.core.polling import wait_for

@@ -44,7 +44,7 @@ def both(vllm_pool, vllm_tiny_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tinker-vllm")
     folders = {"a": _adapter(vllm_tiny_path, tmp / "a", 1), "b": _adapter(vllm_tiny_path, tmp / "b", 2)}
     server = vllm_pool.get(vllm_tiny_path, "lora")
-    vllm = VLLMAdapterEngine(server.url, "base", Path(vllm_tiny_path))  # the pool's server: the engine does not stop it
+    vllm = VLLMAdapterEngine(server.url, "base", Path(vllm_tiny_path), api_key=server.api_key)  # the pool's server: the engine does not stop it
     hf = HFEngine.for_adapters(vllm_tiny_path, where=cpu())
     sides = []
     for engine, name in ((vllm, "vllm"), (hf, "hf")):
@@ -164,7 +164,7 @@ def test_the_tinker_sdk_samples_through_vllm_on_a_base_model_worker(vllm_pool, v
 
     def start(cls, loader_name, where=None, max_rank=64, max_loras=16, scorer=None):
         started.append(loader_name)
-        return cls(server.url, "base", Path(loader_name), where=where, scorer=scorer, max_rank=8)
+        return cls(server.url, "base", Path(loader_name), api_key=server.api_key, where=where, scorer=scorer, max_rank=8)
     monkeypatch.setattr(VLLMAdapterEngine, "start", classmethod(start))
     models = tmp_path / "models"
     models.mkdir()

@@ -32,7 +32,10 @@ class VLLMPool:
         self.running: dict[tuple[str, str, str], object] = {}
 
     def get(self, folder: str, weights: str = "lora", max_rank: int = 8, dtype: str = "float32"):
-        """A server on `folder`, named "base", in `dtype`, taking adapters by name (`lora`) or merged weights."""
+        """A server on `folder`, named "base", in `dtype`, taking adapters by name (`lora`) or merged weights;
+        keyed as a job's own server is (`server.api_key`; `server.handle()` carries it)."""
+        import secrets
+
         import torch
 
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, merged_server_args
@@ -50,7 +53,7 @@ class VLLMPool:
             else:
                 args, env = adapter_server_args(folder, None, dtype, max_rank, workdir, "base"), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
             self.running[key] = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir,
-                                                         num_gpus=int(torch.cuda.is_available()), env=env)
+                                           num_gpus=int(torch.cuda.is_available()), env=env, api_key=secrets.token_urlsafe(16))
         return self.running[key]
 
     def stop(self) -> None:

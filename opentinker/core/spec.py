@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
-from opentinker.core.model_names import folder_problem, is_resolvable
+from opentinker.core.model_names import context_length, folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, read_spec_file, validate_spec
 
 
@@ -386,6 +386,15 @@ class JobSpec(BaseJobSpec):
         if self.resources.share_base and self.optimization.compile:
             raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                              "(resources.share_base) cannot compile them")
+        return self
+
+    @model_validator(mode="after")
+    def _episodes_fit_the_model(self) -> "JobSpec":
+        """Here, not 18 s into the job: vLLM refuses a --max-model-len over the model's context at its start."""
+        context = context_length(self.model.name)
+        if context is not None and self.rollout.max_total_tokens > context:
+            raise ValueError(f"rollout.max_total_tokens: {self.rollout.max_total_tokens} is more than the {context} tokens "
+                             f"{self.model.name} takes (its max_position_embeddings); make it at most {context}")
         return self
 
     @model_validator(mode="after")

@@ -25,14 +25,20 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 
+from opentinker.backend.server_engine import ServerHandle
 from opentinker.backend.vllm_env import check_available, vllm_python
 from opentinker.core.env_hosts import OWN_SERVER_MARK
+from opentinker.core.own_servers import keep_alive_env
 from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
+from opentinker.inference.vllm_guard import KEY_VARIABLE
+
+WEIGHTS_VARIABLE = "OPENTINKER_WEIGHTS_DIR"  # the one folder a server's worker extension loads weights from (vllm_worker)
 
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -40,7 +46,7 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # vLLM's switches for its dev routes (/collective_rpc, /sleep, ...) and runtime LoRA loading (a
 # path read on the worker): on only where the caller asks for them
 DEV_SWITCHES = ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-# where vLLM's processes find the project's modules that run in them (vllm_worker, vllm_body_limit),
+# where vLLM's processes find the project's modules that run in them (vllm_worker, vllm_guard),
 # which import nothing of the project's dependencies
 PROJECT_PATH = str(Path(__file__).resolve().parents[2])
 
@@ -105,10 +111,13 @@ def merged_server_args(model_name: str, init_from: str | None, dtype: str, workd
     (`ServerRolloutEngine.sync_weights`): the job's base, with the worker extension
     opentinker.inference.vllm_worker (found on PROJECT_PATH) and vLLM's dev endpoints
     (`/collective_rpc`: the server is the job's own, on loopback), logprobs of the sampling
-    distribution."""
+    distribution. Its worker loads weights only from a folder made for it here, only this user's,
+    in memory where there is a tmpfs (OPENTINKER_WEIGHTS_DIR; `VLLMServer.weights_dir`)."""
+    shm = Path("/dev/shm")
+    weights = tempfile.mkdtemp(prefix="opentinker-weights-", dir=shm if shm.is_dir() else None)  # mode 0700
     return ([str(_base_folder(model_name, init_from, dtype, workdir)), "--served-model-name", name, "--dtype", dtype,
              "--worker-extension-cls", "opentinker.inference.vllm_worker.WeightLoader", "--logprobs-mode", "processed_logprobs"],
-            {"VLLM_SERVER_DEV_MODE": "1"})
+            {"VLLM_SERVER_DEV_MODE": "1", WEIGHTS_VARIABLE: weights})
 
 
 def _base_folder(model_name: str, init_from: str | None, dtype: str, workdir: Path) -> Path:
@@ -159,7 +168,8 @@ _SUPERVISOR = (
     "while (code := server.poll()) is None:\n"
     "    if (info := signal.sigtimedwait({signal.SIGTERM}, 1.0)) is not None:\n"
     "        end(f'SIGTERM from pid {info.si_pid} ({sender(info.si_pid)}; the starter is {starter})')\n"
-    "os.write(2, f'\\n[opentinker] supervisor: vLLM\\'s server exited with {code} (negative: the signal that ended it)\\n'.encode())\n"
+    "how = f'was ended by signal {signal.Signals(-code).name}' if code < 0 else f'exited with code {code}'\n"
+    "os.write(2, f'\\n[opentinker] supervisor: vLLM\\'s server {how}\\n'.encode())\n"
     "sys.exit(code)\n"
 )
 
@@ -183,8 +193,9 @@ class VLLMServer:
         """Start vLLM's server on `serve_args` (the model folder first, then options: see
         `model_args`, `adapter_server_args`). With GPUs the child sees this process's
         CUDA_VISIBLE_DEVICES (the GPUs Ray gave the job); without, it runs on the CPU, eagerly, its
-        threads bound to `cpu_threads` cores (default: this process's). ModelLoadError with one
-        line (and the log's path) when it does not come up."""
+        threads bound to `cpu_threads` cores (default: this process's). With `api_key` every route
+        but `/health` asks for it (vllm_guard.py; the key travels in the child's environment, never
+        its command line). ModelLoadError with one line (and the log's path) when it does not come up."""
         from opentinker.core.settings import get_settings
         from opentinker.inference.server import advertised_host
 
@@ -196,17 +207,20 @@ class VLLMServer:
         command = [vllm_python(), "-m", SERVER_MODULE, "--model", model, *options, "--host", host, "--port", str(port)]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
-        if api_key:  # vLLM then asks every /v1 request for it
-            command.append(f"--api-key={api_key}")  # one argument: a key may begin with "-"
         if num_gpus >= 2:
             command += ["--tensor-parallel-size", str(int(num_gpus))]
-        command += ["--middleware", "opentinker.inference.vllm_body_limit.BodyLimit"]  # bodies over the stack's limit: 413
+        command += ["--middleware", "opentinker.inference.vllm_guard.Guard"]  # the key on every route, bodies over the limit 413
         # the project stays out, but what `env` puts in, and so do vLLM's switches for routes that reach into the
         # worker (a job's own loopback server asks for them in `env`; a served checkpoint faces its tenant);
         # marked as the stack's: no env.url reaches it (core.env_hosts)
-        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in DEV_SWITCHES}
-        child_env = inherited | (env or {}) | OWN_SERVER_MARK | {"PYTHONFAULTHANDLER": "1", "PYTHONPATH": PROJECT_PATH,
-                                                                 "OPENTINKER_MAX_REQUEST_BYTES": str(get_settings().max_request_bytes)}
+        inherited = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", KEY_VARIABLE, "VLLM_API_KEY", WEIGHTS_VARIABLE)
+                     and k not in DEV_SWITCHES}
+        child_env = inherited | keep_alive_env() | (env or {}) | OWN_SERVER_MARK | {
+            "PYTHONFAULTHANDLER": "1", "PYTHONPATH": PROJECT_PATH, "OPENTINKER_MAX_REQUEST_BYTES": str(get_settings().max_request_bytes)}
+        if api_key:  # the guard's (vllm_guard.py): in the environment, which only this user reads, never on the command line
+            child_env[KEY_VARIABLE] = api_key
+        self.api_key = api_key
+        self.weights_dir = Path(child_env[WEIGHTS_VARIABLE]) if WEIGHTS_VARIABLE in child_env else None
         if num_gpus == 0:
             threads = cpu_threads or len(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound
@@ -265,6 +279,21 @@ class VLLMServer:
     def alive(self) -> bool:
         return self._process.poll() is None
 
+    def handle(self, weights: str = "lora") -> ServerHandle:
+        """This server as a job samples through it (`weights`: how policy versions reach it)."""
+        return ServerHandle(url=self.url, model=self.model, api_key=self.api_key, stop=self.stop, weights=weights,
+                            ended=self.ended, cause=self.cause, weights_dir=self.weights_dir)
+
+    def ended(self) -> str | None:
+        """How the server's process ended, as one phrase (None while it runs)."""
+        if self._process.poll() is None:
+            return None
+        return f"vLLM's server ended: {self.why()} (log: {self.log})"
+
+    def cause(self) -> str:
+        """The last error vLLM's log names, for a server that lives with a dead engine."""
+        return f"{self.why()} (log: {self.log})"
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the server's process group, which its supervisor answers by killing the group (the
         server, its engine core and workers); SIGKILL past `timeout`."""
@@ -287,3 +316,7 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         self._process.wait()
+        if self.weights_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -28,9 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
-
 from opentinker.backend.device import Placement, cpu
+from opentinker.core.own_servers import OwnServer, ServerGone, own_client
 from opentinker.backend.sequences import Completion, end_of_sequence_ids
 from opentinker.inference.engine_hf import gathered
 
@@ -71,7 +70,8 @@ class VLLMAdapterEngine:
 
     def __init__(self, url: str, model: str, folder: Path, api_key: str | None = None, stop: Any = None,
                  where: Placement | None = None, scorer: Callable[[], Any] | None = None, max_rank: int | None = None,
-                 max_concurrent: int = 128, timeout_s: float = 600.0):
+                 max_concurrent: int = 128, timeout_s: float = 600.0, ended: Callable[[], str | None] = lambda: None,
+                 cause: Callable[[], str] = lambda: ""):
         """The server at `url` serving base `folder` as `model`; `stop()` ends it with this engine.
         `scorer()`: the HF engine that scores prompts (see `score_prompt`), made at its first use
         (default: one of its own on `folder`, on `where`; a base-model worker gives its shared base's)."""
@@ -88,9 +88,10 @@ class VLLMAdapterEngine:
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
         self.stop_ids = _end_ids(self.folder, self.tokenizer)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s, trust_env=False,
-                                   limits=httpx.Limits(max_connections=max_concurrent))
+        self.client = own_client(url, api_key, timeout_s, max_connections=max_concurrent)
+        # every request here can be repeated (a completion changes nothing on the server; a load that landed says so)
+        self.calls = OwnServer(self.client, f"the Tinker sampling server (vLLM) at {url}", ended, cause,
+                               resume_hint="its sampling clients must be created again")
         self.requests = ThreadPoolExecutor(max_concurrent, thread_name_prefix="vllm-sampling")  # vLLM batches what runs at once
         self.adapters: dict[str, str] = {}
 
@@ -117,7 +118,7 @@ class VLLMAdapterEngine:
                             api_key=key, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
         try:
             return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer,
-                       max_rank=vllm_lora_rank(max_rank))
+                       max_rank=vllm_lora_rank(max_rank), ended=server.ended, cause=server.cause)
         except BaseException:  # nothing would stop it then
             server.stop()
             raise
@@ -138,8 +139,8 @@ class VLLMAdapterEngine:
         if self.max_rank is not None and isinstance(rank, int) and rank > self.max_rank:
             raise ValueError(f"adapter {name!r}: rank {rank} is above the {self.max_rank} this vLLM server takes (its --max-lora-rank, "
                              "fixed at its start: buffers for every adapter slot at that rank)")
-        reply = self.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
-        if not reply.is_success:
+        reply = self.calls.call("POST", "/v1/load_lora_adapter", repeatable=True, json={"lora_name": name, "lora_path": str(folder)})
+        if not reply.is_success and not (reply.status_code == 400 and "already" in reply.text and self.calls.retried):
             raise ValueError(f"adapter {name!r}: vLLM refused it ({reply.status_code}): {reply.text[:300]}")
         self.adapters[name] = str(folder)
 
@@ -149,8 +150,8 @@ class VLLMAdapterEngine:
             raise KeyError(name)
         del self.adapters[name]
         try:
-            self.client.post("/v1/unload_lora_adapter", json={"lora_name": name}).raise_for_status()
-        except httpx.TransportError:  # the server is gone, and its adapters with it
+            self.calls.call("POST", "/v1/unload_lora_adapter", repeatable=True, json={"lora_name": name}).raise_for_status()
+        except ServerGone:  # and its adapters with it
             pass
         with self._scorer_lock:
             if self._scorer is not None and name in (self._scorer.adapters or {}):
@@ -176,8 +177,10 @@ class VLLMAdapterEngine:
         return gathered([self.requests.submit(self._complete, body) for body in bodies])
 
     def _complete(self, body: dict[str, Any]) -> Completion:
-        reply = self.client.post("/v1/completions", json=body)
+        reply = self.calls.call("POST", "/v1/completions", repeatable=True, json=body)
         if not reply.is_success:
+            if reply.status_code >= 500 and (how := self.calls.gone()) is not None:
+                raise self.calls.gone_error(how)
             raise RuntimeError(f"vLLM refused a sampling request ({reply.status_code}): {reply.text[:300]}")
         choice = reply.json()["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]
@@ -204,7 +207,7 @@ class VLLMAdapterEngine:
 
     def close(self) -> None:
         self.requests.shutdown(wait=False, cancel_futures=True)
-        self.client.close()
+        self.calls.close()
         if self._scorer is not None and self.owns_scorer:
             self._scorer.close()
         if self._stop is not None:

@@ -125,11 +125,13 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
             args, env = adapter_server_args(name, init_from, dtype, spec.adapter.r, workdir, name), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
         server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), name, workdir, num_gpus=1 if gpu else 0,
                             max_model_len=spec.rollout.max_total_tokens, api_key=key, env=env)  # on a CPU: this process's cores (at k = 0 trainer and server take turns)
-        return ServerHandle(url=server.url, model=name, api_key=key, stop=server.stop, weights=sync)
+        return server.handle(sync)
     from opentinker.inference.engine_hf import HFEngine
     from opentinker.inference.server import create_app, serve_in_thread
 
     engine = HFEngine.for_adapters(name, init_from, where)
     app = create_app(engine, name, api_key=key, max_tokens_cap=max(spec.rollout.max_new_tokens, 64))
     running = serve_in_thread(app, "127.0.0.1", 0, model=name, engine="hf", close=engine.close)
-    return ServerHandle(url=running.url, model=name, api_key=key, stop=running.stop)
+    return ServerHandle(url=running.url, model=name, api_key=key, stop=running.stop,
+                        ended=lambda: None if running.alive() else "its server thread in the job's process ended")
+

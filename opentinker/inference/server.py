@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from opentinker.backend.rollout import Completion, SamplingParams
 from opentinker.core.asgi import BearerToken, BodyLimit
+from opentinker.core.own_servers import SERVER_KEEP_ALIVE_S
 from opentinker.core.polling import wait_for
 from opentinker.env.observation import MAX_IMAGES, from_data_url
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
@@ -359,7 +360,8 @@ def serve_in_thread(app: Any, host: str, port: int = 0, model: str = "", engine:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # named TCP, so asyncio turns Nagle off (else ~40 ms a reply)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=SERVER_KEEP_ALIVE_S))  # longer than its clients keep a connection
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="inference-server", daemon=True)
     thread.start()
 

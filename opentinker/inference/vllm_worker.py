@@ -16,18 +16,29 @@ from __future__ import annotations
 class WeightLoader:
     """Mixed into vLLM's worker class."""
 
-    def load_policy_from(self, path: str) -> int:
+    def policy_stamp(self) -> list:
+        """[version, stamp] of the last load (None, None before any; a load without them: None, "unstamped")."""
+        return list(getattr(self, "_opentinker_stamp", (None, None)))
+
+    def load_policy_from(self, path: str, version: int | None = None, stamp: str | None = None) -> int:
         """Reload the served model as its base weights with what `path` holds: a weight of the same
         name replaces the base's, LoRA factors (`<weight>.lora_A`, `<weight>.lora_B`) add
         B @ A to it (in float32, served in the server's dtype); how many weights changed. Every
-        weight is reloaded (vLLM repacks a layer only once all of its weights have arrived)."""
+        weight is reloaded (vLLM repacks a layer only once all of its weights have arrived).
+        `path` must be a file directly in the job's weights folder; the load is stamped (see above)."""
+        import os
         from pathlib import Path
 
         import torch
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        given = load_file(path)
+        allowed = os.environ.get("OPENTINKER_WEIGHTS_DIR")
+        file = Path(path)
+        if not allowed or file.is_symlink() or file.resolve().parent != Path(allowed).resolve():
+            raise PermissionError(f"{path}: this server loads weights only from its job's own folder")
+        self._opentinker_stamp = (None, "unstamped")  # until this load completes as the trainer's
+        given = load_file(str(file))
         folder = Path(self.vllm_config.model_config.model)
         changed: set[str] = set()
 
@@ -52,6 +63,7 @@ class WeightLoader:
         unknown = {key.removesuffix(".lora_A").removesuffix(".lora_B") for key in given} - changed
         if unknown:
             raise ValueError(f"{len(unknown)} of the given weights are not in {folder}: {sorted(unknown)[:3]}")
+        self._opentinker_stamp = (version, stamp or "unstamped")
         return len(changed)
 
     def _repack_tied_head(self) -> None:

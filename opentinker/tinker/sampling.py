@@ -287,7 +287,9 @@ class Samplers:
         return self.pool.ensure_loaded(record.loader_name, sampler_id, record.folder)
 
     def _check_checkpoint(self, sampler_id: str, record: SamplerRecord) -> None:
-        """Refuse to sample the weights of a deleted checkpoint: its owner deleted them."""
+        """Refuse to sample the weights of a deleted checkpoint: its owner deleted them. Its adapter
+        leaves the engine then, not at the session's end (a slot of MAX_LOADED, and the weights);
+        its folder stays, so a look that finds the checkpoint again (a storage blip) loads it anew."""
         from opentinker.tinker.paths import live_manifest
 
         if record.checkpoint_url is None:
@@ -296,6 +298,7 @@ class Samplers:
             record.deleted = live_manifest(record.checkpoint_url) is None
             record.checked_at = time.monotonic()
         if record.deleted:
+            self.pool.unload(record.loader_name, sampler_id)  # a no-op once it is out (and at the session's end)
             raise CheckpointDeleted(f"sampler {sampler_id}: its checkpoint {record.model_path} was deleted (or its TTL passed), "
                                     "so it serves no more; make a sampling client from a checkpoint that exists "
                                     "(RestClient.list_checkpoints) or from a new save")

@@ -196,8 +196,8 @@ def test_no_env_url_reaches_the_stacks_servers_on_random_ports(stack_key, as_the
 
 
 def test_no_env_url_reaches_a_jobs_vllm_server(stack_key, as_the_stack, vllm_pool, vllm_tiny_path, tmp_path):
-    """A job's vLLM server (loopback, a random port) answers vLLM's dev endpoints, which its API key
-    does not guard (`/collective_rpc` runs a method in its worker): an env.url naming that port is
+    """A job's vLLM server (loopback, a random port) has vLLM's dev endpoints (`/collective_rpc` runs
+    a method in its worker), behind its key since vllm_guard.py, and still: an env.url naming that port is
     refused by the gateway, at the worker's check and at the connection, by any spelling, while the
     bare rule reaches it."""
     from urllib.parse import urlsplit
@@ -215,5 +215,5 @@ def test_no_env_url_reaches_a_jobs_vllm_server(stack_key, as_the_stack, vllm_poo
         assert (hosts.refusal(f"http://{host}:{port}") or "").endswith(OWN), host
     with confined_client(hosts, timeout=10) as client, pytest.raises(httpx.ConnectError, match="one of this service's own servers"):
         client.post(f"http://0x7f000001:{port}/reset_prefix_cache")
-    with confined_client(bare, timeout=10) as client:  # the hole: a dev endpoint, no key asked
-        assert client.get(f"http://0x7f000001:{port}/is_sleeping").status_code == 200
+    with confined_client(bare, timeout=10) as client:  # the bare rule reaches it; its guard asks for the key (test_vllm_owner_only.py)
+        assert client.get(f"http://0x7f000001:{port}/is_sleeping").status_code == 401

@@ -79,6 +79,10 @@ class TaskSteps:
     def rollout(self, step: int) -> dict[str, float]:
         return self._run(rollout, step)
 
+    def restart_server(self) -> None:
+        """A new inference server for the job's sampler (its own died); the loop restores next."""
+        ray.get(self.actors.sample("restart_server"))
+
     def update(self, step: int) -> dict[str, float]:
         return self._run(update, step)
 

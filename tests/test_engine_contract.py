@@ -96,7 +96,7 @@ def make_subject(kind: str, model_name: str, pool=None):
         model = model.cuda() if gpus else model
         merged = kind == "vllm_merged"
         server = pool.get(model_name, "merged" if merged else "lora")
-        engine = ServerRolloutEngine(server.handle("merged" if merged else "lora"), tolerance=TOLERANCE["vllm"],
+        engine = ServerRolloutEngine(server.handle("merged" if merged else "lora", owned=False), tolerance=TOLERANCE["vllm"],
                                      adapter_prefix=f"s{next(_SUBJECTS)}")
         where = Placement(torch.device("cuda", 0), torch.float32) if gpus else cpu()
         probe = Probe(tokenizer("a probe")["input_ids"], lambda p, t: score_tokens(model, where, p, t))

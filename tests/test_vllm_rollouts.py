@@ -7,6 +7,7 @@ one line. Skipped, with the reason, where vLLM cannot run (tests/vllm_fixtures.p
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import tempfile
@@ -66,7 +67,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
-    engine = ServerRolloutEngine(server.handle("merged"), TOLERANCE)
+    engine = ServerRolloutEngine(server.handle("merged", owned=False), TOLERANCE)
     engine.sync_weights(0, lora_factors(model), Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t))).result()
     chat = chat_format(tok)
     try:
@@ -97,7 +98,7 @@ def test_a_job_samples_through_vllm_and_each_update_shows_in_the_next_samples(vl
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 3, "lr": 5e-2 if adapter["kind"] == "lora" else 1e-2}, adapter=adapter)
-    job = RLJob(spec, job_id=f"through-vllm-{adapter['kind']}", start_server=lambda *_: server.handle("merged"))
+    job = RLJob(spec, job_id=f"through-vllm-{adapter['kind']}", start_server=lambda *_: server.handle("merged", owned=False))
     gaps, versions = [], []
     original = job.policy.update
 
@@ -130,7 +131,7 @@ def test_weights_taken_in_place_but_not_the_trainers_fail_the_step_before_its_up
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 3, "lr": 5e-2}, adapter={"kind": "lora", "r": 8, "alpha": 16})
-    job = RLJob(spec, job_id="stale-in-place", start_server=lambda *_: server.handle("merged"))
+    job = RLJob(spec, job_id="stale-in-place", start_server=lambda *_: server.handle("merged", owned=False))
     trained, original = [], job.policy.update
     job.policy.update = lambda batch: (trained.append(batch.step), original(batch))[1]
     try:
@@ -152,7 +153,7 @@ def test_a_bfloat16_sampler_under_a_float32_trainer_is_corrected_by_decoupled_pp
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16},
                      rollout={"engine": "vllm", "sampler_dtype": "bfloat16", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
                      optimization={"steps": 2, "lr": 5e-2})
-    job = RLJob(spec, job_id="bf16-sampler", start_server=lambda *_: server.handle("merged"))
+    job = RLJob(spec, job_id="bf16-sampler", start_server=lambda *_: server.handle("merged", owned=False))
     gaps = []
     original = job.policy.update
 
@@ -183,7 +184,7 @@ def test_k_2_through_vllm_updates_land_while_episodes_run(vllm_pool, vllm_tiny_p
     server = vllm_pool.get(vllm_tiny_path, "merged")
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, adapter={"kind": "lora", "r": 8, "alpha": 16}, algorithm={"max_staleness": 2},
                      rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6}, optimization={"steps": 4, "lr": 5e-2})
-    job = RLJob(spec, job_id="k2-through-vllm", start_server=lambda *_: server.handle("merged"))
+    job = RLJob(spec, job_id="k2-through-vllm", start_server=lambda *_: server.handle("merged", owned=False))
     try:
         result = job.run()
     finally:
@@ -208,9 +209,10 @@ def _vllm_processes() -> set[int]:
     return found
 
 
-def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm_pool, vllm_tiny_path, tmp_path):
-    """The job starts its own server (the product's path); SIGKILL to it after step 1's checkpoint:
-    step 2 fails in one line naming the server; the same job id resumes from step 1 with a new server."""
+def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_line(vllm_pool, vllm_tiny_path, tmp_path):
+    """The job starts its own server (the product's path). SIGKILL to it after step 1's checkpoint: the
+    job starts a new one, goes on from step 1 and completes. Killed twice: the second death fails
+    the job in one line saying how the server ended, and the same job id resumes from its checkpoint."""
     from opentinker.backend.server_engine import ServerGone
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import RLJob
@@ -218,27 +220,40 @@ def test_a_killed_vllm_server_fails_the_job_in_one_line_and_the_job_resumes(vllm
     vllm_pool.stop()  # the job's own servers take their place (memory)
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
                      optimization={"steps": 3}, checkpoint={"every": 1})
-    job = RLJob(spec, job_id="killed-server", start_server=rollout_server)
-    mine = _vllm_servers_of_this_process()
+    killed: list[int] = []
 
-    def kill_after_step_one(report) -> None:
-        if report.step == 1:
-            for process in mine:
-                os.killpg(os.getpgid(process.pid), signal.SIGKILL)
+    def kill_after(steps):
+        def hook(report) -> None:
+            if report.step in steps and report.step not in killed:
+                killed.append(report.step)
+                for process in _vllm_servers_of_this_process():
+                    os.killpg(os.getpgid(process.pid), signal.SIGKILL)
+        return hook
 
+    once = RLJob(spec, job_id="killed-once", start_server=rollout_server)
+    try:
+        result = once.run(on_step=kill_after({1}))
+    finally:
+        once.close()
+    assert (result.steps_done, killed) == (3, [1]) and "is gone: vLLM's server ended" in result.restarted
+    assert [h["step"] for h in result.history] == [1.0, 2.0, 3.0]  # step 2 trained once, after the restart
+
+    killed.clear()
+    twice = RLJob(spec, job_id="killed-twice", start_server=rollout_server)
     try:
         with pytest.raises(ServerGone) as failed:
-            job.run(on_step=kill_after_step_one)
+            twice.run(on_step=kill_after({1, 2}))
     finally:
-        job.close()
-    assert len(mine) == 1 and "\n" not in str(failed.value)
-    assert str(failed.value).startswith("the inference server at http://127.0.0.1:") and "does not answer" in str(failed.value)
-    again = RLJob(spec, job_id="killed-server", start_server=rollout_server)
+        twice.close()
+    assert killed == [1, 2] and "\n" not in str(failed.value)
+    assert re.match(r"^the inference server at http://127\.0\.0\.1:\d+ is gone: vLLM's server (was ended by signal SIGKILL|ended: .*); "
+                    r"run the job id again to resume from its last checkpoint", str(failed.value)), str(failed.value)
+    again = RLJob(spec, job_id="killed-twice", start_server=rollout_server)
     try:
         result = again.run()
     finally:
         again.close()
-    assert (result.resumed_from, result.steps_done) == (1, 3)
+    assert (result.resumed_from, result.steps_done) == (2, 3)
 
 
 def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):

@@ -38,6 +38,7 @@ from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
 from opentinker.inference.vllm_guard import KEY_VARIABLE
 
+NO_ERROR = "no error in its log"
 WEIGHTS_VARIABLE = "OPENTINKER_WEIGHTS_DIR"  # the one folder a server's worker extension loads weights from (vllm_worker)
 
 # Ranks vLLM accepts for --max-lora-rank (LoRAConfig.max_lora_rank is a closed set).
@@ -274,21 +275,27 @@ class VLLMServer:
             return f"its torch.compile failed ({last})"
         if not last and (ended := re.findall(r"^\[opentinker\] supervisor: (.+)$", text, re.M)):
             return ended[-1]  # how it ended, when vLLM itself logged no error (a signal, the supervisor)
-        return last or "no error in its log"
+        return last or NO_ERROR
 
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def handle(self, weights: str = "lora") -> ServerHandle:
-        """This server as a job samples through it (`weights`: how policy versions reach it)."""
-        return ServerHandle(url=self.url, model=self.model, api_key=self.api_key, stop=self.stop, weights=weights,
-                            ended=self.ended, cause=self.cause, weights_dir=self.weights_dir)
+    def handle(self, weights: str = "lora", owned: bool = True) -> ServerHandle:
+        """This server as a job samples through it (`weights`: how policy versions reach it;
+        `owned`: the engine's close stops it)."""
+        return ServerHandle(url=self.url, model=self.model, api_key=self.api_key, stop=self.stop if owned else lambda: None,
+                            weights=weights, ended=self.ended, cause=self.cause, weights_dir=self.weights_dir)
 
     def ended(self) -> str | None:
         """How the server's process ended, as one phrase (None while it runs)."""
-        if self._process.poll() is None:
+        if (code := self._process.poll()) is None:
             return None
-        return f"vLLM's server ended: {self.why()} (log: {self.log})"
+        why = self.why()
+        if why == NO_ERROR:  # killed with its whole group (the supervisor too): only the exit status says how
+            import signal
+
+            why = f"its process group was killed by {signal.Signals(-code).name}" if code < 0 else f"it exited with code {code}"
+        return f"vLLM's server ended: {why} (log: {self.log})"
 
     def cause(self) -> str:
         """The last error vLLM's log names, for a server that lives with a dead engine."""

@@ -77,6 +77,9 @@ class RLJob:
     def rollout(self, step: int) -> dict[str, float]:
         return self.sampler.rollout(step)
 
+    def restart_server(self) -> None:
+        self.sampler.restart_server()
+
     def update(self, step: int) -> dict[str, float]:
         metrics = self.policy.update(self.sampler.batch(step))
         self._sync()

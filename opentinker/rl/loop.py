@@ -14,17 +14,20 @@ fail the job with the reason.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opentinker.core.own_servers import ServerGone
 from opentinker.core.spec import JobSpec
 from opentinker.rl.health import Health
 from opentinker.rl.policy import Restored
 from opentinker.rl.sampler import Evaluation
 
 StepMetrics = list[tuple[int, dict[str, float]]]
+log = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -42,6 +45,8 @@ class StepRunner(Protocol):
 
     def checkpoint(self, step: int, metrics: StepMetrics) -> Any:
         """Commit the job's state at `step`, carrying `metrics`; returns what was written."""
+
+    # optional: `restart_server()`, a new inference server for a job whose own died (ServerGone)
 
 
 @dataclass
@@ -74,6 +79,7 @@ class LoopResult:
     loop_seconds: float = 0.0  # the steps alone
     not_registrable: str | None = None  # why the final checkpoint must not be registered (job health)
     skipped: list[str] = field(default_factory=list)  # checkpoint folders resume refused, one line each
+    restarted: str | None = None  # why the job's inference server was started again mid-job (the ServerGone line), if it was
 
 
 def _call(hook: Callable | None, *args: Any) -> None:
@@ -82,7 +88,9 @@ def _call(hook: Callable | None, *args: Any) -> None:
 
 
 def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None) -> LoopResult:
-    """Train `spec.optimization.steps` steps (resuming where the runner's checkpoints stop)."""
+    """Train `spec.optimization.steps` steps (resuming where the runner's checkpoints stop). A job
+    whose own inference server dies (ServerGone) gets one new server and goes on from its last
+    checkpoint (`restart_server`, then `restore`), within the job, before it fails."""
     hooks = hooks or LoopHooks()
     health = Health(spec.health)
     t_start = time.perf_counter()
@@ -94,6 +102,7 @@ def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None)
                         skipped=restored.skipped if restored else [])
     total = spec.optimization.steps
     pending: StepMetrics = []  # metrics no checkpoint covers yet
+    updated = False  # the policy moved since the newest checkpoint (a restart needs one to go back to)
 
     def evaluate(done: int) -> Evaluation:
         evaluation = runner.evaluate(done)
@@ -101,30 +110,48 @@ def run_steps(spec: JobSpec, runner: StepRunner, hooks: LoopHooks | None = None)
         _call(hooks.on_eval, evaluation)
         return evaluation
 
-    if start == 0 and total > 0:
-        pending.append((0, evaluate(0).metrics))
+    def steps_from(first: int) -> None:
+        nonlocal updated
+        if first == 0 and total > 0 and not pending:
+            pending.append((0, evaluate(0).metrics))
+        for step in range(first, total):
+            done, t0 = step + 1, time.perf_counter()
+            metrics = runner.rollout(step)
+            t1 = time.perf_counter()
+            metrics |= runner.update(step)
+            updated = True
+            t2 = time.perf_counter()
+            evaluation = evaluate(done) if spec.evaluates_at(done) else None
+            if evaluation is not None:
+                metrics |= evaluation.metrics
+            metrics["step/seconds"] = time.perf_counter() - t0
+            metrics["step/trainer_busy"] = (t2 - t1) / max(t2 - t0, 1e-9)  # the update's share of rollout wait + update
+            pending.append((done, metrics))
+            written = None
+            if spec.checkpoints_at(done):
+                written = result.checkpoint = runner.checkpoint(done, list(pending))
+                updated = False
+                _call(hooks.on_commit, list(pending))
+                result.history.extend({"step": float(s), **m} for s, m in pending if s > 0)
+                pending.clear()
+            result.steps_done = done
+            _call(hooks.on_step, StepReport(done, total, metrics, evaluation, written))
+            health.after_step(done, metrics)  # after the step is logged: a failing job still shows why
+
     loop_start = time.perf_counter()
-    for step in range(start, total):
-        done, t0 = step + 1, time.perf_counter()
-        metrics = runner.rollout(step)
-        t1 = time.perf_counter()
-        metrics |= runner.update(step)
-        t2 = time.perf_counter()
-        evaluation = evaluate(done) if spec.evaluates_at(done) else None
-        if evaluation is not None:
-            metrics |= evaluation.metrics
-        metrics["step/seconds"] = time.perf_counter() - t0
-        metrics["step/trainer_busy"] = (t2 - t1) / max(t2 - t0, 1e-9)  # the update's share of rollout wait + update
-        pending.append((done, metrics))
-        written = None
-        if spec.checkpoints_at(done):
-            written = result.checkpoint = runner.checkpoint(done, list(pending))
-            _call(hooks.on_commit, list(pending))
-            result.history.extend({"step": float(s), **m} for s, m in pending if s > 0)
-            pending.clear()
-        result.steps_done = done
-        _call(hooks.on_step, StepReport(done, total, metrics, evaluation, written))
-        health.after_step(done, metrics)  # after the step is logged: a failing job still shows why
+    try:
+        steps_from(start)
+    except ServerGone as gone:
+        restart = getattr(runner, "restart_server", None)
+        if restart is None or (updated and result.checkpoint is None):  # no checkpoint to go back to
+            raise
+        log.warning("%s: starting a new server and resuming from the last checkpoint, once", gone)
+        restart()
+        restored = runner.restore()
+        again = restored.step if restored and restored.resumed else 0
+        del pending[len([s for s, _ in pending if s <= again]):]  # steps after the checkpoint are trained again
+        result.restarted = str(gone)
+        steps_from(again)  # a second ServerGone fails the job
     end = time.perf_counter()
     result.seconds, result.loop_seconds = end - t_start, end - loop_start
     result.not_registrable = health.registrable(result.evaluations[-1].metrics if result.evaluations else None)

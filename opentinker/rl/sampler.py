@@ -87,6 +87,7 @@ class EarlyStart:
     `abandon` stops it once it is up, for a job that failed before taking it."""
 
     def __init__(self, start_server: StartServer, spec: JobSpec, job_id: str | None):
+        self.start_server = start_server  # what starts another (a restart after the first died)
         pool = ThreadPoolExecutor(1, thread_name_prefix="server-start")
         self.started: Future[ServerHandle] = pool.submit(start_server, spec, job_id, placement(spec.resources.num_gpus, spec.model.dtype))
         pool.shutdown(wait=False)
@@ -145,7 +146,8 @@ class Sampler:
                start_server: StartServer | None, engine: Any) -> None:
         if model is None and engine is None:
             model, tokenizer = own_model(spec, job_id, where)
-        self.spec, self.model, self.where = spec, model, where
+        self.spec, self.model, self.where, self.job_id = spec, model, where, job_id
+        self._start_server = start_server.start_server if isinstance(start_server, EarlyStart) else start_server
         r = spec.rollout
         self.wanted_version = 0  # the policy version episodes should be sampled from
         if engine is not None:
@@ -216,6 +218,19 @@ class Sampler:
         reload): its SyncError fails the step before anything trains on those episodes."""
         if isinstance(self.engine, ServerRolloutEngine) and (gap := self.engine.verified()) is not None:
             self.sync_metrics["rollout/sync_logprob_gap"] = gap
+
+    def restart_server(self) -> None:
+        """After the job's own server died (ServerGone): stop its producer and what is left of the
+        server, and start a new one. The step loop then restores the job's last checkpoint, whose
+        version and weights reach the new server at the next sync (so versions may go down once)."""
+        if not starts_own_server(self.spec) or self._start_server is None:
+            raise RuntimeError("this job's inference server is not its own: it cannot start another")
+        if self.producer is not None:
+            self.producer.stop()
+        self.producer, self._batch, self._last_take = None, None, None
+        self.engine.close()
+        self.engine = ServerRolloutEngine(self._server(self._start_server, self.job_id), sync_tolerance(self.spec, self.where))
+        self.wanted_version = 0
 
     def close(self) -> None:
         """Stop what the sampler started (its producer, its engine's thread, a server engine's own server)."""

@@ -96,7 +96,7 @@ def test_a_reload_the_trainer_did_not_make_is_named_as_tampering(keyed, vllm_tin
 
     base, tok = load_model(vllm_tiny_path)
     model = wrap_model(base, LoraSpec(r=8, alpha=16))
-    engine = ServerRolloutEngine(keyed.handle("merged"), 1e-4)
+    engine = ServerRolloutEngine(keyed.handle("merged", owned=False), 1e-4)
     probe = Probe(tok("a probe")["input_ids"], lambda p, t: score_tokens(model, cpu(), p, t))
     try:
         engine.sync_weights(1, lora_factors(model), probe)

@@ -303,3 +303,19 @@ def test_a_step_trained_again_after_a_resume_is_logged_anew_and_the_first_attemp
     at_two = sorted((m.timestamp, m.value) for m in client.get_metric_history(first.run_id, "rollout/reward_mean") if m.step == 2)
     assert [value for _, value in at_two] == [pytest.approx(0.2), 0.9]  # the newest is the job's
     assert again.mark_abandoned(3) == []
+
+
+def test_a_failed_train_ends_with_the_command_that_resumes_it(stack_env, tmp_path):
+    """`opentinker train` (what `make demo` runs) of a job that fails: its last line is the command
+    that resumes it, with the job's id, which a user can paste."""
+    settings, env = stack_env
+    spec_path = tmp_path / "narrow.yaml"
+    data = tiny_spec(tmp_path, env=NARROW_MATH, optimization={"steps": 2}).model_dump(mode="json")
+    data.pop("job_id", None)
+    spec_path.write_text(yaml.safe_dump(data))
+    out = subprocess.run([sys.executable, "-m", "opentinker.cli", "train", str(spec_path), "--steps", "2", "--job-id", "resume-me"],
+                         cwd=ROOT, env=os.environ | env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "the task generator only produces validation tasks" in lines[-2]
+    assert lines[-1] == f"resume it from its last checkpoint: opentinker train {spec_path} --steps 2 --job-id resume-me"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -110,9 +111,11 @@ def run(
         raise typer.Exit(1)
 
 
-def _follow_and_report(flow_run_id: str, job_id: str, settings, total: int | None, checkpoint_hint: str | None) -> None:
+def _follow_and_report(flow_run_id: str, job_id: str, settings, total: int | None, checkpoint_hint: str | None,
+                       resume: str | None = None) -> None:
     """Follow a job to its end, say on one line when the control plane does not answer, and report
-    its true end state (exit 1 unless COMPLETED, 3 when the follower gave up)."""
+    its true end state (exit 1 unless COMPLETED, 3 when the follower gave up); a failed job's last
+    line is the command that resumes it (`resume`)."""
     from opentinker.control.follow import FollowLost, follow
 
     prefect_link = f"{settings.prefect_ui_url}/runs/flow-run/{flow_run_id}"
@@ -158,6 +161,8 @@ def _follow_and_report(flow_run_id: str, job_id: str, settings, total: int | Non
         console.print(f"  {key}: {value}", markup=False, soft_wrap=True)
     if final.state != "COMPLETED":
         console.print(f"job {final.state.lower()}: {final.message or 'no message'}", style="red", markup=False, soft_wrap=True)
+        if resume and final.state == "FAILED":
+            console.print(f"resume it from its last checkpoint: {resume}", markup=False, soft_wrap=True)
         raise typer.Exit(1)
 
 
@@ -177,7 +182,8 @@ def train(
     job_id = job_id or new_job_id(spec)
     flow_run_id = submit_to_pool(spec, job_id, settings)
     console.print(f"submitted job [cyan]{job_id}[/] · Prefect {settings.prefect_ui_url}/runs/flow-run/{flow_run_id}")
-    _follow_and_report(flow_run_id, job_id, settings, spec.optimization.steps, f"{spec.checkpoint.base_url}/{job_id}")
+    again = f"opentinker train {shlex.quote(str(spec_path))}" + (f" --steps {steps}" if steps is not None else "") + f" --job-id {job_id}"
+    _follow_and_report(flow_run_id, job_id, settings, spec.optimization.steps, f"{spec.checkpoint.base_url}/{job_id}", resume=again)
 
 
 def follow(job_id: str = typer.Argument(..., help="the job's id (as `train` printed it)")) -> None:

@@ -421,3 +421,42 @@ def test_a_killed_job_process_leaves_no_vllm_process_behind(vllm_tiny_path, tmp_
         starter.kill()
         starter.wait()
     assert wait_gone(group), [psutil.Process(p).name() for p in group if psutil.pid_exists(p)]
+
+
+def _reuse_rounds(server, gaps: list[float]) -> tuple[int, int]:
+    """Rounds of 32 concurrent requests through a job's engine, idle `gaps` seconds apart: (requests
+    answered, transport faults retried)."""
+    import time
+
+    from opentinker.backend import SamplingParams
+    from opentinker.backend.server_engine import ServerRolloutEngine
+
+    engine = ServerRolloutEngine(server.handle("merged", owned=False), TOLERANCE)
+    answered = 0
+    try:
+        for gap in [0.0, *gaps]:
+            time.sleep(gap)
+            generators = [torch.Generator().manual_seed(i) for i in range(32)]  # one request each
+            done = engine.generate([[1, 2, 3, i] for i in range(32)], SamplingParams(max_new_tokens=2), generators=generators)
+            answered += len(done)
+        pooled = len(engine.client._transport._pool.connections)
+    finally:
+        engine.close()
+    assert pooled <= 32  # the rounds reused the first round's connections
+    return answered, engine.calls.retried
+
+
+def test_a_jobs_server_keeps_its_connections_across_a_steps_idle_gap(vllm_pool, vllm_tiny_path):
+    """A step leaves its server idle for its update and sync (4.5-5.5 s in `make demo`, where both
+    sides' keep-alive was 5 s and pooled connections failed in transport). Idle gaps around that and
+    past it: every reused connection answers, none needed a retry."""
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    answered, retried = _reuse_rounds(server, [4.9, 5.1, 6.0])
+    assert (answered, retried) == (128, 0)
+
+
+@pytest.mark.slow  # 16 idle gaps of about 5 s
+def test_500_reuses_around_the_old_keep_alive_need_no_retry(vllm_pool, vllm_tiny_path):
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    answered, retried = _reuse_rounds(server, [4.9 + 0.2 * (i % 3) for i in range(16)])
+    assert (answered, retried) == (32 * 17, 0)

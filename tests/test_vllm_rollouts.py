@@ -13,6 +13,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import torch
@@ -210,7 +211,7 @@ def _vllm_processes() -> set[int]:
 
 
 def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_line(vllm_pool, vllm_tiny_path, tmp_path):
-    """The job starts its own server (the product's path). SIGKILL to it after step 1's checkpoint: the
+    """The job starts its own server (the product's path: on a Unix socket, no port). SIGKILL to it after step 1's checkpoint: the
     job starts a new one, goes on from step 1 and completes. Killed twice: the second death fails
     the job in one line saying how the server ended, with step 2's checkpoint there to resume from."""
     from opentinker.backend.server_engine import ServerGone
@@ -221,12 +222,14 @@ def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_li
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
                      optimization={"steps": 3}, checkpoint={"every": 1})
     killed: list[int] = []
+    listening: list = []  # a job's own server listens on a Unix socket in its folder, on no port
 
     def kill_after(steps):
         def hook(report) -> None:
             if report.step in steps and report.step not in killed:
                 killed.append(report.step)
                 for process in _vllm_servers_of_this_process():
+                    listening.extend(c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN)
                     os.killpg(os.getpgid(process.pid), signal.SIGKILL)
         return hook
 
@@ -235,7 +238,7 @@ def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_li
         result = once.run(on_step=kill_after({1}))
     finally:
         once.close()
-    assert (result.steps_done, killed) == (3, [1]) and "is gone: vLLM's server ended" in result.restarted
+    assert (result.steps_done, killed, listening) == (3, [1], []) and "is gone: vLLM's server ended" in result.restarted
     assert [h["step"] for h in result.history] == [1.0, 2.0, 3.0]  # step 2 trained once, after the restart
 
     killed.clear()
@@ -246,7 +249,7 @@ def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_li
     finally:
         twice.close()
     assert killed == [1, 2] and "\n" not in str(failed.value)
-    assert re.match(r"^the inference server at http://127\.0\.0\.1:\d+ is gone: vLLM's server (was ended by signal SIGKILL|ended: .*); "
+    assert re.match(r"^the inference server at unix:/\S+/vllm\.sock is gone: vLLM's server ended: .*; "
                     r"run the job id again to resume from its last checkpoint", str(failed.value)), str(failed.value)
     from opentinker.storage.checkpoint import Owner, latest_checkpoint
 
@@ -460,3 +463,43 @@ def test_500_reuses_around_the_old_keep_alive_need_no_retry(vllm_pool, vllm_tiny
     server = vllm_pool.get(vllm_tiny_path, "merged")
     answered, retried = _reuse_rounds(server, [4.9 + 0.2 * (i % 3) for i in range(16)])
     assert (answered, retried) == (32 * 17, 0)
+
+
+def test_a_paused_server_is_noticed_within_seconds_and_past_the_limit_fails_the_job(vllm_pool, vllm_tiny_path, caplog):
+    """Someone holding the job's key pauses its vLLM server: the job's requests wait, the engine
+    notices within seconds (a warning, `rollout/server_stalled_seconds`), and past its limit lets
+    them go (resumes the server) and fails with a line that says the server was paused."""
+    import logging
+    import threading
+
+    from opentinker.backend import SamplingParams
+    from opentinker.backend.server_engine import ServerRolloutEngine, ServerStalled
+
+    server = vllm_pool.get(vllm_tiny_path, "merged")
+    owner = {"Authorization": f"Bearer {server.api_key}"}
+    engine = ServerRolloutEngine(server.handle("merged", owned=False), TOLERANCE, stall_notice_s=2.0, stall_limit_s=6.0)
+    outcome: list[BaseException | None] = []
+    try:
+        assert httpx.post(f"{server.url}/pause", headers=owner, timeout=30, trust_env=False).status_code == 200
+        caplog.set_level(logging.WARNING, "opentinker.backend.server_engine")
+
+        def sample() -> None:
+            try:
+                engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, greedy=True))
+                outcome.append(None)
+            except BaseException as err:  # noqa: BLE001 - what the step would raise
+                outcome.append(err)
+
+        worker = threading.Thread(target=sample)
+        worker.start()
+        worker.join(timeout=5.0)
+        assert worker.is_alive() and engine.server_metrics()["rollout/server_stalled_seconds"] >= 1
+        assert any("is paused: the job's requests have had no answer" in r.getMessage() for r in caplog.records)
+        worker.join(timeout=60)
+        assert len(outcome) == 1 and isinstance(outcome[0], ServerStalled), outcome
+        assert re.match(r"^the inference server at \S+ was paused under the job's requests for \d+ s \(over 6 s\): "
+                        r"someone holding its key stopped it$", str(outcome[0]))
+    finally:
+        engine.close()
+        httpx.post(f"{server.url}/resume", headers=owner, timeout=30, trust_env=False)
+    assert httpx.get(f"{server.url}/is_paused", headers=owner, timeout=30, trust_env=False).json() == {"is_paused": False}

@@ -20,6 +20,7 @@ verdict comes as a future, which whoever trains on their samples waits for.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 import tempfile
@@ -44,6 +45,15 @@ class SyncError(RuntimeError):
     """The policy's new weights did not verifiably reach the inference server."""
 
 
+class ServerStalled(RuntimeError):
+    """The inference server was paused or put to sleep under the job (by someone holding its key)."""
+
+
+log = logging.getLogger(__name__)
+STALL_NOTICE_S = 10.0  # requests in flight and none answered this long: the engine asks the server whether it is paused or asleep
+STALL_LIMIT_S = 60.0  # paused or asleep this long under the job's requests: they are let go, and the job fails
+
+
 @dataclass
 class ServerHandle:
     """A server a job samples through: where it is, the key it wants, the base model's name on
@@ -58,6 +68,12 @@ class ServerHandle:
     ended: Callable[[], str | None] = lambda: None
     cause: Callable[[], str] = lambda: ""  # the last error its log names, for a server that lives but failed
     weights_dir: Path | None = None  # the only folder its worker loads weights from (merged weights; engine_vllm.merged_server_args)
+    uds: str | None = None  # the Unix socket it listens on instead of a port (a job's own server: only its job opens the folder)
+
+    @property
+    def address(self) -> str:
+        """Where it listens, for the lines that name it."""
+        return f"unix:{self.uds}" if self.uds else self.url
 
 
 @dataclass
@@ -80,13 +96,13 @@ class ServerRolloutEngine:
     """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
 
     def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128,
-                 adapter_prefix: str = "policy"):
+                 adapter_prefix: str = "policy", stall_notice_s: float = STALL_NOTICE_S, stall_limit_s: float = STALL_LIMIT_S):
         """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
-        server name theirs apart."""
+        server name theirs apart. `stall_notice_s`, `stall_limit_s`: see `_watch`."""
         self.server = server
         self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
-        self.client = own_client(server.url, server.api_key, timeout_s, max_connections=max_concurrency)
-        self.calls = OwnServer(self.client, f"the inference server at {server.url}", server.ended, cause=server.cause)
+        self.client = own_client(server.url, server.api_key, timeout_s, max_connections=max_concurrency, uds=server.uds)
+        self.calls = OwnServer(self.client, f"the inference server at {server.address}", server.ended, cause=server.cause, uds=server.uds)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
         self.served = server.model  # what requests name: the base, then the newest verified adapter
         # Requests in flight per adapter name: a version replaced while requests still name it (a
@@ -107,6 +123,12 @@ class ServerRolloutEngine:
         self._folders = Path(tempfile.mkdtemp(prefix="opentinker-adapters-"))
         self._shared = server.weights_dir or Path(tempfile.mkdtemp(prefix="opentinker-weights-"))  # where sync_weights writes
         self._stamp = ""  # the secret of the last in-place sync, which the server must report (tampering)
+        self.stall_notice_s, self.stall_limit_s = stall_notice_s, stall_limit_s
+        self.stalled_seconds = 0.0  # time the job's requests waited on a paused or sleeping server (a metric)
+        self._answered_at = time.monotonic()  # the last request answered (or the first sent after an idle spell)
+        self._stalled: ServerStalled | None = None
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="server-stall-watch", daemon=True).start()
 
     # --- sampling ------------------------------------------------------------------------------
     def _request(self, prompts: list[list[int]], params: SamplingParams, budget: int, model: str,
@@ -126,13 +148,19 @@ class ServerRolloutEngine:
         if not params.greedy:  # reproducible from the job's seed (or the episode's generator), like the in-process engine
             body["seed"] = int(torch.randint(0, 2**31 - 1, (), generator=generator).item())
         reply = self._call("POST", "/v1/completions", json=body)
+        self._answered_at = time.monotonic()
+        if self._stalled is not None:
+            raise self._stalled
         if not reply.is_success:
             self._gone_if_dead(reply)
-            raise RuntimeError(f"the inference server at {self.server.url} answered {reply.status_code}: {reply.text[:300]}")
+            raise RuntimeError(f"the inference server at {self.server.address} answered {reply.status_code}: {reply.text[:300]}")
         data = reply.json()
         if data.get("model") != model:
             raise SyncError(f"asked the inference server for {model!r}, it answered as {data.get('model')!r}")
         out = []
+        if any(choice["finish_reason"] == "abort" for choice in data["choices"]):  # not a cut answer: the server let it go
+            raise ServerStalled(f"the inference server at {self.server.address} aborted the job's requests (paused or put to sleep "
+                                "by someone holding its key)")
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids, logprobs = _token_ids(choice), [float(x) for x in choice["logprobs"]["token_logprobs"]]
             if len(ids) != len(logprobs) or len(ids) > budget:
@@ -170,7 +198,7 @@ class ServerRolloutEngine:
             self._using[model] += 1
             self._in_flight += 1
             if self._in_flight == 1:
-                self._busy_since = time.perf_counter()
+                self._busy_since, self._answered_at = time.perf_counter(), time.monotonic()
         try:
             futures = {key: self.pool.submit(self._request, [prompts[i] for i in rows], params, key[0], model, gens[rows[0]], version)
                        for key, rows in requests.items()}
@@ -198,6 +226,49 @@ class ServerRolloutEngine:
         """Seconds with at least one request of this engine in flight (what tokens per second divides by)."""
         with self._names:
             return self._busy_seconds + (time.perf_counter() - self._busy_since if self._in_flight else 0.0)
+
+    def _watch(self) -> None:
+        """Requests in flight and none answered for `stall_notice_s`: is the server paused or asleep
+        (vLLM's dev routes, on a server that takes weights in place)? Then a warning, and the time
+        counts in `stalled_seconds`; past `stall_limit_s` the requests are let go (the server resumed
+        and woken) and the job fails with ServerStalled as they return. A long generation on a
+        working server is neither paused nor asleep, and waits as long as it takes."""
+        noticed = False
+        while not self._closed.wait(1.0):
+            with self._names:
+                waiting = time.monotonic() - self._answered_at if self._in_flight else 0.0
+            state = self._server_state() if waiting >= self.stall_notice_s and self._stalled is None else None
+            if state is None:
+                noticed = False
+                continue
+            if not noticed:
+                log.warning("the inference server at %s is %s: the job's requests have had no answer for %.0f s",
+                            self.server.address, state, waiting)
+                noticed = True
+            self.stalled_seconds += 1.0
+            if waiting >= self.stall_limit_s:
+                self._stalled = ServerStalled(f"the inference server at {self.server.address} was {state} under the job's requests for "
+                                              f"{waiting:.0f} s (over {self.stall_limit_s:g} s): someone holding its key stopped it")
+                for path in ("/wake_up", "/resume"):  # let the requests go, so the job fails now rather than at their timeout
+                    self._quietly("POST", path)
+
+    def _server_state(self) -> str | None:
+        """'paused', 'asleep' or None (working, or a server without vLLM's dev routes)."""
+        for path, key, word in (("/is_paused", "is_paused", "paused"), ("/is_sleeping", "is_sleeping", "asleep")):
+            reply = self._quietly("GET", path)
+            if reply is not None and reply.is_success and reply.json().get(key) is True:
+                return word
+        return None
+
+    def _quietly(self, method: str, path: str) -> Any:
+        try:
+            return self.calls.fresh.request(method, path, timeout=10.0)
+        except Exception:  # noqa: BLE001 - a look at the server's state; the requests themselves say if it is gone
+            return None
+
+    def server_metrics(self) -> dict[str, float]:
+        """What the job's metrics say of its server: time stalled under it, transport faults retried."""
+        return {"rollout/server_stalled_seconds": self.stalled_seconds, "rollout/transport_retries": float(self.calls.retried)}
 
     def end_phase(self) -> None:
         """Nothing to free here: the server manages its own cache."""
@@ -320,6 +391,7 @@ class ServerRolloutEngine:
                 self._unload(self.served)
             except Exception:  # noqa: BLE001 - best effort: the server may be gone already
                 pass
+        self._closed.set()
         self.pool.shutdown(wait=False)
         self.calls.close()
         shutil.rmtree(self._folders, ignore_errors=True)

@@ -42,18 +42,21 @@ def keep_alive_env() -> dict[str, str]:
     return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S)}
 
 
-def own_client(base_url: str, api_key: str | None = None, timeout_s: float = 600.0, max_connections: int = 100) -> httpx.Client:
-    """An httpx client for a server started here: its key as a bearer token, no proxies, and idle
-    connections dropped before the server would close them."""
+def own_client(base_url: str, api_key: str | None = None, timeout_s: float = 600.0, max_connections: int = 100,
+               uds: str | None = None) -> httpx.Client:
+    """An httpx client for a server started here (over the Unix socket `uds`, where it listens on
+    one): its key as a bearer token, no proxies, and idle connections dropped before the server
+    would close them."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=CLIENT_KEEP_ALIVE_S)
-    return httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False, limits=limits)
+    return httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False,
+                        transport=httpx.HTTPTransport(uds=uds, limits=limits))
 
 
-def fresh_client(client: httpx.Client) -> httpx.Client:
+def fresh_client(client: httpx.Client, uds: str | None = None) -> httpx.Client:
     """A client like `client` whose every request opens a connection of its own (none is kept)."""
     return httpx.Client(base_url=client.base_url, headers=client.headers, timeout=client.timeout, trust_env=False,
-                        limits=httpx.Limits(max_keepalive_connections=0))
+                        transport=httpx.HTTPTransport(uds=uds, limits=httpx.Limits(max_keepalive_connections=0)))
 
 
 def health_gone(fresh: httpx.Client) -> str | None:
@@ -75,8 +78,9 @@ class OwnServer:
     `cause()`: the last error its log names, for a process that lives with a dead engine."""
 
     def __init__(self, client: httpx.Client, what: str, ended: Callable[[], str | None] = lambda: None,
-                 cause: Callable[[], str] = lambda: "", resume_hint: str = "run the job id again to resume from its last checkpoint"):
-        self.client, self.what, self.ended, self.cause, self.resume_hint = client, what, ended, cause, resume_hint
+                 cause: Callable[[], str] = lambda: "", resume_hint: str = "run the job id again to resume from its last checkpoint",
+                 uds: str | None = None):
+        self.client, self.what, self.ended, self.cause, self.resume_hint, self.uds = client, what, ended, cause, resume_hint, uds
         self.retried = 0  # transport faults retried on a live server, for the job's metrics
         self._fresh: httpx.Client | None = None
         self._lock = threading.Lock()
@@ -85,7 +89,7 @@ class OwnServer:
     def fresh(self) -> httpx.Client:
         with self._lock:
             if self._fresh is None:
-                self._fresh = fresh_client(self.client)
+                self._fresh = fresh_client(self.client, self.uds)
             return self._fresh
 
     def gone(self) -> str | None:

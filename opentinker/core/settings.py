@@ -372,7 +372,7 @@ def prefect_env(settings: Settings) -> dict[str, str]:
     env = {
         "PREFECT_API_URL": settings.prefect_api_url,
         "PREFECT_HOME": str(settings.state_dir / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_EXTRA_LOGGERS": "opentinker",  # a flow's own warnings in its log
     }
     if settings.prefect_api_url.startswith("http://"):
         env["PREFECT_API_SSL_CERT_FILE"] = str(plain_http_ca_file(settings))

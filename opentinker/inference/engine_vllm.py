@@ -190,22 +190,24 @@ class VLLMServer:
 
     def __init__(self, serve_args: list[str], host: str, port: int, name: str, workdir: Path,
                  num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None,
-                 env: dict[str, str] | None = None, cpu_threads: int | None = None):
+                 env: dict[str, str] | None = None, cpu_threads: int | None = None, uds: Path | None = None):
         """Start vLLM's server on `serve_args` (the model folder first, then options: see
         `model_args`, `adapter_server_args`). With GPUs the child sees this process's
         CUDA_VISIBLE_DEVICES (the GPUs Ray gave the job); without, it runs on the CPU, eagerly, its
         threads bound to `cpu_threads` cores (default: this process's). With `api_key` every route
         but `/health` asks for it (vllm_guard.py; the key travels in the child's environment, never
-        its command line). ModelLoadError with one line (and the log's path) when it does not come up."""
+        its command line). With `uds` it listens on that Unix socket instead of `host:port` (a job's
+        own server: in a folder only this user opens, so no other user reaches it). ModelLoadError with one line (and the log's path) when it does not come up."""
         from opentinker.core.settings import get_settings
         from opentinker.inference.server import advertised_host
 
         check_available(num_gpus)
-        self.model, self.host, self.port = name, host, port
-        self.url = f"http://{advertised_host(host)}:{port}"
+        self.model, self.host, self.port, self.uds = name, host, port, str(uds) if uds else None
+        self.url = "http://localhost" if uds else f"http://{advertised_host(host)}:{port}"  # over the socket, the host is a name
         self.log = workdir / "vllm.log"
         model, *options = serve_args
-        command = [vllm_python(), "-m", SERVER_MODULE, "--model", model, *options, "--host", host, "--port", str(port)]
+        where = ["--uds", self.uds] if uds else ["--host", host, "--port", str(port)]
+        command = [vllm_python(), "-m", SERVER_MODULE, "--model", model, *options, *where]
         if max_model_len:
             command += ["--max-model-len", str(max_model_len)]
         if num_gpus >= 2:
@@ -244,7 +246,8 @@ class VLLMServer:
                 self.stop()  # what is left of its group (the supervisor's watcher)
                 raise failed
             try:
-                return True if httpx.get(f"{self.url}/health", timeout=2.0, trust_env=False).is_success else None
+                with httpx.Client(transport=httpx.HTTPTransport(uds=self.uds), timeout=2.0, trust_env=False) as client:
+                    return True if client.get(f"{self.url}/health").is_success else None
             except httpx.HTTPError:
                 return None
 
@@ -284,7 +287,7 @@ class VLLMServer:
         """This server as a job samples through it (`weights`: how policy versions reach it;
         `owned`: the engine's close stops it)."""
         return ServerHandle(url=self.url, model=self.model, api_key=self.api_key, stop=self.stop if owned else lambda: None,
-                            weights=weights, ended=self.ended, cause=self.cause, weights_dir=self.weights_dir)
+                            weights=weights, ended=self.ended, cause=self.cause, weights_dir=self.weights_dir, uds=self.uds)
 
     def ended(self) -> str | None:
         """How the server's process ended, as one phrase (None while it runs)."""

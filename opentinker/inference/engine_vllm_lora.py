@@ -71,7 +71,7 @@ class VLLMAdapterEngine:
     def __init__(self, url: str, model: str, folder: Path, api_key: str | None = None, stop: Any = None,
                  where: Placement | None = None, scorer: Callable[[], Any] | None = None, max_rank: int | None = None,
                  max_concurrent: int = 128, timeout_s: float = 600.0, ended: Callable[[], str | None] = lambda: None,
-                 cause: Callable[[], str] = lambda: ""):
+                 cause: Callable[[], str] = lambda: "", uds: str | None = None):
         """The server at `url` serving base `folder` as `model`; `stop()` ends it with this engine.
         `scorer()`: the HF engine that scores prompts (see `score_prompt`), made at its first use
         (default: one of its own on `folder`, on `where`; a base-model worker gives its shared base's)."""
@@ -88,10 +88,10 @@ class VLLMAdapterEngine:
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(config.max_position_embeddings)
         self.stop_ids = _end_ids(self.folder, self.tokenizer)
-        self.client = own_client(url, api_key, timeout_s, max_connections=max_concurrent)
+        self.client = own_client(url, api_key, timeout_s, max_connections=max_concurrent, uds=uds)
         # every request here can be repeated (a completion changes nothing on the server; a load that landed says so)
-        self.calls = OwnServer(self.client, f"the Tinker sampling server (vLLM) at {url}", ended, cause,
-                               resume_hint="its sampling clients must be created again")
+        self.calls = OwnServer(self.client, f"the Tinker sampling server (vLLM) at {f'unix:{uds}' if uds else url}", ended, cause,
+                               resume_hint="its sampling clients must be created again", uds=uds)
         self.requests = ThreadPoolExecutor(max_concurrent, thread_name_prefix="vllm-sampling")  # vLLM batches what runs at once
         self.adapters: dict[str, str] = {}
 
@@ -106,7 +106,6 @@ class VLLMAdapterEngine:
         """A vLLM server of its own on base `loader_name`, on this process's device in its precision,
         taking up to `max_loras` adapters of rank <= `max_rank` in one batch (more are swapped in)."""
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, vllm_lora_rank
-        from opentinker.inference.launch import free_port
         from opentinker.model.loading import resolve_model
 
         where = where or cpu()
@@ -114,11 +113,11 @@ class VLLMAdapterEngine:
         dtype = str(where.compute_dtype).removeprefix("torch.")
         args = adapter_server_args(loader_name, None, dtype, max_rank, workdir, "base", max_loras=max_loras)
         key = secrets.token_urlsafe(24)
-        server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), "base", workdir, num_gpus=int(where.device.type == "cuda"),
-                            api_key=key, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+        server = VLLMServer(args, "127.0.0.1", 0, "base", workdir, num_gpus=int(where.device.type == "cuda"),
+                            api_key=key, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, uds=workdir / "vllm.sock")
         try:
             return cls(server.url, "base", resolve_model(loader_name), api_key=key, stop=server.stop, where=where, scorer=scorer,
-                       max_rank=vllm_lora_rank(max_rank), ended=server.ended, cause=server.cause)
+                       max_rank=vllm_lora_rank(max_rank), ended=server.ended, cause=server.cause, uds=server.uds)
         except BaseException:  # nothing would stop it then
             server.stop()
             raise

@@ -102,8 +102,8 @@ def weight_sync(spec: JobSpec, where: Placement) -> str:
 
 def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:
     """The inference server a job samples through (`rollout.engine: vllm`, or `server` naming none):
-    started by the job as a child process of its sampler, on its own machine (127.0.0.1, a fresh
-    random key), on the job's device, so it sees the job's GPUs and no other, and it stops with the
+    started by the job as a child process of its sampler, on its own machine (a Unix socket in a
+    folder only the job's user opens, and a fresh random key), on the job's device, so it sees the job's GPUs and no other, and it stops with the
     job. One server per job, not one per worker shared by jobs: a job's weights are its own, and a
     server that reloads them in place (merged weights, the fast way on a CPU) serves one policy.
     vLLM for engine 'vllm' (and for 'server' on a GPU where vLLM is installed), our server
@@ -123,8 +123,8 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
             args, env = merged_server_args(name, init_from, dtype, workdir, name)
         else:
             args, env = adapter_server_args(name, init_from, dtype, spec.adapter.r, workdir, name), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        server = VLLMServer(args, "127.0.0.1", free_port("127.0.0.1"), name, workdir, num_gpus=1 if gpu else 0,
-                            max_model_len=spec.rollout.max_total_tokens, api_key=key, env=env)  # on a CPU: this process's cores (at k = 0 trainer and server take turns)
+        server = VLLMServer(args, "127.0.0.1", 0, name, workdir, num_gpus=1 if gpu else 0, max_model_len=spec.rollout.max_total_tokens,
+                            api_key=key, env=env, uds=workdir / "vllm.sock")  # on a CPU: this process's cores (at k = 0 trainer and server take turns)
         return server.handle(sync)
     from opentinker.inference.engine_hf import HFEngine
     from opentinker.inference.server import create_app, serve_in_thread

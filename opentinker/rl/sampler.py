@@ -310,7 +310,8 @@ class Sampler:
             "rollout/turn_seconds_mean": sum(turn_seconds) / len(turn_seconds) if turn_seconds else 0.0,
             "rollout/episode_tool_seconds": sum(sum(t.env_seconds) for t in trajs) / len(trajs) if trajs else 0.0,
             "rollout/straggler_seconds": finished[-1] - finished[len(finished) // 2],
-        } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {})
+        } | self.sync_metrics | (self.engine.shared_metrics() if hasattr(self.engine, "shared_metrics") else {}) \
+          | (self.engine.server_metrics() if hasattr(self.engine, "server_metrics") else {})
         self._batch = RolloutBatch(step=step, policy_version=self.wanted_version, trajectories=trajs, metrics=metrics)
         return metrics
 

@@ -389,10 +389,8 @@ class JobSpec(BaseJobSpec):
         return self
 
     @model_validator(mode="after")
-    def _episodes_fit_the_model(self) -> "JobSpec":
-        """Here, not 18 s into the job: vLLM refuses a --max-model-len over the model's context at its start."""
-        context = context_length(self.model.name)
-        if context is not None and self.rollout.max_total_tokens > context:
+    def _episodes_fit_the_model(self) -> "JobSpec":  # here, not 18 s in: vLLM refuses a longer --max-model-len at its start
+        if (context := context_length(self.model.name)) is not None and self.rollout.max_total_tokens > context:
             raise ValueError(f"rollout.max_total_tokens: {self.rollout.max_total_tokens} is more than the {context} tokens "
                              f"{self.model.name} takes (its max_position_embeddings); make it at most {context}")
         return self

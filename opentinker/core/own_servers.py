@@ -17,16 +17,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx  # imported where used: the core runtime (a job without a server) runs without it
 
 log = logging.getLogger(__name__)
 
 SERVER_KEEP_ALIVE_S = 75  # uvicorn's timeout_keep_alive, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, for every server started here
 CLIENT_KEEP_ALIVE_S = 20.0  # httpx's keepalive_expiry for clients of those servers: always shorter than the server's
 RETRIES = 3
-_FAULTS = (httpx.NetworkError, httpx.RemoteProtocolError)  # the connection failed; a timeout is not retried (a slow server)
 
 
 class ServerGone(RuntimeError):
@@ -47,6 +47,8 @@ def own_client(base_url: str, api_key: str | None = None, timeout_s: float = 600
     """An httpx client for a server started here (over the Unix socket `uds`, where it listens on
     one): its key as a bearer token, no proxies, and idle connections dropped before the server
     would close them."""
+    import httpx
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections, keepalive_expiry=CLIENT_KEEP_ALIVE_S)
     return httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, trust_env=False,
@@ -55,6 +57,8 @@ def own_client(base_url: str, api_key: str | None = None, timeout_s: float = 600
 
 def fresh_client(client: httpx.Client, uds: str | None = None) -> httpx.Client:
     """A client like `client` whose every request opens a connection of its own (none is kept)."""
+    import httpx
+
     return httpx.Client(base_url=client.base_url, headers=client.headers, timeout=client.timeout, trust_env=False,
                         transport=httpx.HTTPTransport(uds=uds, limits=httpx.Limits(max_keepalive_connections=0)))
 
@@ -62,6 +66,8 @@ def fresh_client(client: httpx.Client, uds: str | None = None) -> httpx.Client:
 def health_gone(fresh: httpx.Client) -> str | None:
     """How a server that failed in transport is doing, asked on a fresh connection to its bare
     `/health`: None while it answers 200, else what it answered (vLLM says 503 once its engine died)."""
+    import httpx
+
     try:
         reply = fresh.get("/health", timeout=5.0)
     except httpx.HTTPError as err:
@@ -108,6 +114,9 @@ class OwnServer:
         """The server's reply. A transport fault: ServerGone when the server is gone; a retry on a
         fresh connection (up to RETRIES, logged) when it lives and the request is `repeatable`;
         RequestLost when it lives and the request is not."""
+        import httpx
+
+        faults = (httpx.NetworkError, httpx.RemoteProtocolError)  # the connection failed; a timeout is not retried (a slow server)
         for attempt in range(RETRIES + 1):
             try:
                 return (self.client if attempt == 0 else self.fresh).request(method, path, **kwargs)  # a retry: never a pooled connection
@@ -116,7 +125,7 @@ class OwnServer:
                     raise self.gone_error(how) from None
                 raise RequestLost(f"{method} {path} to {self.what} got no answer in time ({type(err).__name__}) though the "
                                   "server is alive: paused, sleeping or overloaded") from err
-            except _FAULTS as err:
+            except faults as err:
                 if (how := self.gone()) is not None:
                     raise self.gone_error(how) from None
                 if not repeatable:

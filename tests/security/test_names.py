@@ -191,6 +191,7 @@ def test_sft_and_self_play_jobs_refuse_bad_ids_and_player_names(tmp_path):
                           "storage": {"base_url": f"file://{tmp_path}/a/b/runs"}})
     play = yaml.safe_load((ROOT / "examples/gomoku_selfplay.yaml").read_text())
     play["model"] = {"name": "tiny-random"}
+    play["rollout"]["max_total_tokens"] = 1024  # the tiny model's context (the example's 4096 is SmolLM2's to give)
     play["checkpoint"]["base_url"] = f"file://{tmp_path}/a/b/runs"
     before = _tree(tmp_path)
     with pytest.raises(InvalidJobId, match=r"job_id '\.\./\.\./x': contains a path separator"):

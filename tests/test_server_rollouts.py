@@ -101,3 +101,51 @@ def test_server_engine_specs_are_checked(tmp_path):
         parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "vllm", "weight_sync": "lora"}})
     assert parse_spec(base | {"adapter": {"kind": "full"}, "rollout": {"engine": "vllm"}}).rollout.engine == "vllm"
     assert parse_spec(base | {"rollout": {"engine": "vllm"}}).rollout.weight_sync == "auto"
+
+
+def test_rollout_tokens_per_second_divide_by_the_time_requests_were_in_flight():
+    """Requests overlap (a step's groups ask at once): the engine's seconds are the wall time with any
+    request in flight, not the sum of each request's own time, which made `rollout/tokens_per_s`
+    read 1-8 tok/s for steps that sampled 2,048 tokens in 1-2 s. Four concurrent calls, each
+    answered after 0.4 s: the engine counts their overlap once, not the 1.6 s or more they add up to."""
+    import asyncio
+    import json
+    import threading
+    import time
+
+    from opentinker.backend.server_engine import ServerHandle, ServerRolloutEngine
+    from opentinker.inference.server import serve_in_thread
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        request = json.loads((await receive())["body"])
+        await asyncio.sleep(0.4)
+        choices = [{"index": i, "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "length"}
+                   for i in range(len(request["prompt"]))]
+        body = json.dumps({"model": request["model"], "choices": choices}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    running = serve_in_thread(app, "127.0.0.1", 0, model="base")
+    engine = ServerRolloutEngine(ServerHandle(running.url, "base"), tolerance=1e-3)
+    own: list[float] = []  # each call's own time
+
+    def call() -> None:
+        t = time.perf_counter()
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, greedy=True))
+        own.append(time.perf_counter() - t)
+
+    try:
+        calls = [threading.Thread(target=call) for _ in range(4)]
+        t0 = time.perf_counter()
+        for thread in calls:
+            thread.start()
+        for thread in calls:
+            thread.join()
+        wall = time.perf_counter() - t0
+    finally:
+        engine.close()
+        running.stop()
+    assert engine.generated_tokens == 8 and len(own) == 4
+    assert 0 < engine.generate_seconds <= wall and engine.generate_seconds < sum(own) / 2  # the overlap counted once

@@ -76,6 +76,7 @@ def test_a_multi_turn_record_through_vllm_is_token_exact(vllm_pool, vllm_tiny_pa
                              SamplingParams(max_new_tokens=6), EpisodeLimits(max_turns=3, max_total_tokens=512))
     finally:
         engine.close()
+    assert "Failed to load weights" not in server.log.read_text()  # the in-place reload's false alarms (vllm_worker.py)
     for t in trajs:
         assert not t.failed and len(t.turns) == 3 and t.stop_reason == "done"
         spans = _spans(t.loss_mask)

@@ -99,6 +99,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/stream_slots.py
 	$(PY) bench/vllm_engine.py --steps 3
 	$(PY) bench/vllm_engine.py --steps 3 --adapter full
+	$(PY) bench/keep_alive.py --rounds 16
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .opentinker .pytest_cache

@@ -329,7 +329,8 @@ class ServerRolloutEngine:
         with self._syncing:
             if self.synced_version == version:
                 return None
-            self.verified()  # the previous version's probe reads the weights this sync replaces; its failure stops syncs
+            if self._verdict is not None:  # the previous version's probe reads the weights this sync replaces; its failure stops syncs
+                self._verdict.result()
             from safetensors.torch import save_file
 
             path = self._shared / f"policy-v{version}.safetensors"

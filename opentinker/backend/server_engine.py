@@ -110,7 +110,7 @@ class ServerRolloutEngine:
         self._using: Counter[str] = Counter()
         self._retired: set[str] = set()
         self._names = threading.Lock()
-        self._syncing = threading.RLock()  # a sync checks the previous one's verdict (check_untouched takes it too)
+        self._syncing = threading.Lock()
         self.policy_version = 0
         self.synced_version: int | None = None
         # prefix cache salts are this engine's own: another engine's version N on the same server (a
@@ -152,7 +152,7 @@ class ServerRolloutEngine:
         if self._stalled is not None:
             raise self._stalled
         if not reply.is_success:
-            self._gone_if_dead(reply)
+            self.calls.raise_if_dead(reply)
             raise RuntimeError(f"the inference server at {self.server.address} answered {reply.status_code}: {reply.text[:300]}")
         data = reply.json()
         if data.get("model") != model:
@@ -175,11 +175,6 @@ class ServerRolloutEngine:
         a server gone is ServerGone, one line the job fails with (core/own_servers.py)."""
         return self.calls.call(method, path, repeatable=True, **kwargs)
 
-    def _gone_if_dead(self, reply: Any) -> None:
-        """A server error from a server whose engine died (vLLM answers 500 with "EngineCore
-        encountered an issue" and its health check 503) is ServerGone, with how it ended."""
-        if reply.status_code >= 500 and (how := self.calls.gone()) is not None:
-            raise self.calls.gone_error(how)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int] | None = None,
                  images: list[list[Any]] | None = None, generators: list[torch.Generator | None] | None = None) -> list[Completion]:

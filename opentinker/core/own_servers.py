@@ -110,6 +110,12 @@ class OwnServer:
     def gone_error(self, how: str) -> ServerGone:
         return ServerGone(f"{self.what} is gone: {how}; {self.resume_hint}")
 
+    def raise_if_dead(self, reply: httpx.Response) -> None:
+        """A server error from a server whose engine died (vLLM answers 500 with "EngineCore
+        encountered an issue" and its health check 503) is ServerGone, saying so."""
+        if reply.status_code >= 500 and (how := self.gone()) is not None:
+            raise self.gone_error(how)
+
     def call(self, method: str, path: str, *, repeatable: bool, **kwargs: Any) -> httpx.Response:
         """The server's reply. A transport fault: ServerGone when the server is gone; a retry on a
         fresh connection (up to RETRIES, logged) when it lives and the request is `repeatable`;

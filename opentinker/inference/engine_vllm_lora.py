@@ -178,8 +178,7 @@ class VLLMAdapterEngine:
     def _complete(self, body: dict[str, Any]) -> Completion:
         reply = self.calls.call("POST", "/v1/completions", repeatable=True, json=body)
         if not reply.is_success:
-            if reply.status_code >= 500 and (how := self.calls.gone()) is not None:
-                raise self.calls.gone_error(how)
+            self.calls.raise_if_dead(reply)
             raise RuntimeError(f"vLLM refused a sampling request ({reply.status_code}): {reply.text[:300]}")
         choice = reply.json()["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]

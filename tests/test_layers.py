@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "opentinker"
 
 # Bottom to top: a package may import from those before it, never from those after it.
-LAYERS = ["core", "algo", "env", "environment", "tracking", "storage", "model", "backend", "agent", "rl", "sft", "eval",
+LAYERS = ["core", "algo", "env", "environment", "tools", "tracking", "storage", "model", "backend", "agent", "rl", "sft", "eval",
           "inference", "tinker", "control", "orchestration", "client", "cli"]
 # The runtime: what a job needs to train in one process. No workflow engine, no cluster.
-RUNTIME = ["core", "algo", "env", "environment", "tracking", "storage", "model", "backend", "agent", "rl", "sft", "eval", "inference", "tinker"]
+RUNTIME = ["core", "algo", "env", "environment", "tools", "tracking", "storage", "model", "backend", "agent", "rl", "sft", "eval", "inference", "tinker"]
 CONTROL_PLANE = ("prefect", "prefect_ray", "ray")
 HEAVY = ("torch", "transformers", "peft", "trl", "ray", "prefect", "prefect_ray", "mlflow")
 MAX_LINES = 420

@@ -1,15 +1,21 @@
 """Multi-turn arithmetic where the model may call a calculator before it answers.
 
-SmolLM2's chat template has no tool-call format, so the tool uses tags inside plain text:
+The calculator is a declared tool (`get_tools`: an OpenAI function schema), so the model calls it
+in its chat template's own format, or the default hermes format where the template has none
+(opentinker/tools/formats.py), and the agent loop answers the call with a `tool` message:
 
-    assistant: <calc>17 * 23</calc>        (call the calculator, one call per turn)
-    user:      <result>391</result>        (or <error>MESSAGE</error>)
+    assistant: <tool_call>
+               {"name": "calculator", "arguments": {"expression": "17 * 23"}}
+               </tool_call>
+    user:      <tool_response>
+               391
+               </tool_response>
     assistant: Answer: 391                 (ends the episode)
 
-Each step: a turn with `Answer: N` ends the episode (reward 1 if N is right, else 0; it wins over
-a call in the same turn). Otherwise a turn with `<calc>` gets the result or an error as the next
-user message (reward 0); after `max_tool_calls` calls every further call gets an error. A turn
-with neither ends the episode with reward 0. Only the first call of a turn is evaluated.
+The game sees only the turns without a call: `Answer: N` ends the episode (reward 1 if N is
+right, else 0); a turn with neither a call nor an answer ends it with reward 0. After
+`max_tool_calls` calls in an episode every further call gets an error. A malformed call (not JSON,
+an unknown tool, a missing expression) is answered with an error by the agent loop, and counted.
 
 `tool_bonus` (off by default) is added to the final reward when a call returned a result. Like a
 format bonus it invites reward hacking (calling the tool on anything, then answering whatever),
@@ -27,24 +33,30 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import time
 import zlib
 from typing import Any
 
 from envs.math import parse_answer
-from envs.math_tool.calculator import calculate, safe_eval
+from envs.math_tool.calculator import ALLOWED, calculate, safe_eval
 from opentinker.env import AbstractGame, StepResult
+from opentinker.tools.declared import Tool, ToolError
 
-CALL_RE = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
-SYSTEM_PROMPT = (
-    "Solve the arithmetic problem. You may use a calculator: write <calc>EXPRESSION</calc> "
-    "(numbers, + - * / // % ** and parentheses) and the result comes back as <result>VALUE</result>. "
-    "Give the final answer as 'Answer: <number>'."
-)
+SYSTEM_PROMPT = ("Solve the arithmetic problem. You may use the calculator tool. "
+                 "Give the final answer as 'Answer: <number>'.")
+CALCULATOR = {"type": "object", "properties": {"expression": {"type": "string", "description": f"arithmetic: {ALLOWED}"}},
+              "required": ["expression"], "additionalProperties": False}
+
+
+def _call(expression: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "calculator",
+                                                                                                "arguments": {"expression": expression}}}]}
+
+
 EXAMPLES = [
-    ["What is 17 * 23?", "<calc>17 * 23</calc>", "<result>391</result>", "Answer: 391"],
-    ["What is 8 + 5?", "Answer: 13"],  # the calculator is optional
+    [{"role": "user", "content": "What is 17 * 23?"}, _call("17 * 23"), {"role": "tool", "name": "calculator", "content": "391"},
+     {"role": "assistant", "content": "Answer: 391"}],
+    [{"role": "user", "content": "What is 8 + 5?"}, {"role": "assistant", "content": "Answer: 13"}],  # the calculator is optional
 ]
 _OPERATIONS = ("+", "-", "*")
 # (operations used, question, expression giving the answer); a, b, c are drawn operands.
@@ -57,7 +69,7 @@ WORD_PROBLEMS = [
 
 
 class MathToolGame(AbstractGame):
-    """One arithmetic question per episode; calculator calls are extra turns."""
+    """One arithmetic question per episode; calculator calls are extra turns the agent loop answers."""
 
     def __init__(self, few_shot: int = 1, max_tool_calls: int = 3, tool_bonus: float = 0.0, system_prompt: str = SYSTEM_PROMPT,
                  tool_latency: dict[str, Any] | None = None):
@@ -71,7 +83,7 @@ class MathToolGame(AbstractGame):
         self.tool_bonus = tool_bonus
         self.system_prompt = system_prompt
         self.question, self.answer = "", 0
-        self.tool_calls = self.tool_errors = self._tool_results = 0
+        self.calls = self.results = 0
 
     @classmethod
     def generate_task(cls, rng: Any, low: int = 2, high: int = 99, operations: list[str] | tuple[str, ...] = _OPERATIONS,
@@ -97,46 +109,40 @@ class MathToolGame(AbstractGame):
     def get_system_prompt(self) -> str:
         return self.system_prompt
 
-    def get_example_turns(self) -> list[dict[str, str]]:
-        roles = ("user", "assistant")
-        return [{"role": roles[i % 2], "content": text} for ex in EXAMPLES[: self.few_shot] for i, text in enumerate(ex)]
+    def get_example_turns(self) -> list[dict[str, Any]]:
+        return [turn for example in EXAMPLES[: self.few_shot] for turn in example]
+
+    def get_tools(self) -> list[Tool]:
+        return [Tool("calculator", "Evaluate an arithmetic expression.", self.calculate, CALCULATOR, timeout_s=60.0)]
 
     def reset(self, question: str, answer: int, **_: Any) -> str:
         self.question, self.answer = question, int(answer)
-        self.tool_calls = self.tool_errors = self._tool_results = 0
+        self.calls = self.results = 0
         return question
+
+    def calculate(self, arguments: dict[str, Any]) -> str:
+        """The calculator tool: the value, or a ToolError the model reads."""
+        self.calls += 1
+        time.sleep(self.latency.draw(self.question, self.calls))
+        if self.calls > self.max_tool_calls:
+            raise ToolError("tool call limit reached; give your answer")
+        ok, text = calculate(arguments["expression"])
+        if not ok:
+            raise ToolError(text)
+        self.results += 1
+        return text
 
     def step(self, action: str) -> StepResult:
         given = parse_answer(action)
-        if given is not None:
-            correct = given == self.answer
-            reward = (1.0 if correct else 0.0) + (self.tool_bonus if self._tool_results else 0.0)
-            return self._result("Correct." if correct else f"Incorrect: {self.answer}.", reward, True, correct, given, True)
-        if "<calc>" not in action:
-            return self._result("No answer given.", 0.0, True, False, None, False)
-        self.tool_calls += 1
-        time.sleep(self.latency.draw(self.question, self.tool_calls))
-        ok, text = self._call(action)
-        if ok:
-            self._tool_results += 1
-        else:
-            self.tool_errors += 1
-        observation = f"<result>{text}</result>" if ok else f"<error>{text}</error>"
-        # format_ok stays False until an answer: an episode cut off by max_turns counts as unformatted.
-        return self._result(observation, 0.0, False, False, None, False)
+        if given is None:
+            return self._result("No answer given.", 0.0, False, None)
+        correct = given == self.answer
+        reward = (1.0 if correct else 0.0) + (self.tool_bonus if self.results else 0.0)
+        return self._result("Correct." if correct else f"Incorrect: {self.answer}.", reward, correct, given)
 
-    def _call(self, action: str) -> tuple[bool, str]:
-        if self.tool_calls > self.max_tool_calls:
-            return False, "tool call limit reached; give your answer"
-        match = CALL_RE.search(action)
-        if match is None:
-            return False, "unclosed <calc> tag: write <calc>EXPRESSION</calc>"
-        return calculate(match.group(1))
-
-    def _result(self, observation: str, reward: float, done: bool, correct: bool, given: int | None, format_ok: bool) -> StepResult:
-        info = {"correct": correct, "answer": given, "expected": self.answer, "tool_calls": self.tool_calls,
-                "tool_errors": self.tool_errors, "format_ok": format_ok}
-        return StepResult(observation=observation, reward=reward, done=done, info=info)
+    def _result(self, observation: str, reward: float, correct: bool, given: int | None) -> StepResult:
+        info = {"correct": correct, "answer": given, "expected": self.answer, "format_ok": given is not None}
+        return StepResult(observation=observation, reward=reward, done=True, info=info)
 
 
 class ToolLatency:

@@ -13,6 +13,8 @@ from typing import Any
 
 from opentinker.core.trajectory import VisualInput
 from opentinker.env.observation import Observation
+from opentinker.tools.declared import ToolResult
+from opentinker.tools.formats import ToolFormat
 
 PLACEHOLDER = "\u2063OPENTINKERPLACEHOLDER\u2063"
 
@@ -47,6 +49,11 @@ class ChatFormat:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     @cached_property
+    def tools(self) -> ToolFormat:
+        """How this policy reads tools and writes calls (its template's format, or the hermes default)."""
+        return ToolFormat(self.tokenizer)
+
+    @cached_property
     def max_token_chars(self) -> int | None:
         """The most characters one token of the vocabulary stands for (its longest entry; byte-level
         entries count a character per byte): a text of n characters is at least n / this many tokens."""
@@ -75,10 +82,24 @@ class ChatFormat:
             closing = self._after_assistant
         return self.encode(closing + self._user_prefix + observation + self._user_suffix)
 
+    def tool_results_ids(self, results: list[ToolResult], policy_stopped: bool) -> list[int]:
+        """Tokens that close the assistant turn (if the policy did not), add the turn's tool results
+        as the template renders `tool` messages, and open the next assistant turn: the difference the
+        results make to a placeholder conversation, so earlier tokens are never re-rendered."""
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": PLACEHOLDER}]
+        closed = self.tools.render(base, None, add_generation_prompt=False)
+        opened = self.tools.render(base + tool_messages(results), None, add_generation_prompt=True)
+        if not opened.startswith(closed):
+            raise ValueError("the chat template re-renders earlier turns when tool results follow; it cannot be trained turn by turn")
+        closing = self._after_eos if policy_stopped and self._after_eos is not None else closed[closed.index(PLACEHOLDER) + len(PLACEHOLDER):]
+        return self.encode(closing + opened[len(closed):])
+
     # --- chunks: what the agent loop appends (a VLM's format adds images, see vision_chat.py) ---
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> Chunk:
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Chunk:
         if any(not isinstance(m.get("content"), str) for m in messages):
             raise no_images("the first observation")
+        if tools:
+            return Chunk(self.encode(self.tools.render(messages, tools, add_generation_prompt=True)))
         return Chunk(self.prompt_ids(messages))
 
     def encode_observation(self, observation: str | Observation, policy_stopped: bool) -> Chunk:
@@ -90,3 +111,8 @@ class ChatFormat:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def tool_messages(results: list[ToolResult]) -> list[dict[str, Any]]:
+    """The `tool` messages of a turn's results, as chat templates and the OpenAI API take them."""
+    return [{"role": "tool", "content": r.content, "name": r.name, "tool_call_id": r.call_id} for r in results]

@@ -22,12 +22,15 @@ import torch
 
 from opentinker.agent.chat import ChatFormat
 from opentinker.agent.guard import call_with_timeout, check_step_result
+from opentinker.agent.tool_turns import answer_tool_turn, episode_tools, final_counts
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractGame
 from opentinker.env.hosting import start_episode
 from opentinker.env.messages import initial_messages, user_content
 from opentinker.env.observation import Observation
+from opentinker.tools.declared import Tool
+from opentinker.tools.toolbox import ToolBox
 
 
 class EpisodeState(enum.Enum):
@@ -42,6 +45,8 @@ class EpisodeLimits:
     max_turns: int = 1
     max_total_tokens: int = 1024
     step_timeout_s: float = 10.0
+    tools: list[Tool] = field(default_factory=list)  # the job's own (env.tools), beside each game's get_tools()
+    max_tool_calls_per_turn: int = 4
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Episode:
     state: EpisodeState = EpisodeState.PENDING
     traj: Trajectory | None = None
     last_stopped: bool = False
+    tools: ToolBox | None = None
     history: list[EpisodeState] = field(default_factory=list)
 
     def move(self, state: EpisodeState) -> None:
@@ -89,6 +95,7 @@ def run_episodes(
         each(episodes, lambda ep: _play(ep, engine, chat, params, limits), max_in_flight)
     finally:
         for ep in episodes:
+            final_counts(ep.tools, ep.traj)
             try:
                 ep.game.close()
             except Exception:  # noqa: BLE001 - closing is best effort
@@ -130,8 +137,10 @@ def _start(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
 
     def reset() -> tuple[list[dict[str, Any]], Any]:
         messages = initial_messages(ep.game, start_episode(ep.game, ep.task))
+        ep.tools = episode_tools(ep.game, limits.tools, limits.max_tool_calls_per_turn)
+        schemas = ep.tools.schemas() if ep.tools is not None else None
         least = chat.min_tokens(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)))
-        return messages, (least if least >= limits.max_total_tokens else chat.encode_prompt(messages))
+        return messages, (least if least >= limits.max_total_tokens else chat.encode_prompt(messages, schemas))
 
     out = call_with_timeout(reset, limits.step_timeout_s)
     if out.error:
@@ -186,9 +195,21 @@ def _generate(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: Samp
 
 
 def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
-    """INTERACTING: step the environment; its observation enters with mask 0."""
+    """INTERACTING: the turn's tool calls answered by the tools, or else the environment stepped;
+    what comes back enters with mask 0."""
     traj = ep.traj
     t0 = time.perf_counter()
+    try:
+        answered = answer_tool_turn(ep.tools, chat, traj, ep.last_stopped) if ep.tools is not None else None
+    except ValueError as err:  # a template that cannot render tool results turn by turn
+        _fail(ep, f"tools: {err}")
+        return
+    if answered is not None:
+        traj.env_seconds.append(time.perf_counter() - t0)
+        ids, text = answered
+        traj.turns[-1].observation = _clip(text)
+        _go_on(ep, chat, limits, text, lambda: ids, lambda _: traj.append_observation(ids, text))
+        return
     out = call_with_timeout(ep.game.step, limits.step_timeout_s, traj.turns[-1].action)
     traj.env_seconds.append(time.perf_counter() - t0)
     if out.error:
@@ -206,25 +227,39 @@ def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
     traj.info.update(result.info)
     if result.done:
         traj.stop_reason = "done"
-    elif len(traj.turns) >= limits.max_turns:
-        traj.stop_reason = "max_turns"
-    else:
-        left = limits.max_total_tokens - len(traj)
-        if (least := chat.min_tokens(len(text))) >= left:  # not encoded: it cannot fit
-            _cut(ep, f"turn {len(traj.turns)}'s observation is at least {least:,} tokens; {left:,} of rollout.max_total_tokens "
-                     f"{limits.max_total_tokens:,} were left")
-            return
-        try:
-            chunk = chat.encode_observation(observation, ep.last_stopped)
-        except ValueError as err:  # images for a language model, an image the processor refuses
-            _fail(ep, f"step: {err}")
-            return
-        if len(chunk.ids) >= left:
-            _cut(ep, f"turn {len(traj.turns)}'s observation is {len(chunk.ids):,} tokens; {left:,} of rollout.max_total_tokens "
-                     f"{limits.max_total_tokens:,} were left")
-            return
+        ep.move(EpisodeState.TERMINATED)
+        return
+
+    def appended(chunk: Any) -> None:
         traj.append_observation(chunk.ids, text, chunk.visual)
         traj.messages.append({"role": "user", "content": user_content(text, images)})
-        ep.move(EpisodeState.GENERATING)
+
+    _go_on(ep, chat, limits, text, lambda: chat.encode_observation(observation, ep.last_stopped), appended)
+
+
+def _go_on(ep: Episode, chat: ChatFormat, limits: EpisodeLimits, text: str, encode: Callable[[], Any],
+           append: Callable[[Any], None]) -> None:
+    """After an answered turn: the next turn when the episode has turns and tokens left for it
+    (`encode()` the answer's tokens, `append(them)` to the record), else the episode's end."""
+    traj = ep.traj
+    if len(traj.turns) >= limits.max_turns:
+        traj.stop_reason = "max_turns"
+        ep.move(EpisodeState.TERMINATED)
         return
-    ep.move(EpisodeState.TERMINATED)
+    left = limits.max_total_tokens - len(traj)
+    if (least := chat.min_tokens(len(text))) >= left:  # not encoded: it cannot fit
+        _cut(ep, f"turn {len(traj.turns)}'s observation is at least {least:,} tokens; {left:,} of rollout.max_total_tokens "
+                 f"{limits.max_total_tokens:,} were left")
+        return
+    try:
+        chunk = encode()
+    except ValueError as err:  # images for a language model, an image the processor refuses
+        _fail(ep, f"step: {err}")
+        return
+    ids = chunk if isinstance(chunk, list) else chunk.ids
+    if len(ids) >= left:
+        _cut(ep, f"turn {len(traj.turns)}'s observation is {len(ids):,} tokens; {left:,} of rollout.max_total_tokens "
+                 f"{limits.max_total_tokens:,} were left")
+        return
+    append(chunk)
+    ep.move(EpisodeState.GENERATING)

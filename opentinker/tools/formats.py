@@ -1,0 +1,168 @@
+"""How a policy writes tools and calls: its own chat template where it renders `tools=`, and
+otherwise one documented default, the hermes format (Qwen2.5's, NousResearch's Hermes):
+
+    system:    … # Tools … <tools>{function schema as JSON}…</tools> … how to call …
+    assistant: <tool_call>
+               {"name": "python", "arguments": {"code": "print(17 * 23)"}}
+               </tool_call>
+    user:      <tool_response>
+               391
+               </tool_response>
+
+The default is itself a chat template: a short Jinja prelude placed before the model's own
+template that writes the tools into the system message, an assistant message's `tool_calls` as
+`<tool_call>` blocks and `tool` messages as `<tool_response>` user turns. Training renders with it,
+and `opentinker serve` hands the same text to vLLM (`--chat-template`, with its `hermes` tool
+parser), so a served checkpoint reads and writes tools exactly as it was trained to.
+
+Calls are parsed with the tokenizer's response parser where it has one (`response_template`),
+otherwise as hermes `<tool_call>` blocks (vLLM's hermes parser reads the same).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentinker.tools.declared import ToolCall
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_HOW = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+             "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+
+# Rewrites `messages` before the model's own template reads them (Jinja: top-level `set` is seen
+# by the rest of the template). Kept in one place so training and serving render the same text.
+HERMES_PRELUDE = (
+    "{%- set _ot = namespace(out=[], pending='', tools='') -%}\n"
+    "{%- if tools -%}{%- for tool in tools -%}{%- set _ot.tools = _ot.tools ~ '\\n' ~ (tool | tojson) -%}{%- endfor -%}"
+    "{%- set _ot.tools = " + json.dumps(TOOLS_INTRO) + " ~ _ot.tools ~ " + json.dumps(TOOLS_HOW) + " -%}{%- endif -%}\n"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}"
+    "{%- set _ot.pending = _ot.pending ~ ('\\n' if _ot.pending else '') ~ '<tool_response>\\n' ~ m.content ~ '\\n</tool_response>' -%}"
+    "{%- else -%}"
+    "{%- if _ot.pending -%}{%- set _ot.out = _ot.out + [{'role': 'user', 'content': _ot.pending}] -%}{%- set _ot.pending = '' -%}{%- endif -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}"
+    "{%- set _call = namespace(text=(m.content or '')) -%}"
+    "{%- for c in m.tool_calls -%}{%- set f = c.function if c.function is defined else c -%}"
+    "{%- set _call.text = _call.text ~ ('\\n' if _call.text else '') ~ '<tool_call>\\n{\"name\": ' ~ (f.name | tojson) ~ "
+    "', \"arguments\": ' ~ (f.arguments if f.arguments is string else (f.arguments | tojson)) ~ '}\\n</tool_call>' -%}"
+    "{%- endfor -%}"
+    "{%- set _ot.out = _ot.out + [{'role': 'assistant', 'content': _call.text}] -%}"
+    "{%- elif m.role == 'system' and _ot.tools and not _ot.out -%}"
+    "{%- set _ot.out = _ot.out + [{'role': 'system', 'content': m.content ~ '\\n\\n' ~ _ot.tools}] -%}"
+    "{%- else -%}{%- set _ot.out = _ot.out + [m] -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if _ot.pending -%}{%- set _ot.out = _ot.out + [{'role': 'user', 'content': _ot.pending}] -%}{%- endif -%}"
+    "{%- if _ot.tools and not (_ot.out and _ot.out[0].role == 'system') -%}"
+    "{%- set _ot.out = [{'role': 'system', 'content': _ot.tools}] + _ot.out -%}{%- endif -%}"
+    "{%- set messages = _ot.out -%}\n"
+)
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "opentinker_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_renders_tools(tokenizer: Any, template: str | None = None) -> bool:
+    """Whether a chat template writes the tools it is given (Qwen's, Llama 3.1's do; SmolLM2's ignores them)."""
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that fails on tools= does not render them
+        return False
+    return "opentinker_probe_tool" in text
+
+
+def hermes_template(model_template: str) -> str:
+    """The default format: the hermes prelude before the model's own template."""
+    return HERMES_PRELUDE + model_template
+
+
+@dataclass
+class ParsedTurn:
+    """What one assistant turn asked for: the calls that parsed, and one line per call that did not."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    content: str = ""
+
+    @property
+    def attempted(self) -> bool:
+        return bool(self.calls or self.errors)
+
+
+class ToolFormat:
+    """The rendering and the parsing of one tokenizer's tool calls (`format`: "auto" takes the
+    template's own where it renders tools, else "hermes"; "template" insists on the template's)."""
+
+    def __init__(self, tokenizer: Any, format: str = "auto"):
+        if format not in ("auto", "template", "hermes"):
+            raise ValueError(f"tool format {format!r}: auto, template or hermes")
+        self.tokenizer = tokenizer
+        own = template_renders_tools(tokenizer)
+        if format == "template" and not own:
+            raise ValueError("the policy's chat template does not render tools= (format 'template'); use 'auto' or 'hermes'")
+        self.name = "template" if own and format != "hermes" else "hermes"
+        self.chat_template: str | None = None if self.name == "template" else hermes_template(_model_template(tokenizer))
+        self.response_template = getattr(tokenizer, "response_template", None) if self.name == "template" else None
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
+        """The conversation as the policy reads it, tools and all."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def parse(self, text: str, prefix: str = "") -> ParsedTurn:
+        """The calls in one assistant turn; a malformed one becomes an error line, never an exception."""
+        if self.response_template is not None:
+            return self._parse_with_template(text, prefix)
+        turn = ParsedTurn(content=text.split(CALL_OPEN, 1)[0].strip())
+        for i, body in enumerate(_CALL.findall(text)):
+            _add_call(turn, body.strip(), i)
+        return turn
+
+    def _parse_with_template(self, text: str, prefix: str) -> ParsedTurn:
+        try:
+            message = self.tokenizer.parse_response(text, prefix=prefix)
+        except Exception as err:  # noqa: BLE001 - the model's text is not the format
+            return ParsedTurn(errors=[f"the tool call could not be read: {type(err).__name__}: {err}"], content=text)
+        turn = ParsedTurn(content=str(message.get("content") or ""))
+        for i, call in enumerate(message.get("tool_calls") or []):
+            function = call.get("function", call) if isinstance(call, dict) else {}
+            _add_call(turn, json.dumps({"name": function.get("name"), "arguments": function.get("arguments")}), i)
+        return turn
+
+
+def _model_template(tokenizer: Any) -> str:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str):
+        raise ValueError("the policy's tokenizer has no chat template to render tools with")
+    return template
+
+
+def _add_call(turn: ParsedTurn, body: str, index: int) -> None:
+    """One `{"name": …, "arguments": {…}}` object, or the reason it is not one."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as err:
+        turn.errors.append(f"tool call {index + 1} is not valid JSON ({err.msg} at character {err.pos}); write "
+                           f'{CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{CALL_CLOSE}')
+        return
+    arguments = data.get("arguments", data.get("parameters", {})) if isinstance(data, dict) else None
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as the OpenAI API does
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(arguments, dict):
+        turn.errors.append(f'tool call {index + 1} must be an object {{"name": "...", "arguments": {{...}}}}')
+        return
+    turn.calls.append(ToolCall(name=data["name"], arguments=arguments, id=f"call_{index}"))

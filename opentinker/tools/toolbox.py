@@ -1,0 +1,105 @@
+"""The tools of one episode: the calls of a turn checked against their schemas, each run within
+its time, and answered as `tool` messages; every malformed or failed call is an answer the model
+reads (and a count), never a crashed episode.
+
+Counts, in the episode's info (tracking/metrics turns them into rates): `tool_calls` (every call
+attempted, malformed ones too), `tool_invalid` (malformed: not JSON, an unknown tool, arguments
+that fail the schema, over the turn's limit) and `tool_errors` (invalid, or the tool failed or
+timed out).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from opentinker.tools.declared import NAME_PATTERN, Tool, ToolCall, ToolError, ToolResult
+from opentinker.tools.formats import ParsedTurn
+
+MAX_RESULT_CHARS = 4000  # what a tool message keeps of a long answer (the model reads the start)
+INVALID = ("bad_call", "unknown_tool", "bad_arguments", "too_many_calls")
+
+Bounded = Callable[..., Any]  # (fn, timeout_s, *args) -> an outcome with .value and .error (agent.guard.call_with_timeout)
+
+
+def checked_tools(tools: list[Tool]) -> list[Tool]:
+    """The tools, refused in one line if a name is malformed or repeated or a schema is not a JSON Schema."""
+    import re
+
+    seen: set[str] = set()
+    for tool in tools:
+        if not isinstance(tool, Tool):
+            raise TypeError(f"a declared tool is {type(tool).__name__}, expected opentinker.tools.Tool")
+        if not re.match(NAME_PATTERN, tool.name):
+            raise ValueError(f"tool name {tool.name!r} must match {NAME_PATTERN}")
+        if tool.name in seen:
+            raise ValueError(f"two tools are named {tool.name!r}: tool names must be distinct")
+        seen.add(tool.name)
+        try:
+            Draft202012Validator.check_schema(tool.parameters)
+        except SchemaError as err:
+            raise ValueError(f"tool {tool.name!r}: parameters is not a JSON Schema: {err.message}") from None
+    return tools
+
+
+class ToolBox:
+    """One episode's tools. `answer(turn, bounded)` runs a parsed turn's calls in order."""
+
+    def __init__(self, tools: list[Tool], max_calls_per_turn: int = 4, max_result_chars: int = MAX_RESULT_CHARS):
+        self.tools = {t.name: t for t in checked_tools(tools)}
+        self._validators = {t.name: Draft202012Validator(t.parameters) for t in tools}
+        self.max_calls_per_turn = max_calls_per_turn
+        self.max_result_chars = max_result_chars
+        self.counts = {"tool_calls": 0, "tool_invalid": 0, "tool_errors": 0}
+
+    def schemas(self) -> list[dict[str, Any]]:
+        return [t.schema() for t in self.tools.values()]
+
+    def answer(self, turn: ParsedTurn, bounded: Bounded) -> list[ToolResult]:
+        """A result for every call of the turn: the malformed ones first, then the others in the order written."""
+        results = [ToolResult(name="", content=f"error: {line}", error="bad_call") for line in turn.errors]
+        for call in turn.calls:
+            if len(results) >= self.max_calls_per_turn:
+                results.append(ToolResult(call.name, f"error: at most {self.max_calls_per_turn} tool calls a turn; this one was not run",
+                                          "too_many_calls", call.id))
+            else:
+                results.append(self._one(call, bounded))
+        for result in results:
+            self.counts["tool_calls"] += 1
+            self.counts["tool_invalid"] += result.error in INVALID
+            self.counts["tool_errors"] += result.error is not None
+        return results
+
+    def _one(self, call: ToolCall, bounded: Bounded) -> ToolResult:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(self.tools) or "none"
+            return ToolResult(call.name, f"error: there is no tool named {json.dumps(call.name)[:80]} (tools: {known})", "unknown_tool", call.id)
+        problem = next(iter(self._validators[tool.name].iter_errors(call.arguments)), None)
+        if problem is not None:
+            where = "/".join(str(p) for p in problem.absolute_path) or "arguments"
+            return ToolResult(tool.name, f"error: {where}: {problem.message[:300]}", "bad_arguments", call.id)
+        t0 = time.perf_counter()
+        out = bounded(_run, tool.timeout_s, tool, call.arguments)
+        seconds = time.perf_counter() - t0
+        if out.error is None:
+            return ToolResult(tool.name, self._clip(out.value), None, call.id, seconds)
+        kind = "timeout" if out.error.startswith("timed out") else "failed"
+        message = out.error.split(": ", 1)[1] if out.error.startswith("ToolError: ") else out.error
+        return ToolResult(tool.name, self._clip(f"error: {message}"), kind, call.id, seconds)
+
+    def _clip(self, text: str) -> str:
+        if len(text) <= self.max_result_chars:
+            return text
+        return f"{text[: self.max_result_chars]}\n… ({len(text):,} characters; the rest was cut)"
+
+
+def _run(tool: Tool, arguments: dict[str, Any]) -> str:
+    value = tool.run(arguments)
+    if not isinstance(value, str):
+        raise ToolError(f"the tool returned {type(value).__name__}, not text")
+    return value

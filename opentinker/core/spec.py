@@ -19,12 +19,12 @@ from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
 from opentinker.core.model_names import context_length, folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, read_spec_file, validate_spec
+from opentinker.core.tool_spec import ToolSource
 
 
 def storage_url(v: str) -> str:
-    """An fsspec URL; a local path is made absolute (pinned to the submitter's directory, so a
-    worker with another working directory writes where the user looks). Credentials never go in
-    a URL: they come from the environment (AWS_* variables, instance roles)."""
+    """An fsspec URL; a local path is made absolute (pinned to the submitter's directory, so a worker with another
+    working directory writes where the user looks). Credentials come from the environment, never a URL."""
     if "://" not in v:
         v = f"file://{v}"
     scheme, rest = v.split("://", 1)
@@ -290,6 +290,8 @@ class EnvSpec(Section):
     retries: int = Field(2, ge=0, description="env.url: retries of a request that did not get through (a step that was sent is never re-sent)")
     link_timeout_s: float = Field(300.0, gt=0, description="env.link: how long the job waits for its client to (re)connect before it fails")
     config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the game's data source")
+    tools: list[ToolSource] = Field(default_factory=list, max_length=16, description="tools every episode may call beside its game's: [{mcp: URL}, {python: {limits}}] (core/tool_spec.py)")
+    tool_calls_per_turn: int = Field(4, ge=1, le=64, description="tool calls answered in one turn; more are answered with an error")
 
     @model_validator(mode="before")
     @classmethod
@@ -311,20 +313,17 @@ class EnvSpec(Section):
         return self
 
     @property
-    def urls(self) -> list[str]:
-        """The shards of a served environment (empty otherwise)."""
+    def urls(self) -> list[str]:  # the shards of a served environment (empty otherwise)
         return [self.url] if isinstance(self.url, str) else list(self.url or [])
 
     @property
-    def label(self) -> str:
-        """What to show for this environment: the import path, the URL(s) or the linked game."""
+    def label(self) -> str:  # what to show for this environment: the import path, the URL(s) or the linked game
         return self.game or (f"link:{self.link}" if self.link else ", ".join(self.urls))
 
 
 class BaseJobSpec(Section):
-    """The sections every job kind shares (RL here, SFT in opentinker.sft.spec): who it is, which
-    model and adapter it trains, where its files go, what it asks the cluster for, and how its
-    final checkpoint is registered."""
+    """The sections every job kind shares (RL here, SFT in opentinker.sft.spec): who it is, which model and
+    adapter it trains, where its files go, what it asks the cluster for, how its final checkpoint is registered."""
 
     job_id: str | None = Field(None, pattern=rf"^{JOB_ID_PATTERN}$", description="the job's name; resubmitting it resumes from its last checkpoint (default: generated)")
     model: ModelSpec = Field(description="the base model")

@@ -31,12 +31,14 @@ from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement, sampling_dtype
 from opentinker.backend.rollout import score_tokens
 from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
+from opentinker.core.settings import get_settings
 from opentinker.core.spec import JobSpec, LoraSpec
 from opentinker.core.trajectory import Trajectory
 from opentinker.rl.producer import Producer
 from opentinker.env import GameEnvironment, environment_from_spec
 from opentinker.model import adapter_files
 from opentinker.model.adapters import lora_factors, policy_weights
+from opentinker.tools.job_tools import JobTools
 from opentinker.tracking.metrics import episode_stats
 from opentinker.tracking.transcripts import transcripts
 
@@ -149,6 +151,7 @@ class Sampler:
         self.spec, self.model, self.where, self.job_id = spec, model, where, job_id
         self._start_server = start_server.start_server if isinstance(start_server, EarlyStart) else start_server
         r = spec.rollout
+        self.tools = JobTools(spec.env.tools, get_settings().env_hosts)  # env.tools: MCP servers listed, the sandbox checked, first
         self.wanted_version = 0  # the policy version episodes should be sampled from
         if engine is not None:
             self.engine = engine
@@ -166,7 +169,8 @@ class Sampler:
         self._publishing = threading.Lock()  # one sync at a time
         self.chat = chat_format(tokenizer)
         self.env = env or environment_from_spec(spec, job_id)
-        self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s)
+        self.limits = EpisodeLimits(max_turns=r.max_turns, max_total_tokens=r.max_total_tokens, step_timeout_s=r.step_timeout_s,
+                                    tools=self.tools.tools, max_tool_calls_per_turn=spec.env.tool_calls_per_turn)
         self.train_params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p)
         self._batch: RolloutBatch | None = None
         self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
@@ -237,6 +241,7 @@ class Sampler:
         if self.producer is not None:
             self.producer.stop()
         self.engine.close()
+        self.tools.close()
 
     def sync(self, version: int | tuple[int, dict[str, torch.Tensor]], weights: dict[str, torch.Tensor] | None = None) -> int:
         """Weight-sync handshake: adopt the policy's version (and its trainable weights, when the

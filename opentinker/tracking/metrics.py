@@ -4,7 +4,7 @@ Beside reward, every boolean or numeric `info` key an environment reports is ave
 `correct`, `format_ok`), and the share of distinct `answer`s is reported, so that a policy
 collapsing onto one answer in the right format (reward hacking a format bonus) is visible.
 Tool-using games (`tool_calls`, `tool_errors` in info) also get `tool_call_rate` and
-`tool_error_rate`; move-based games (`illegal_moves`, `moves`) get `illegal_move_rate`.
+`tool_error_rate` (and `tool_valid_rate`, the share of calls that were well formed, with declared tools); move-based games (`illegal_moves`, `moves`) get `illegal_move_rate`.
 """
 
 from __future__ import annotations
@@ -95,10 +95,13 @@ def _tool_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:
         return {}
     calls = sum(_count(t, "tool_calls") for t in users)
     errors = sum(_count(t, "tool_errors") for t in users)
-    return {
+    out = {
         f"{prefix}/tool_call_rate": sum(_count(t, "tool_calls") > 0 for t in users) / len(users),
         f"{prefix}/tool_error_rate": errors / calls if calls else 0.0,
     }
+    if any("tool_invalid" in t.info for t in users):  # declared tools (opentinker/tools): calls that were well formed
+        out[f"{prefix}/tool_valid_rate"] = 1.0 - sum(_count(t, "tool_invalid") for t in users) / calls if calls else 0.0
+    return out
 
 
 def _move_stats(trajs: list[Trajectory], prefix: str) -> dict[str, float]:

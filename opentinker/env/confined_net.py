@@ -44,3 +44,61 @@ def confined_client(hosts: EnvHosts, **kwargs: Any) -> httpx.Client:
                                               max_keepalive_connections=limits.max_keepalive_connections,
                                               keepalive_expiry=limits.keepalive_expiry)
     return httpx.Client(transport=transport, trust_env=False, **kwargs)
+
+
+class _CheckedAsyncBackend:
+    """An async network backend (httpcore's or httpcore2's AnyIOBackend inside) that opens TCP
+    connections only to the address the rule checked at this connection; the check (DNS, the
+    stack's listeners) runs in a worker thread, off the event loop."""
+
+    def __init__(self, hosts: EnvHosts, inner: Any):
+        self.hosts, self.inner = hosts, inner
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Any = None) -> Any:
+        import anyio
+
+        try:
+            address = await anyio.to_thread.run_sync(self.hosts.address_to_connect, host, port)
+        except OSError as err:
+            raise self.inner.connect_error(str(err)) from None
+        return await self.inner.backend.connect_tcp(address, port, timeout=timeout, local_address=local_address,
+                                                    socket_options=socket_options)
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> Any:
+        raise self.inner.connect_error(f"{path}: environments are reached over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.backend.sleep(seconds)
+
+
+class _Core:
+    """The httpcore flavour under an httpx flavour: its AnyIO backend and its ConnectError."""
+
+    def __init__(self, core: Any):
+        self.module, self.backend, self.connect_error = core, core.AnyIOBackend(), core.ConnectError
+
+
+def confined_async_transport(hosts: EnvHosts, *, flavour: str = "httpx") -> Any:
+    """An httpx.AsyncHTTPTransport (`flavour="httpx2"`: httpx2's, what the official MCP SDK's client
+    takes) whose connections go only where `hosts` allows, checked at each TCP connection as
+    `confined_client`'s are, without the environment's proxies; same pool replacement as there."""
+    import importlib
+
+    http = importlib.import_module(flavour)
+    core = _Core(importlib.import_module({"httpx": "httpcore", "httpx2": "httpcore2"}[flavour]))
+    limits = http.Limits()
+    transport = http.AsyncHTTPTransport(trust_env=False, limits=limits)
+    transport._pool = core.module.AsyncConnectionPool(
+        ssl_context=getattr(transport._pool, "_ssl_context", None), network_backend=_CheckedAsyncBackend(hosts, core),
+        max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry)
+    return transport
+
+
+def confined_async_client(hosts: EnvHosts, *, flavour: str = "httpx", **kwargs: Any) -> Any:
+    """An httpx.AsyncClient (or httpx2's) on `confined_async_transport`."""
+    import importlib
+
+    return importlib.import_module(flavour).AsyncClient(transport=confined_async_transport(hosts, flavour=flavour),
+                                                       trust_env=False, **kwargs)

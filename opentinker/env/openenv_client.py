@@ -22,6 +22,11 @@ limit, and `/schema` is read as a counted stream; the episode fails with the num
 Observation to text (the rule): OpenEnv sends an observation without reward, done and metadata;
 its text is its only field when that is a string, else its `text` or `message` field when that is
 a string, else the observation as JSON (sorted keys).
+
+Tools (OpenEnv RFC 003): an MCP environment's tools are the episode's (`get_tools`, after reset),
+listed and called with MCP JSON-RPC (`tools/list`, `tools/call`) on the episode's own WebSocket
+(OpenEnv's `mcp` message), so a call acts on this episode's environment only; a tool call is not a
+step (no reward). An environment without MCP declares none.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from websockets.exceptions import ConnectionClosedError, PayloadTooBig
 
 from opentinker.core.env_hosts import EnvHosts
 from opentinker.core.settings import get_settings
-from opentinker.env.base import SEED_KEY, AbstractGame, StepResult, seed_task
+from opentinker.env.base import SEED_KEY, AbstractGame, GameTool, StepResult, ToolFailure, seed_task
 from opentinker.env.confined_net import confined_client
 from opentinker.env.remote import AnswerRefused, RemoteGameError, over_limit, read_capped
 
@@ -86,6 +91,12 @@ class ConfinedEnvClient(GenericEnvClient):
             except Exception as err:  # noqa: BLE001 - a 401/403, a redirect, not a WebSocket server: an answer
                 raise ConnectionAnswered(f"{type(err).__name__}: {err}") from None
         return self
+
+    async def mcp(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """One MCP JSON-RPC request on this connection, its environment's (RFC 003): the response object."""
+        self._rpc_id = getattr(self, "_rpc_id", 0) + 1
+        message = {"jsonrpc": "2.0", "method": method, "params": params, "id": self._rpc_id}
+        return (await self._send_and_receive({"type": "mcp", "data": message})).get("data") or {}
 
     async def _receive(self) -> dict[str, Any]:
         """The package's, with a message over the limit said with the numbers (websockets closes with 1009)."""
@@ -229,6 +240,7 @@ class OpenEnvGame(AbstractGame):
         self._server = server
         self._system_prompt = system_prompt
         self._client: ConfinedEnvClient | None = None
+        self._tool_lock = threading.Lock()
         self.refused = self.played = 0
 
     def get_system_prompt(self) -> str:
@@ -290,6 +302,44 @@ class OpenEnvGame(AbstractGame):
         self.played += 1
         reward = 0.0 if result.reward is None else float(result.reward)
         return StepResult(observation_text(result.observation), reward, bool(result.done), self._counts())
+
+    def get_tools(self) -> list[GameTool]:
+        """An MCP environment's tools, listed on this episode's connection; [] for one without MCP."""
+        answer = self._mcp("tools/list", {})
+        if "error" in answer:
+            if "does not support MCP" in str(answer["error"].get("message", "")):
+                return []
+            raise RemoteGameError(f"tools/list {self._server.url}: {str(answer['error'].get('message'))[:300]}")
+        tools = []
+        for t in (answer.get("result") or {}).get("tools") or []:
+            schema = t.get("inputSchema") or t.get("input_schema") or {"type": "object", "properties": {}}
+            tools.append(GameTool(str(t.get("name")), str(t.get("description") or ""), self._tool(str(t.get("name"))), schema,
+                                  timeout_s=2 * self._server.timeout_s + _CLOSE_TIMEOUT_S))
+        return tools
+
+    def _mcp(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        with self._tool_lock:  # one request and its answer at a time on the connection
+            if self._client is None:
+                raise RemoteGameError(f"{method} before reset (or after the episode's connection was lost)")
+            return self._call(self._client.mcp(method, params), method)
+
+    def _tool(self, name: str) -> Any:
+        def run(arguments: dict[str, Any]) -> str:
+            try:
+                answer = self._mcp("tools/call", {"name": name, "arguments": arguments})
+            except RemoteGameError as err:
+                raise ToolFailure(str(err)) from None
+            if "error" in answer:
+                raise ToolFailure(str(answer["error"].get("message") or "the tool failed")[:2000])
+            result = answer.get("result") or {}
+            parts = [p.get("text", "") if p.get("type") == "text" else f"[{p.get('type')} content]"
+                     for p in result.get("content") or [] if isinstance(p, dict)]
+            text = "\n".join(parts) if parts else json.dumps(result.get("structured_content", result), sort_keys=True, default=str)
+            if result.get("is_error") or result.get("isError"):
+                raise ToolFailure(text or "the tool failed")
+            return text
+
+        return run
 
     def _refuse(self, why: str) -> StepResult:
         self.refused += 1

@@ -1,28 +1,34 @@
 """Learning curve of SmolLM2-135M-Instruct using a calculator tool (LoRA r16 + GRPO), on this CPU.
 
-Setting (examples/math_tool_grpo.yaml, envs.math_tool:MathToolGame): the system prompt offers a
-calculator written as <calc>EXPRESSION</calc>, answered as <result>VALUE</result> in the next user
-turn; the final answer is 'Answer: <number>'. One example conversation (17 * 23 through the
-calculator) precedes the question. The questions are products of two 2-digit numbers,
-"What is 47 * 83?", which a 135M model cannot work out in its head, so accuracy needs the tool:
-call it with the right expression, then copy the result into the answer. Reward 1 for a correct
-answer, 0 otherwise (no tool bonus). Up to 3 calls (max_tool_calls), 4 turns, 32 new tokens a turn.
+Setting (examples/math_tool_grpo.yaml, envs.math_tool:MathToolGame): the calculator is a declared
+tool, shown in SmolLM2's prompt in the hermes default format (its own template renders no tools;
+opentinker/tools/formats.py, docs/tools.md): a call is a `<tool_call>{"name": "calculator",
+"arguments": {"expression": ...}}</tool_call>` block, answered by the agent loop with a `tool`
+message the model reads as `<tool_response>VALUE</tool_response>`; the final answer is
+'Answer: <number>'. One example conversation (17 * 23 through the calculator) precedes the
+question. The questions are products of two 2-digit numbers, "What is 47 * 83?", which a 135M
+model cannot work out in its head, so accuracy needs the tool: call it with the right expression,
+then copy the result into the answer. Reward 1 for a correct answer, 0 otherwise (no tool bonus).
+Up to 3 calls (max_tool_calls), 4 turns, the spec's new tokens a turn.
 
 Held-out: `--eval-n` products (and their commuted twins) never drawn for training, evaluated
 greedily before training and every `--every` steps: answer accuracy, tool-call rate (episodes with
->= 1 call), tool-call success rate (tool attempts that got a <result> back / tool attempts, where
-an attempt is an assistant turn that writes a <calc> or a <result> tag: writing the calculator's
-reply tag itself is the base model's usual failed call), the share of episodes that got a result,
-tool error rate (calls the calculator refused / calls), format rate (episodes that ended with
+>= 1 call), tool-call success rate (tool attempts that got a result back / tool attempts, where an
+attempt is an assistant turn that writes `<tool_call` and a result is a tool answer that is not an
+`error:`), the share of episodes that got a result, tool error rate (calls malformed or refused /
+calls, the agent loop's `tool_errors` / `tool_calls`), format rate (episodes that ended with
 'Answer: N'), and the share of answers that copy the last tool result. The same tool counts are
 taken on every step's sampled training rollouts (temperature 1), a curve with a point per step.
 
-Observed in a 1-step smoke run: before training SmolLM2 greedily writes the calculator's *reply*
-tag, '<result>61 * 29</result>' or '<result>102</result>', instead of '<calc>...</calc>'; the game
-counts that as neither a call nor an answer (reward 0, format 0), so step 0 reads 0% on every
-column. Sampled at T=1 about a third of the episodes do call the tool, and one GRPO step made the
+The published results (bench/results/learning_math_tool.*) predate the declared-tool format: they
+were measured when the calculator was written <calc>EXPRESSION</calc> and answered
+<result>VALUE</result> in the next user turn, and the observations below are of that format.
+Observed then in a 1-step smoke run: before training SmolLM2 greedily wrote the calculator's
+*reply* tag, '<result>61 * 29</result>' or '<result>102</result>', instead of a call; the game
+counted that as neither a call nor an answer (reward 0, format 0), so step 0 read 0% on every
+column. Sampled at T=1 about a third of the episodes did call the tool, and one GRPO step made the
 greedy policy call it and copy the result on all 16 held-out products: on plain 'What is a * b?'
-questions the curve saturates early (see --phrasing for harder variants).
+questions the curve saturated early (see --phrasing for harder variants).
 
     python bench/learning_math_tool.py [--steps 15] [--every 5] [--eval-n 64] [--phrasing plain|word|mixed]
     python bench/learning_math_tool.py --model tiny-random --steps 1 --every 1 --eval-n 4 --out /tmp/smoke
@@ -44,8 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-_RESULT_RE = re.compile(r"<result>(.*?)</result>", re.DOTALL)
-_ATTEMPT_RE = re.compile(r"<calc|<result")
+_RESULT_RE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.DOTALL)  # a tool answer inside a rendered user turn
+_ATTEMPT_RE = re.compile(r"<tool_call")
 
 
 def product_tasks(seed: int, n_val: int, low: int = 10, high: int = 99, phrasing: str = "plain") -> tuple[list[dict], list[dict]]:
@@ -79,18 +85,29 @@ def product_tasks(seed: int, n_val: int, low: int = 10, high: int = 99, phrasing
     return [task(a, b) for a, b in train], [task(a, b) for a, b in val]
 
 
+def _saved(tasks: list[dict], path: str) -> str:
+    """The tasks as a JSONL file (a spec holds at most 256 KB: the training products go by path)."""
+    from opentinker.env.environment import save_dataset
+
+    save_dataset(tasks, path)
+    return path
+
+
 def tool_summary(transcripts: list[dict]) -> dict:
     """Counts over evaluation episodes, straight from each episode's final info and messages."""
     n = len(transcripts) or 1
     infos = [t["info"] for t in transcripts]
     calls = sum(int(i.get("tool_calls", 0)) for i in infos)
     errors = sum(int(i.get("tool_errors", 0)) for i in infos)
-    attempts = sum(bool(_ATTEMPT_RE.search(m["content"])) for t in transcripts for m in _episode(t) if m["role"] == "assistant")
-    copied = answered_after_result = got_result = 0
+    attempts = succeeded = copied = answered_after_result = got_result = 0
     for t in transcripts:
-        results = [_RESULT_RE.search(m["content"]) for m in _episode(t) if m["role"] == "user"]
-        got_result += any(results)
-        results = [r.group(1).strip() for r in results if r]
+        results = []
+        for attempt, answers in _attempts(_episode(t)):
+            good = [a for a in answers if not a.startswith("error:")]
+            attempts += attempt
+            succeeded += attempt and bool(good)
+            results += good
+        got_result += bool(results)
         answer = t["info"].get("answer")
         if results and answer is not None:
             answered_after_result += 1
@@ -99,15 +116,38 @@ def tool_summary(transcripts: list[dict]) -> dict:
         "accuracy": sum(bool(i.get("correct")) for i in infos) / n,
         "tool_call_rate": sum(int(i.get("tool_calls", 0)) > 0 for i in infos) / n,
         "tool_calls_per_episode": calls / n,
-        "tool_success_rate": (calls - errors) / attempts if attempts else None,
+        "tool_success_rate": succeeded / attempts if attempts else None,
         "episodes_with_result": got_result / n,
         "tool_error_rate": errors / calls if calls else 0.0,
         "format_rate": sum(bool(i.get("format_ok")) for i in infos) / n,
         "copies_result_rate": copied / answered_after_result if answered_after_result else None,
         "attempts": attempts,
+        "succeeded": succeeded,
         "calls": calls,
         "errors": errors,
     }
+
+
+def _tool_answers(message: dict) -> list[str]:
+    """The tool answers a message carries: a `tool` message's content (how the agent loop records
+    them), or the `<tool_response>` blocks of a user turn (a transcript of the rendered text)."""
+    content = message["content"] if isinstance(message.get("content"), str) else ""
+    if message["role"] == "tool":
+        return [content.strip()]
+    if message["role"] == "user":
+        return [r.strip() for r in _RESULT_RE.findall(content)]
+    return []
+
+
+def _attempts(messages: list[dict]) -> list[tuple[bool, list[str]]]:
+    """Each assistant turn of the episode: whether it tried a call, and the tool answers that followed it."""
+    turns: list[tuple[bool, list[str]]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            turns.append((bool(_ATTEMPT_RE.search(m["content"] if isinstance(m.get("content"), str) else "")), []))
+        elif turns:
+            turns[-1][1].extend(_tool_answers(m))
+    return turns
 
 
 def _pct(x: float | None) -> str:
@@ -116,7 +156,7 @@ def _pct(x: float | None) -> str:
 
 def _episode(t: dict) -> list[dict]:
     """The episode's own messages, from its question on (after the system prompt and the example
-    conversation, whose <result>391</result> must not count)."""
+    conversation, whose calculator answer 391 must not count)."""
     msgs = t["messages"]
     starts = [i for i, m in enumerate(msgs) if m["role"] == "user" and t["task"]["question"] in m["content"]]
     return msgs[starts[-1]:] if starts else msgs
@@ -127,7 +167,7 @@ def _as_transcripts(trajs) -> list[dict]:
 
 
 def _example(t: dict) -> list[str]:
-    return [f"{m['role']}: {m['content'].rstrip() or repr(m['content'])}" for m in _episode(t)]
+    return [f"{m['role']}: {str(m['content']).rstrip() or repr(m['content'])}" for m in _episode(t)]
 
 
 _TABLE_HEAD = ("| step | accuracy | tool-call success | episodes with a result | tool-call rate | tool error rate | "
@@ -136,15 +176,15 @@ _TABLE_HEAD = ("| step | accuracy | tool-call success | episodes with a result |
 
 def _row(step: int, c: dict, reward: bool = False) -> str:
     last = f"{c['reward_mean']:.3f}" if reward else _pct(c["copies_result_rate"])
-    return (f"| {step} | {c['accuracy']:.1%} | {_pct(c['tool_success_rate'])} ({c['calls'] - c['errors']}/{c['attempts']}) | "
+    return (f"| {step} | {c['accuracy']:.1%} | {_pct(c['tool_success_rate'])} ({c['succeeded']}/{c['attempts']}) | "
             f"{c['episodes_with_result']:.1%} | {c['tool_call_rate']:.1%} | {c['tool_error_rate']:.1%} | "
             f"{c['tool_calls_per_episode']:.2f} | {c['format_rate']:.1%} | {last} |")
 
 
 def _pooled(points: list[dict]) -> float | None:
-    """Successful calls / attempts over several steps (each step is only 32 episodes)."""
+    """Successful attempts / attempts over several steps (each step is only 32 episodes)."""
     attempts = sum(p["attempts"] for p in points)
-    return sum(p["calls"] - p["errors"] for p in points) / attempts if attempts else None
+    return sum(p["succeeded"] for p in points) / attempts if attempts else None
 
 
 def _mean(points: list[dict], key: str) -> float:
@@ -192,7 +232,7 @@ def main() -> int:
             "evaluation": base["evaluation"] | {"every": args.every, "n_samples": args.eval_n, "greedy": True},
             "checkpoint": base["checkpoint"] | {"every": 0, "base_url": f"file://{tmp}"},
             "env": {"game": "envs.math_tool:MathToolGame",
-                    "config": {"dataset": train, "val_dataset": val,
+                    "config": {"data_path": _saved(train, f"{tmp}/train.jsonl"), "val_data_path": _saved(val, f"{tmp}/val.jsonl"),
                                "game_kwargs": base["env"]["config"].get("game_kwargs", {"few_shot": 1, "max_tool_calls": 3})}},
             "seed": args.seed,
         }
@@ -252,8 +292,8 @@ def main() -> int:
                f"{_trend('reward', _mean(early, 'reward_mean'), _mean(late, 'reward_mean'))}")
     step_times = [h["step/seconds"] for h in result.history]
     spec_json = spec.model_dump(mode="json")
-    spec_json["env"]["config"] |= {"dataset": f"<{len(train)} products of two numbers in 10..99>",
-                                   "val_dataset": f"<{len(val)} held-out products>"}
+    spec_json["env"]["config"] |= {"data_path": f"<{len(train)} products of two numbers in 10..99>",
+                                   "val_data_path": f"<{len(val)} held-out products>"}
     out = {
         "spec": spec_json,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -271,7 +311,7 @@ def main() -> int:
         f"# Learning curve: {args.model}, 2-digit products with a calculator tool, LoRA r16 + GRPO (CPU)",
         "",
         (f"{args.steps} steps of {args.prompts} prompts x {args.group} samples, up to {r['max_turns']} turns of {r['max_new_tokens']} "
-         f"new tokens (<calc>EXPR</calc> -> <result>VALUE</result>, then 'Answer: N'); reward 1 for a correct answer only. "
+         f"new tokens (a calculator call in <tool_call> -> its <tool_response>, then 'Answer: N'); reward 1 for a correct answer only. "
          f"Questions phrased {args.phrasing!r} (e.g. {val[0]['question']!r}). Greedy evaluation on {len(val)} held-out products."),
         f"Wall time {result.seconds:.0f} s (median step {out['median_step_seconds'] or 0:.1f} s, evaluations included in the wall time).",
         "",

@@ -1,3 +1,3 @@
-"""Shipped environments: math (strict answer format), math_tool (a calculator tool, several turns),
-gomoku (self-play), shapes and geometry (pictures, for vision-language policies), toy (pipeline
-smoke test)."""
+"""Shipped environments: math (strict answer format), math_tool (a declared calculator tool the agent
+loop answers, several turns), gomoku (self-play), shapes and geometry (pictures, for
+vision-language policies), toy (pipeline smoke test)."""

@@ -1,17 +1,22 @@
-"""The calculator tool refuses everything but bounded arithmetic, the game's turns follow the
-documented tool format, and episodes run through the real agent loop with exact token masks."""
+"""The calculator refuses everything but bounded arithmetic; the calculator is a declared tool the
+agent loop answers (hermes `<tool_call>` blocks for SmolLM2, whose template renders no tools), the
+game's step sees only the answer turns; episodes run through the real agent loop with exact masks."""
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
 from envs.math_tool import CalcError, MathToolGame, calculate, format_number, safe_eval
+from envs.math_tool.game import EXAMPLES
 from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.rollout import Completion
 from opentinker.env import GameEnvironment
 from opentinker.env.environment import import_game
 from opentinker.core.spec import load_spec
+from opentinker.tools.declared import ToolError, ToolResult
 
 TASK = {"question": "What is 17 * 23 + 5?", "answer": 396}
 
@@ -72,87 +77,61 @@ def test_calculator_never_runs_code(tmp_path):
     assert calculate("-" * 150 + "1") == (True, "1")  # deep but short nesting is fine
 
 
-# -- game steps ------------------------------------------------------------------------------
+# -- the game and its tool ---------------------------------------------------------------------
 def _game(**kwargs):
     game = MathToolGame(**kwargs)
     assert game.reset(**TASK) == TASK["question"]
     return game
 
 
-def _info(correct=False, answer=None, calls=0, errors=0, format_ok=False):
-    return {"correct": correct, "answer": answer, "expected": 396, "tool_calls": calls, "tool_errors": errors, "format_ok": format_ok}
+def _info(correct=False, answer=None, calls=0, invalid=0, errors=0, format_ok=False):
+    """The game's info (correct, answer, expected, format_ok) with the agent loop's tool counts."""
+    return {"correct": correct, "answer": answer, "expected": 396, "format_ok": format_ok,
+            "tool_calls": calls, "tool_invalid": invalid, "tool_errors": errors}
 
 
-def test_answer_ends_the_episode():
+def _game_info(**kwargs):
+    return {k: v for k, v in _info(**kwargs).items() if not k.startswith("tool_")}
+
+
+def test_step_sees_answers_only():
     right = _game().step("Answer: 396")
-    assert (right.done, right.reward, right.info) == (True, 1.0, _info(True, 396, format_ok=True))
+    assert (right.done, right.reward, right.info) == (True, 1.0, _game_info(correct=True, answer=396, format_ok=True))
     wrong = _game().step("I think Answer: 400")
-    assert (wrong.done, wrong.reward, wrong.info) == (True, 0.0, _info(False, 400, format_ok=True))
-    both = _game().step("<calc>17*23+5</calc> Answer: 396")  # an answer wins over a call in the same turn
-    assert both.done and both.reward == 1.0 and both.info["tool_calls"] == 0
+    assert (wrong.done, wrong.reward, wrong.info) == (True, 0.0, _game_info(answer=400, format_ok=True))
+    none = _game().step("The answer is 396.")
+    assert (none.done, none.reward, none.info) == (True, 0.0, _game_info())
 
 
-def test_calls_then_answer_over_several_turns():
-    game = _game()
-    first = game.step("<calc>17 * 23</calc>")
-    assert (first.observation, first.done, first.reward, first.info) == ("<result>391</result>", False, 0.0, _info(calls=1))
-    second = game.step("Now add five: <calc>391 + 5</calc> and more text")
-    assert second.observation == "<result>396</result>" and not second.done and second.info["tool_calls"] == 2
-    last = game.step("Answer: 396")
-    assert (last.done, last.reward, last.info) == (True, 1.0, _info(True, 396, calls=2, format_ok=True))
-
-
-@pytest.mark.parametrize("action, message", [
-    ("<calc>17 * 23", "unclosed <calc> tag"),
-    ("<calc></calc>", "empty expression"),
-    ("<calc>17 / 0</calc>", "division by zero"),
-    ("<calc>__import__('os')</calc>", "only numbers"),
-])
-def test_malformed_calls_get_an_error_observation(action, message):
-    game = _game()
-    result = game.step(action)
-    assert not result.done and result.reward == 0.0
-    assert result.observation.startswith("<error>") and message in result.observation and result.observation.endswith("</error>")
-    assert result.info == _info(calls=1, errors=1)
-    assert game.step("Answer: 396").info == _info(True, 396, calls=1, errors=1, format_ok=True)  # the episode goes on
-
-
-def test_call_limit():
+def test_the_calculator_is_a_declared_tool():
     game = _game(max_tool_calls=2)
-    assert [game.step("<calc>1 + 1</calc>").observation for _ in range(2)] == ["<result>2</result>"] * 2
-    over = game.step("<calc>1 + 1</calc>")
-    assert over.observation == "<error>tool call limit reached; give your answer</error>" and not over.done
-    assert over.info == _info(calls=3, errors=1)
-    assert _game(max_tool_calls=0).step("<calc>1</calc>").observation.startswith("<error>tool call limit")
-
-
-def test_neither_call_nor_answer_ends_with_zero():
-    result = _game().step("The answer is 396.")
-    assert (result.done, result.reward, result.info) == (True, 0.0, _info())
-    assert result.info["format_ok"] is False
-
-
-def test_tool_bonus_is_paid_only_after_a_successful_call():
-    game = _game(tool_bonus=0.1)
-    game.step("<calc>17 * 23 + 5</calc>")
-    assert game.step("Answer: 1").reward == pytest.approx(0.1)  # the bonus does not need a right answer: a hacking risk
-    assert _game(tool_bonus=0.1).step("Answer: 396").reward == 1.0
-    errored = _game(tool_bonus=0.1)
-    errored.step("<calc>1/0</calc>")
-    assert errored.step("Answer: 396").reward == 1.0
+    (tool,) = game.get_tools()
+    schema = tool.schema()["function"]
+    assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expression"]
+    assert schema["parameters"]["additionalProperties"] is False
+    assert tool.run({"expression": "17 * 23"}) == "391"
+    with pytest.raises(ToolError, match="division by zero"):
+        tool.run({"expression": "17 / 0"})
+    with pytest.raises(ToolError, match="tool call limit reached; give your answer"):
+        tool.run({"expression": "1 + 1"})
+    assert (game.calls, game.results) == (3, 1)
+    game.reset(**TASK)
+    assert (game.calls, game.results) == (0, 0) and game.calculate({"expression": "1 + 1"}) == "2"
 
 
 def test_prompts_and_example_turns():
     game = MathToolGame()
-    assert "<calc>" in game.get_system_prompt() and "Answer:" in game.get_system_prompt()
+    assert "calculator" in game.get_system_prompt() and "Answer:" in game.get_system_prompt()
+    assert "<calc>" not in game.get_system_prompt()
     assert game.get_example_turns() == [
         {"role": "user", "content": "What is 17 * 23?"},
-        {"role": "assistant", "content": "<calc>17 * 23</calc>"},
-        {"role": "user", "content": "<result>391</result>"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+        {"role": "tool", "name": "calculator", "content": "391"},
         {"role": "assistant", "content": "Answer: 391"},
     ]
     assert MathToolGame(few_shot=0).get_example_turns() == []
-    assert [t["role"] for t in MathToolGame(few_shot=2).get_example_turns()][-2:] == ["user", "assistant"]
+    assert MathToolGame(few_shot=2).get_example_turns()[-2:] == EXAMPLES[1]
     with pytest.raises(ValueError):
         MathToolGame(few_shot=5)
 
@@ -199,6 +178,14 @@ def test_example_spec_builds_its_environment():
 
 
 # -- through the agent loop ------------------------------------------------------------------
+CALL = "<tool_call>\n{}\n</tool_call>"
+
+
+def _call(expression, name="calculator", **extra):
+    """A call in the hermes default format (what SmolLM2 is shown: its own template renders no tools)."""
+    return CALL.format(json.dumps({"name": name, "arguments": {"expression": expression, **extra}}))
+
+
 def _assert_masks_exact(traj):
     sampled = {i for t in traj.turns for i in range(t.sampled_start, t.sampled_end)}
     assert traj.loss_mask == [1 if i in sampled else 0 for i in range(len(traj.token_ids))]
@@ -220,17 +207,127 @@ class ScriptedEngine:
         return [Completion(token_ids=list(ids), logprobs=[0.0] * len(ids), finish_reason="stop") for _ in prompts]
 
 
-def test_tool_episode_through_the_agent_loop(tiny):
-    _, tok = tiny
-    chat = ChatFormat(tok)
-    engine = ScriptedEngine(tok, ["<calc>17 * 23</calc>", "<calc>391 + 5</calc>", "Answer: 396"])
-    (traj,) = run_episodes(engine, chat, [MathToolGame()], [TASK], SamplingParams(max_new_tokens=32), EpisodeLimits(max_turns=4, max_total_tokens=512))
-    assert not traj.failed and traj.stop_reason == "done" and traj.reward == 1.0
-    assert [t.observation for t in traj.turns] == ["<result>391</result>", "<result>396</result>", "Correct."]
-    assert traj.info == _info(True, 396, calls=2, format_ok=True)
+@pytest.fixture(scope="module")
+def tok():
+    """The real SmolLM2 tokenizer (the `tiny` fixture's), without a model: scripted turns need none."""
+    from transformers import AutoTokenizer
+
+    from opentinker.model.loading import tokenizer_path
+
+    return AutoTokenizer.from_pretrained(tokenizer_path())
+
+
+def _play(tok, replies, game=None, max_turns=6):
+    engine = ScriptedEngine(tok, replies)
+    (traj,) = run_episodes(engine, ChatFormat(tok), [game or MathToolGame()], [TASK], SamplingParams(max_new_tokens=64),
+                           EpisodeLimits(max_turns=max_turns, max_total_tokens=2048))
+    assert not traj.failed, traj.failure
+    assert engine.turn == len(replies) == len(traj.turns)  # every scripted turn was played, no more
     _assert_masks_exact(traj)
+    return traj
+
+
+def _tool_answers(traj):
+    """The `tool` messages of the episode itself (after its question: the example's are not counted)."""
+    start = traj.messages.index({"role": "user", "content": TASK["question"]})
+    return [m["content"] for m in traj.messages[start:] if m["role"] == "tool"]
+
+
+def test_tool_episode_through_the_agent_loop(tok):
+    traj = _play(tok, [_call("17 * 23"), _call("391 + 5"), "Answer: 396"])
+    assert traj.stop_reason == "done" and traj.reward == 1.0
+    assert [t.observation for t in traj.turns] == ["[calculator] 391", "[calculator] 396", "Correct."]
+    assert traj.info == _info(True, 396, calls=2, format_ok=True)
+    assert _tool_answers(traj) == ["391", "396"]
+    assert [m["role"] for m in traj.messages[-5:]] == ["assistant", "tool", "assistant", "tool", "assistant"]
     text = tok.decode(traj.token_ids)
-    assert text.endswith("<|im_start|>user\n<result>396</result><|im_end|>\n<|im_start|>assistant\nAnswer: 396<|im_end|>")
+    assert text.endswith("<|im_start|>user\n<tool_response>\n396\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\nAnswer: 396<|im_end|>")
+    assert "<|im_start|>tool" not in text  # tool messages are user turns in the hermes format
+
+
+def test_prompt_renders_the_tools_and_the_example_call(tok):
+    traj = _play(tok, ["Answer: 396"])
+    prompt = tok.decode(traj.prompt_ids)
+    assert prompt.index("Give the final answer as 'Answer: <number>'.") < prompt.index("# Tools") < prompt.index("<tools>")
+    assert '"name": "calculator"' in prompt and '"required": ["expression"]' in prompt
+    example = ('<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n'
+               '{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call><|im_end|>\n'
+               '<|im_start|>user\n<tool_response>\n391\n</tool_response><|im_end|>\n'
+               '<|im_start|>assistant\nAnswer: 391<|im_end|>\n<|im_start|>user\nWhat is 17 * 23 + 5?<|im_end|>')
+    assert example in prompt and prompt.endswith("<|im_start|>assistant\n")
+    bare = _play(tok, ["Answer: 396"], MathToolGame(few_shot=0))
+    bare_prompt = tok.decode(bare.prompt_ids)
+    assert "<tools>" in bare_prompt and "<tool_response>" not in bare_prompt and "17 * 23?" not in bare_prompt
+
+
+@pytest.mark.parametrize("reply, message, invalid", [
+    ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}\n</tool_call>', "is not valid JSON", 1),
+    ('<tool_call>\n["calculator", "17 * 23"]\n</tool_call>', 'must be an object {"name"', 1),
+    (_call("17 * 23", name="calc"), 'there is no tool named "calc" (tools: calculator)', 1),
+    (CALL.format('{"name": "calculator", "arguments": {}}'), "'expression' is a required property", 1),
+    (_call("17 * 23", precision=2), "Additional properties are not allowed ('precision'", 1),
+    (CALL.format('{"name": "calculator", "arguments": {"expression": 391}}'), "expression: 391 is not of type 'string'", 1),
+    (_call("17 / 0"), "division by zero", 0),  # well formed: the calculator refuses
+    (_call("__import__('os')"), "only numbers", 0),
+])
+def test_malformed_calls_get_an_error_tool_message(tok, reply, message, invalid):
+    traj = _play(tok, [reply, "Answer: 396"])
+    (answer,) = _tool_answers(traj)
+    assert answer.startswith("error: ") and message in answer
+    assert traj.turns[0].observation.endswith(answer)
+    assert traj.reward == 1.0 and traj.stop_reason == "done"  # the episode goes on to its answer
+    assert traj.info == _info(True, 396, calls=1, invalid=invalid, errors=1, format_ok=True)
+
+
+def test_more_calls_in_a_turn_than_allowed(tok):
+    game = MathToolGame(max_tool_calls=10)
+    traj = _play(tok, ["\n".join(_call(f"{i} + 1") for i in range(5)), "Answer: 396"], game)
+    assert _tool_answers(traj) == ["1", "2", "3", "4", "error: at most 4 tool calls a turn; this one was not run"]
+    assert game.calls == 4  # the fifth never reached the calculator
+    assert traj.info == _info(True, 396, calls=5, invalid=1, errors=1, format_ok=True)
+    text = tok.decode(traj.token_ids)
+    assert "<tool_response>\n4\n</tool_response>\n<tool_response>\nerror: at most 4" in text  # one user turn for the five
+
+
+def test_call_limit(tok):
+    traj = _play(tok, [_call("1 + 1")] * 3 + ["Answer: 396"], MathToolGame(max_tool_calls=2))
+    assert _tool_answers(traj) == ["2", "2", "error: tool call limit reached; give your answer"]
+    assert traj.info == _info(True, 396, calls=3, errors=1, format_ok=True)  # over the limit is a failed call, not a malformed one
+    none = _play(tok, [_call("1"), "Answer: 396"], MathToolGame(max_tool_calls=0))
+    assert _tool_answers(none) == ["error: tool call limit reached; give your answer"]
+
+
+def test_a_call_beside_an_answer_is_a_tool_turn(tok):
+    """A turn that calls the tool goes to the tools, not the game, whatever else it says."""
+    traj = _play(tok, [_call("17 * 23 + 5") + "\nAnswer: 396", "Answer: 396"])
+    assert [t.observation for t in traj.turns] == ["[calculator] 396", "Correct."]
+    assert traj.info == _info(True, 396, calls=1, format_ok=True)
+
+
+def test_no_answer_ends_with_zero(tok):
+    traj = _play(tok, ["The answer is 396."])
+    assert (traj.stop_reason, traj.reward, traj.info) == ("done", 0.0, _info())
+    after_a_call = _play(tok, [_call("17 * 23 + 5"), "It is 396."])
+    assert (after_a_call.reward, after_a_call.info) == (0.0, _info(calls=1))
+
+
+def test_out_of_turns_on_a_call(tok):
+    """An episode whose last turn is a call ends at max_turns without the game's step: no reward,
+    and only the loop's counts in its info."""
+    traj = _play(tok, [_call("1 + 1"), _call("2 + 2")], max_turns=2)
+    assert (traj.stop_reason, traj.reward) == ("max_turns", 0.0)
+    assert traj.info == {"tool_calls": 2, "tool_invalid": 0, "tool_errors": 0}
+
+
+def test_tool_bonus_is_paid_only_after_a_call_that_returned_a_result(tok):
+    assert _play(tok, [_call("17 * 23 + 5"), "Answer: 1"], _game(tool_bonus=0.1)).reward == pytest.approx(0.1)  # a hacking risk
+    assert _play(tok, [_call("17 * 23 + 5"), "Answer: 396"], _game(tool_bonus=0.1)).reward == pytest.approx(1.1)
+    assert _play(tok, ["Answer: 396"], _game(tool_bonus=0.1)).reward == 1.0
+    for failed in (_call("1 / 0"), _call("1", name="calc"), '<tool_call>{"name": </tool_call>'):
+        assert _play(tok, [failed, "Answer: 396"], _game(tool_bonus=0.1)).reward == 1.0
+    over = _play(tok, [_call("1 + 1"), "Answer: 396"], _game(tool_bonus=0.1, max_tool_calls=0))
+    assert over.reward == 1.0 and over.info["tool_errors"] == 1
 
 
 def test_tiny_model_episodes_complete(tiny):
@@ -238,11 +335,13 @@ def test_tiny_model_episodes_complete(tiny):
     torch.manual_seed(0)
     engine = HFRolloutEngine(model, tok)
     tasks = _draw(0, n=4, word_problems=True)
-    limits = EpisodeLimits(max_turns=3, max_total_tokens=512)
+    limits = EpisodeLimits(max_turns=3, max_total_tokens=768)
     trajs = run_episodes(engine, ChatFormat(tok), [MathToolGame() for _ in tasks], tasks, SamplingParams(max_new_tokens=8), limits)
     for traj, task in zip(trajs, tasks):
         assert not traj.failed and traj.stop_reason in ("done", "max_turns") and 1 <= len(traj.turns) <= 3
-        assert traj.info["expected"] == task["answer"] and traj.reward in (0.0, 1.0)
+        assert traj.reward in (0.0, 1.0) and {"tool_calls", "tool_invalid", "tool_errors"} <= set(traj.info)
+        if traj.stop_reason == "done":
+            assert traj.info["expected"] == task["answer"]
         _assert_masks_exact(traj)
 
 
@@ -270,35 +369,40 @@ class TeacherForcedEngine:
 
 
 def test_tool_call_record_is_token_exact_and_its_logprobs_recompute(tiny):
-    """Two calculator calls, a malformed call and an answer: record = prompt + sampled + observation
-    deltas, mask 1 exactly on sampled tokens, and the trainer's recomputed logprobs match (fp32)."""
+    """Two calculator calls, a refused one, a malformed one and an answer: record = prompt + sampled
+    + tool-result deltas, mask 1 exactly on sampled tokens, and the trainer's recomputed logprobs
+    match (fp32)."""
     from opentinker.backend import PolicyTrainer
     from opentinker.core.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
 
     model, tok = tiny
     torch.manual_seed(0)
     trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(), temperature=0.8)
-    replies = ["<calc>17 * 23</calc>", "<calc>391 +</calc>", "<calc>391 + 5</calc>", "Answer: 396"]
+    replies = [_call("17 * 23"), _call("391 +"), '<tool_call>\n{"name": "calculator", "arguments": }\n</tool_call>',
+               _call("391 + 5"), "Answer: 396"]
     engine = TeacherForcedEngine(trainer.model, tok, replies, temperature=0.8)
     chat = ChatFormat(tok)
-    (traj,) = run_episodes(engine, chat, [MathToolGame()], [TASK], SamplingParams(max_new_tokens=32, temperature=0.8),
-                           EpisodeLimits(max_turns=5, max_total_tokens=1024))
-    assert traj.reward == 1.0 and traj.info == _info(True, 396, calls=3, errors=1, format_ok=True)
-    observations = [t.observation for t in traj.turns]
-    assert observations[0] == "<result>391</result>" and observations[1].startswith("<error>") and observations[2] == "<result>396</result>"
-    # rebuild the record: each generation continued it as it stood, observations are template deltas
+    game = MathToolGame()
+    (traj,) = run_episodes(engine, chat, [game], [TASK], SamplingParams(max_new_tokens=64, temperature=0.8),
+                           EpisodeLimits(max_turns=6, max_total_tokens=2048))
+    assert traj.reward == 1.0 and traj.info == _info(True, 396, calls=4, invalid=1, errors=2, format_ok=True)
+    answers = _tool_answers(traj)
+    assert answers[0] == "391" and answers[1] == "error: syntax error" and answers[2].startswith("error: tool call 1 is not valid JSON")
+    assert answers[3] == "396"
+    # rebuild the record: each generation continued it as it stood, tool results are template deltas
     expected, mask = list(traj.prompt_ids), [0] * len(traj.prompt_ids)
     for k, (prompt, reply) in enumerate(zip(engine.prompts, replies)):
         assert prompt == expected
         ids = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         expected, mask = expected + ids, mask + [1] * len(ids)
         if k < len(replies) - 1:
-            obs = chat.observation_ids(observations[k], policy_stopped=True)
+            obs = chat.tool_results_ids([ToolResult("calculator", answers[k])], policy_stopped=True)
             expected, mask = expected + obs, mask + [0] * len(obs)
     assert traj.token_ids == expected and traj.loss_mask == mask
     _assert_masks_exact(traj)
-    # the record's text is the chat template of the conversation
-    assert tok.apply_chat_template(traj.messages, tokenize=False).startswith(tok.decode(traj.token_ids))
+    # the record's text is the conversation rendered with its tools (the hermes default over SmolLM2's template)
+    schemas = [t.schema() for t in game.get_tools()]
+    assert chat.tools.render(traj.messages, schemas, add_generation_prompt=False).startswith(tok.decode(traj.token_ids))
     (recomputed,) = trainer.logprobs([traj])
     sampled = [lp for lp, m in zip(traj.sampling_logprobs, traj.loss_mask) if m]
     assert len(sampled) == len(recomputed) == traj.num_sampled
@@ -325,7 +429,7 @@ def test_tool_latency_is_heavy_tailed_seeded_and_waits_only_on_calls():
     game.step("Answer: 5")
     assert time.monotonic() - start < 0.2  # an answer is no tool call
     start = time.monotonic()
-    game.step("<calc>2 + 3</calc>")
+    assert game.calculate({"expression": "2 + 3"}) == "5"
     assert time.monotonic() - start >= 0.3
     with pytest.raises(ValueError, match="tool_latency.distribution 'pareto'"):
         MathToolGame(tool_latency={"distribution": "pareto"})

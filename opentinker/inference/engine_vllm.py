@@ -5,7 +5,8 @@ vLLM's LoRA support (`--enable-lora --lora-modules`), under the job's model name
 reachable as `<name>-base`. On a CPU, and for anything else (a full fine-tune, or a LoRA whose base
 was itself a trained policy via `init_from`), the policy is merged with `load_policy` and served
 as one model folder (`model_args`). Weights are served in the dtype they were trained in, so
-greedy answers match the job's.
+greedy answers match the job's, and tools as they were trained with: a served checkpoint takes
+OpenAI's `tools=` and answers `tool_calls` in its trained format (`tool_args`).
 
 vLLM lives in an environment of its own: it pins the fastapi, torch and transformers it was built
 with, and those cannot share one environment with Prefect 3.8 (fastapi <0.137 against >=0.139).
@@ -21,6 +22,7 @@ what is missing before any slot is taken or any file is fetched.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -38,6 +40,7 @@ from opentinker.core.polling import wait_for
 from opentinker.inference.engine_hf import ModelLoadError
 from opentinker.inference.vllm_guard import KEY_VARIABLE
 
+log = logging.getLogger(__name__)
 NO_ERROR = "no error in its log"
 WEIGHTS_VARIABLE = "OPENTINKER_WEIGHTS_DIR"  # the one folder a server's worker extension loads weights from (vllm_worker)
 
@@ -69,7 +72,7 @@ def model_args(checkpoint_url: str, workdir: Path, name: str, adapters: bool, ma
     tokens/s) while merged weights cost nothing."""
     import fsspec
 
-    from opentinker.model.loading import resolve_model
+    from opentinker.model.loading import load_tokenizer, resolve_model
     from opentinker.model.policy import load_policy, read_policy_info
 
     info = read_policy_info(checkpoint_url)
@@ -86,13 +89,35 @@ def model_args(checkpoint_url: str, workdir: Path, name: str, adapters: bool, ma
         module = {"name": name, "path": str(local), "base_model_name": base}
         return [str(resolve_model(info["base_model"])), "--served-model-name", base, *options,
                 "--enable-lora", "--max-lora-rank", str(vllm_lora_rank(int(adapter.get("r", 16)))),
-                "--lora-modules", json.dumps(module)]
+                "--lora-modules", json.dumps(module), *tool_args(load_tokenizer(info["base_model"]), workdir)]
     model, tokenizer, _ = load_policy(checkpoint_url)
     merged = workdir / "model"
     model.save_pretrained(merged)
     tokenizer.save_pretrained(merged)
     del model
-    return [str(merged), "--served-model-name", name, *options]
+    return [str(merged), "--served-model-name", name, *options, *tool_args(tokenizer, workdir)]
+
+
+def tool_args(tokenizer, workdir: Path) -> list[str]:
+    """vLLM's switches that take OpenAI's `tools=` and answer `tool_calls` in the format the policy
+    was trained in (opentinker.tools.formats): its `hermes` parser (text `<tool_call>` JSON blocks,
+    as training parses them) and, where the model's own template does not render tools, the hermes
+    default training renders with, as the chat template: a file in the server's work folder (vLLM
+    reads `--chat-template` as a path, and a literal only after unescaping it). A tokenizer without
+    a chat template offers no tools (vLLM then refuses `tool_choice` plainly)."""
+    from opentinker.tools.formats import ToolFormat
+
+    try:
+        tools = ToolFormat(tokenizer)
+    except Exception as err:  # noqa: BLE001 - serving goes on, without tools
+        log.warning(f"tool calls are not offered: {type(err).__name__}: {err}")
+        return []
+    args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if tools.chat_template is not None:
+        template = workdir / "tool_chat_template.jinja"
+        template.write_text(tools.chat_template)
+        args += ["--chat-template", str(template)]
+    return args
 
 
 def adapter_server_args(model_name: str, init_from: str | None, dtype: str, max_rank: int, workdir: Path, name: str,

@@ -3,7 +3,9 @@
     GET  /health               -> {"ok": true}
     GET  /v1/models            -> the served model (and its LoRA adapters, parent = the model)
     POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events);
-                               a vision-language checkpoint also takes `image_url` parts with data: URLs
+                               a vision-language checkpoint also takes `image_url` parts with data: URLs;
+                               `tools` (tool_choice auto/none) are rendered and the reply's calls parsed
+                               as the policy was trained to (tool_calls.py)
     POST /v1/completions       raw prompt(s) in (text or token ids), continuation(s) out (stream=true:
                                server-sent events); `logprobs: 0` gives each sampled token's logprob,
                                `return_token_ids` / `return_tokens_as_token_ids` the tokens as ids
@@ -33,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from opentinker.agent.chat import Chunk
 from opentinker.backend.rollout import Completion, SamplingParams
 from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.own_servers import SERVER_KEEP_ALIVE_S
@@ -40,8 +43,9 @@ from opentinker.core.polling import wait_for
 from opentinker.env.observation import MAX_IMAGES, from_data_url
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 from opentinker.inference.lora_routes import add_lora_routes
+from opentinker.inference.tool_calls import BadToolRequest, message_fields, read_tools, render, reply, stream_deltas, uses_tools
 
-_UNSUPPORTED = ("tools", "functions", "logit_bias", "response_format", "top_logprobs", "echo", "best_of", "suffix")
+_UNSUPPORTED = ("functions", "logit_bias", "response_format", "top_logprobs", "echo", "best_of", "suffix")
 
 
 class OpenAIError(Exception):
@@ -85,7 +89,7 @@ class _Sampling(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
     def content_for(self, takes_images: bool) -> str | list[dict[str, Any]]:
@@ -256,30 +260,40 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         adapter = check(req)
         if (req.model_extra or {}).get("logprobs"):
             raise OpenAIError(400, "`logprobs` is not supported by this server for chat (/v1/completions gives `logprobs: 0`)", param="logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content_for(engine.takes_images)}
-                    for m in req.messages]
+        try:
+            tooling = read_tools(req.model_extra or {})
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content_for(engine.takes_images),
+                         **message_fields(m.role, m.model_extra or {})} for m in req.messages]
+        except BadToolRequest as err:
+            raise OpenAIError(400, str(err), param=err.param) from None
         if sum(1 for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image") > MAX_IMAGES:
             raise OpenAIError(400, f"messages: at most {MAX_IMAGES} images a request", param="messages")
-        try:
-            chunk = engine.chat_prompt(messages)
+        try:  # with tools, calls or results: rendered as training renders them (opentinker.tools.formats)
+            chunk = Chunk(engine.chat.encode(render(engine.chat.tools, messages, tooling.tools))) if uses_tools(
+                messages, tooling.tools) else engine.chat_prompt(messages)
+        except BadToolRequest as err:
+            raise OpenAIError(400, str(err), param=err.param) from None
         except ValueError as err:
             raise OpenAIError(400, f"messages: {err}", param="messages") from None
         prompt = chunk.ids
         completions = await run([prompt], req, "messages", adapter, [[chunk.visual]] if chunk.visual else None)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
+        replies = [reply(engine.chat.tools, text, reason) if tooling.parse else ({"role": "assistant", "content": text}, reason)
+                   for _, text, reason in outs]
         rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name
         use = usage([prompt], req.n, completions)
         if not req.stream:
             return {"id": rid, "object": "chat.completion", "created": now, "model": served, "usage": use,
-                    "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
-                                for i, (_, text, reason) in enumerate(outs)]}
+                    "choices": [{"index": i, "message": message, "finish_reason": reason, "logprobs": None}
+                                for i, (message, reason) in enumerate(replies)]}
 
         def events() -> Iterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": now, "model": served}
-            for i, (c, text, reason) in enumerate(outs):
+            for i, ((c, text, _), (message, reason)) in enumerate(zip(outs, replies)):
                 yield _sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-                for piece in _pieces(engine, c.token_ids, text):
-                    yield _sse(head | {"choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]})
+                calls = "tool_calls" in message  # parsed whole: its text, then each call in one delta
+                for delta in stream_deltas(message) if calls else ({"content": p} for p in _pieces(engine, c.token_ids, text)):
+                    yield _sse(head | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]})
                 yield _sse(head | {"choices": [{"index": i, "delta": {}, "finish_reason": reason}]})
             if (req.stream_options or {}).get("include_usage"):
                 yield _sse(head | {"choices": [], "usage": use})

@@ -1,0 +1,109 @@
+"""Tool calls on the HF server: OpenAI's `tools=` in, `tool_calls` out, in the format the policy
+was trained in (opentinker.tools.formats: its template's own where it renders tools, else the
+hermes default), as vLLM's server answers them with its `hermes` parser.
+
+A request's tools are read as vLLM reads them (a function's name, description and parameters,
+`strict` when given), and an assistant message's call arguments as objects, so both engines render
+one request to the same prompt. `tool_choice` is "auto" (the default) or "none" (the tools are in
+the prompt, the reply is not parsed); a required or named call is refused: nothing here forces a
+model to call. A reply whose `<tool_call>` blocks parse has `tool_calls`, the text before the first
+call as `content` (or null) and `finish_reason` "tool_calls"; a malformed call stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from opentinker.tools.formats import ToolFormat
+
+
+class BadToolRequest(ValueError):
+    """A request's tools that cannot be served; `param` names the field (a 400)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolRequest:
+    tools: list[dict[str, Any]] | None  # as the template takes them
+    parse: bool  # whether the reply's calls are read (tool_choice "auto" with tools)
+
+
+def read_tools(extra: dict[str, Any]) -> ToolRequest:
+    """The request's `tools` and `tool_choice` (fields the request model keeps as extras)."""
+    tools, choice = extra.get("tools"), extra.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        shown = json.dumps(choice) if not isinstance(choice, str) else repr(choice)
+        raise BadToolRequest(f"tool_choice {shown} is not supported by this server: use 'auto' or 'none'", "tool_choice")
+    if tools is None:
+        return ToolRequest(None, False)
+    if not isinstance(tools, list) or not tools:
+        raise BadToolRequest("tools: must be a non-empty list of function schemas", "tools")
+    return ToolRequest([_function(t, i) for i, t in enumerate(tools)], choice != "none")
+
+
+def _function(tool: Any, index: int) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise BadToolRequest(f'tools[{index}]: must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}', "tools")
+    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+        raise BadToolRequest(f"tools[{index}].function.parameters: must be a JSON Schema object", "tools")
+    out = {"name": function["name"], "description": function.get("description"), "parameters": function.get("parameters")}
+    if function.get("strict") is not None:
+        out["strict"] = function["strict"]
+    return {"type": "function", "function": out}
+
+
+def message_fields(role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """What a chat message carries besides its role and content: an assistant's `tool_calls`
+    (arguments as objects), a tool result's `tool_call_id` and `name`."""
+    if role == "tool":
+        return {k: extra[k] for k in ("tool_call_id", "name") if extra.get(k) is not None}
+    calls = extra.get("tool_calls") if role == "assistant" else None
+    if not calls:
+        return {}
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise BadToolRequest('messages: an assistant\'s tool_calls are [{"id", "type": "function", "function": {"name", "arguments"}}]', "messages")
+    out = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                raise BadToolRequest(f"messages: the arguments of tool call {call.get('id')!r} are not JSON", "messages") from None
+        out.append({**call, "type": "function", "function": function})
+    return {"tool_calls": out}
+
+
+def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether the prompt is rendered with the tool format (tools, calls or results in it)."""
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def render(tools_format: ToolFormat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """The prompt, ending with the assistant's generation prompt, as training renders it."""
+    if any(not isinstance(m.get("content"), (str, type(None))) for m in messages):
+        raise BadToolRequest("messages: images are not taken together with tools, tool calls or tool results", "messages")
+    return tools_format.render([m | {"content": m.get("content") or ""} for m in messages], tools, add_generation_prompt=True)
+
+
+def reply(tools_format: ToolFormat, text: str, reason: str) -> tuple[dict[str, Any], str]:
+    """(the assistant message, finish_reason) of one completion: its calls where any parse."""
+    turn = tools_format.parse(text)
+    if not turn.calls:
+        return {"role": "assistant", "content": text}, reason
+    calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in turn.calls]
+    return {"role": "assistant", "content": turn.content or None, "tool_calls": calls}, "tool_calls"
+
+
+def stream_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A parsed reply as streamed deltas: its text, then every call whole (index, id, name, arguments)."""
+    deltas = [{"content": message["content"]}] if message.get("content") else []
+    return deltas + [{"tool_calls": [{"index": k} | call]} for k, call in enumerate(message["tool_calls"])]

@@ -186,3 +186,37 @@ def test_spec_env_tools():
                       ({"shell": "bash"}, "env.tools.0"), ({"python": {"memory_mb": 10**9}}, "less than or equal")]:
         with pytest.raises(SpecError, match=says):
             parse_spec(base | {"env": base["env"] | {"tools": [bad]}})
+
+
+def test_a_call_cut_off_inside_its_closing_tag_is_still_read(smol):
+    turn = ToolFormat(smol).parse('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_')
+    assert [(c.name, c.arguments) for c in turn.calls] == [("add", {"a": 2, "b": 3})] and not turn.errors
+
+
+def test_a_hostile_pattern_in_a_tools_schema_is_not_run(smol):
+    """A tenant's MCP server declares the schema: a catastrophic regular expression must not spin the worker."""
+    evil = {"type": "object", "properties": {"q": {"type": "string", "pattern": "^(a+)+$"}},
+            "patternProperties": {"^(b+)+$": {"type": "string"}}, "additionalProperties": False}
+
+    class Evil(AddGame):
+        def get_tools(self):
+            return [Tool("search", "Search.", lambda a: "found", evil)]
+
+    started = time.perf_counter()
+    traj, _ = _play(smol, [_call("search", q="a" * 40 + "!"), "Answer: 5"], game=Evil())
+    assert traj.messages[-2]["content"] == "found" and time.perf_counter() - started < 30
+
+
+def test_a_served_games_tools_arrive_as_plain_fields(smol):
+    """Games of the env layer (an OpenEnv MCP environment) declare GameTools; the loop takes them as Tools."""
+    from opentinker.env.base import GameTool, ToolFailure
+
+    def lookup(arguments):
+        raise ToolFailure("no such key")
+
+    class Served(AddGame):
+        def get_tools(self):
+            return [GameTool(name="lookup", description="Look up a key.", run=lookup)]
+
+    traj, _ = _play(smol, [_call("lookup", key="x"), "Answer: 5"], game=Served())
+    assert traj.messages[-2]["content"] == "error: no such key" and traj.info["tool_errors"] == 1

@@ -206,9 +206,14 @@ def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
         return
     if answered is not None:
         traj.env_seconds.append(time.perf_counter() - t0)
-        ids, text = answered
+        ids, text, messages = answered
         traj.turns[-1].observation = _clip(text)
-        _go_on(ep, chat, limits, text, lambda: ids, lambda _: traj.append_observation(ids, text))
+
+        def appended_results(_: Any) -> None:
+            traj.append_observation(ids, text)
+            traj.messages.extend(messages)
+
+        _go_on(ep, chat, limits, text, lambda: ids, appended_results)
         return
     out = call_with_timeout(ep.game.step, limits.step_timeout_s, traj.turns[-1].action)
     traj.env_seconds.append(time.perf_counter() - t0)

@@ -16,6 +16,7 @@ from opentinker.agent.guard import call_with_timeout
 from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractGame
 from opentinker.tools.declared import Tool
+from opentinker.tools.sources import as_tools
 from opentinker.tools.toolbox import ToolBox
 
 
@@ -23,20 +24,19 @@ def episode_tools(game: AbstractGame, job_tools: list[Tool], max_calls_per_turn:
     """The episode's tools (the job's, then the game's); None when there are none. Asked inside
     the episode's bounded reset, so a game whose get_tools raises costs its episode."""
     own = getattr(game, "get_tools", None)
-    tools = list(job_tools) + list(own() if own is not None else [])
+    tools = list(job_tools) + as_tools(own() if own is not None else [])  # a served game's GameTools become Tools
     return ToolBox(tools, max_calls_per_turn=max_calls_per_turn) if tools else None
 
 
-def answer_tool_turn(box: ToolBox, chat: ChatFormat, traj: Trajectory, policy_stopped: bool) -> tuple[list[int], str] | None:
-    """The tokens and text that answer the last turn's tool calls; None when it called none."""
+def answer_tool_turn(box: ToolBox, chat: ChatFormat, traj: Trajectory, policy_stopped: bool) -> tuple[list[int], str, list[dict]] | None:
+    """The tokens, text and `tool` messages that answer the last turn's tool calls; None when it called none."""
     turn = chat.tools.parse(traj.turns[-1].action)
     if not turn.attempted:
         return None
     results = box.answer(turn, call_with_timeout)
-    traj.messages.extend(tool_messages(results))
     traj.info.update(box.counts)
     text = "\n".join(f"[{r.name or 'tool'}] {r.content}" for r in results)
-    return chat.tool_results_ids(results, policy_stopped), text
+    return chat.tool_results_ids(results, policy_stopped), text, tool_messages(results)
 
 
 def final_counts(box: ToolBox | None, traj: Any) -> None:

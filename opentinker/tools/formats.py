@@ -124,7 +124,7 @@ class ToolFormat:
             return self._parse_with_template(text, prefix)
         turn = ParsedTurn(content=text.split(CALL_OPEN, 1)[0].strip())
         for i, body in enumerate(_CALL.findall(text)):
-            _add_call(turn, body.strip(), i)
+            _add_call(turn, _unclosed(body.strip()), i)
         return turn
 
     def _parse_with_template(self, text: str, prefix: str) -> ParsedTurn:
@@ -146,6 +146,14 @@ def _model_template(tokenizer: Any) -> str:
     if not isinstance(template, str):
         raise ValueError("the policy's tokenizer has no chat template to render tools with")
     return template
+
+
+def _unclosed(body: str) -> str:
+    """A call cut off inside its closing tag (`…}\n</tool_`) is read without the tag's start."""
+    for k in range(len(CALL_CLOSE) - 1, 0, -1):
+        if body.endswith(CALL_CLOSE[:k]):
+            return body[:-k].rstrip()
+    return body
 
 
 def _add_call(turn: ParsedTurn, body: str, index: int) -> None:

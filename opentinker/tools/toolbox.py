@@ -46,12 +46,28 @@ def checked_tools(tools: list[Tool]) -> list[Tool]:
     return tools
 
 
+def _without_patterns(schema: Any) -> Any:
+    """The schema less its regular expressions: a tool's schema may come from a tenant's MCP server,
+    and a hostile pattern could spin the worker (the tool itself still checks what it needs)."""
+    if isinstance(schema, dict):
+        return {k: _without_patterns(v) for k, v in schema.items() if k not in ("pattern", "patternProperties", "format")}
+    if isinstance(schema, list):
+        return [_without_patterns(v) for v in schema]
+    return schema
+
+
+def _validator(schema: dict[str, Any]) -> Draft202012Validator:
+    from referencing import Registry
+
+    return Draft202012Validator(_without_patterns(schema), registry=Registry())  # local references only, nothing fetched
+
+
 class ToolBox:
     """One episode's tools. `answer(turn, bounded)` runs a parsed turn's calls in order."""
 
     def __init__(self, tools: list[Tool], max_calls_per_turn: int = 4, max_result_chars: int = MAX_RESULT_CHARS):
         self.tools = {t.name: t for t in checked_tools(tools)}
-        self._validators = {t.name: Draft202012Validator(t.parameters) for t in tools}
+        self._validators = {t.name: _validator(t.parameters) for t in tools}
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.counts = {"tool_calls": 0, "tool_invalid": 0, "tool_errors": 0}

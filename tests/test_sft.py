@@ -75,6 +75,25 @@ def test_bad_specs_name_the_field(tmp_path):
     assert "credentials do not belong in a URL" in _spec_error({**base, "data": {"path": "s3://key:secret@bucket/d.jsonl"}})
 
 
+def test_tool_chats_train_on_the_text_rl_renders(tmp_path):
+    """A chat with tools, calls and results becomes the hermes text the agent loop renders for the same conversation."""
+    from transformers import AutoTokenizer
+
+    from envs.code_interpreter import CodeInterpreterMathGame
+    from envs.code_interpreter.game import EXAMPLE
+    from opentinker.model.loading import tokenizer_path
+    from opentinker.tools.formats import ToolFormat
+
+    tools = [t.schema() for t in CodeInterpreterMathGame().get_tools()]
+    messages = [{"role": "system", "content": "Solve it."}, *EXAMPLE]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+    ((_, plain),) = load_chats(str(path))
+    assert {m["role"] for m in plain} == {"system", "user", "assistant"} and all(isinstance(m["content"], str) for m in plain)
+    tok = AutoTokenizer.from_pretrained(tokenizer_path())
+    assert tok.apply_chat_template(plain, tokenize=False) == ToolFormat(tok).render(messages, tools, add_generation_prompt=False)
+
+
 def test_bad_jsonl_lines_are_named_before_the_model_loads(tmp_path):
     good = json.dumps(math_chats(1)[0])
     lines = [
@@ -86,6 +105,9 @@ def test_bad_jsonl_lines_are_named_before_the_model_loads(tmp_path):
         json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "s"}, {"role": "assistant", "content": "b"}]}),
         json.dumps({"text": "plain"}),
         json.dumps({"messages": [{"role": "assistant", "content": 3}]}),
+        json.dumps({"messages": [{"role": "user", "content": "a", "tool_calls": []}, {"role": "assistant", "content": "b"}]}),
+        json.dumps({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]}),
+        json.dumps({"messages": [{"role": "assistant", "content": "b"}], "tools": [{"name": "f"}]}),
     ]
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -94,10 +116,13 @@ def test_bad_jsonl_lines_are_named_before_the_model_loads(tmp_path):
     assert str(info.value).splitlines() == [
         "data.path: line 2: not valid JSON (Expecting property name enclosed in double quotes, column 2)",
         "data.path: line 4: no assistant message: nothing to train on",
-        "data.path: line 5: messages[0].role: must be one of system, user, assistant (got 'bot')",
+        "data.path: line 5: messages[0].role: must be one of system, user, assistant, tool (got 'bot')",
         "data.path: line 6: messages[1]: a system message may only come first",
         'data.path: line 7: expected an object with a "messages" list',
         "data.path: line 8: messages[0].content: must be a string",
+        "data.path: line 9: messages[0].tool_calls: a list, on an assistant message only",
+        'data.path: line 10: messages[0].tool_calls[0]: expected {"function": {"name": "...", "arguments": {...}}}',
+        'data.path: line 11: tools: expected a list of {"type": "function", "function": {"name": ..., "parameters": ...}}',
     ]
     with pytest.raises(SFTDataError, match=r"^data.path: file://.*/missing.jsonl does not exist$"):
         load_chats(f"file://{tmp_path}/missing.jsonl")

@@ -85,6 +85,42 @@ def hermes_template(model_template: str) -> str:
     return HERMES_PRELUDE + model_template
 
 
+def _tojson(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)  # as transformers' chat templates' `tojson` writes it
+
+
+def hermes_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+    """What the hermes prelude does to a conversation, in Python: plain system/user/assistant
+    messages whose rendering by the model's own template is the hermes rendering (SFT data with
+    tools trains on exactly the text RL samples in; tests check the two agree)."""
+    tools_text = (TOOLS_INTRO + "".join("\n" + _tojson(t) for t in tools) + TOOLS_HOW) if tools else ""
+    out: list[dict[str, str]] = []
+    pending = ""
+    for m in messages:
+        if m["role"] == "tool":
+            pending += ("\n" if pending else "") + "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            continue
+        if pending:
+            out.append({"role": "user", "content": pending})
+            pending = ""
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            text = m.get("content") or ""
+            for call in m["tool_calls"]:
+                f = call.get("function", call)
+                arguments = f["arguments"] if isinstance(f["arguments"], str) else _tojson(f["arguments"])
+                text += ("\n" if text else "") + '<tool_call>\n{"name": ' + _tojson(f["name"]) + ', "arguments": ' + arguments + "}\n</tool_call>"
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "system" and tools_text and not out:
+            out.append({"role": "system", "content": m["content"] + "\n\n" + tools_text})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if pending:
+        out.append({"role": "user", "content": pending})
+    if tools_text and not (out and out[0]["role"] == "system"):
+        out.insert(0, {"role": "system", "content": tools_text})
+    return out
+
+
 @dataclass
 class ParsedTurn:
     """What one assistant turn asked for: the calls that parsed, and one line per call that did not."""

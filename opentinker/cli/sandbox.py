@@ -14,7 +14,7 @@ console = Console()
 
 def sandbox(
     host: str = typer.Option("127.0.0.1", help="interface to bind"),
-    port: int = typer.Option(8300, help="port (0: any free port)"),
+    port: int = typer.Option(8310, help="port (0: any free port)"),
     max_running: Optional[int] = typer.Option(None, help="programs running at once on this machine (default: its CPUs)"),
 ) -> None:
     """Serve SandboxFusion's API (POST /run_code; python) until Ctrl-C. Its key is OPENTINKER_SANDBOX_KEY,

@@ -2,7 +2,9 @@
 that runs elsewhere. The client opens a WebSocket to the gateway (nothing listens here, so it
 works wherever the client can reach the gateway) and answers the job's calls (see
 opentinker.env.linked): each call runs in a thread of its own, under the same hosting rules as
-every other host, and its answer goes back as soon as it is ready.
+every other host, and its answer goes back as soon as it is ready. An episode's tools
+(`get_tools()`, asked after its reset) are listed with reset's answer and called by `call_tool`,
+each within its own timeout (opentinker.env.served_tools).
 
 A link that drops (the gateway restarted, the network) is reopened with backoff for up to
 `reconnect_timeout_s`, under the same client id, so the gateway lets it replace its old socket;
@@ -24,6 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from opentinker.env.hosting import generate_reply, generator_from_state, reset_reply, step_reply
 from opentinker.env.linked import TAKEN_OVER
+from opentinker.env.served_tools import call_reply, tool_listing, tools_by_name
 
 log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 16 * 1024**2
@@ -62,6 +65,7 @@ class EnvironmentLink:
         self._takeover, self.reconnect_timeout_s = takeover, reconnect_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._sessions: dict[str, Any] = {}
+        self._tools: dict[str, dict[str, Any]] = {}  # each session's tools (get_tools(), asked after its reset)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-link")
         self._outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._socket = None
@@ -109,6 +113,7 @@ class EnvironmentLink:
         for game in list(self._sessions.values()):
             _close_game(game)
         self._sessions.clear()
+        self._tools.clear()
 
     def _serve(self) -> None:
         """Read calls until the socket closes; then reopen it, or say why the link ended."""
@@ -203,11 +208,20 @@ class EnvironmentLink:
         if op == "reset":
             game = self.game_class(**{**self.game_kwargs, **dict(call.get("game_kwargs") or {})})
             self._sessions[call["session"]] = game
-            return reset_reply(game, dict(call.get("task") or {}))
+            answer = reset_reply(game, dict(call.get("task") or {}))
+            tools = list(game.get_tools() or [])
+            self._tools[call["session"]] = tools_by_name(tools)
+            return {**answer, "tools": tool_listing(tools)}
         if op == "step":
             return step_reply(self._sessions[call["session"]], str(call["action"]))
+        if op == "call_tool":
+            tool = self._tools.get(call["session"], {}).get(str(call.get("name")))
+            if tool is None:
+                raise LookupError(f"this episode has no tool named {str(call.get('name'))[:80]!r}")
+            return call_reply(tool, call.get("arguments"))
         if op == "close":
             _close_game(self._sessions.pop(call["session"], None))
+            self._tools.pop(call["session"], None)
             return {}
         raise ValueError(f"unknown call {op!r}")
 

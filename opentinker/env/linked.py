@@ -5,8 +5,9 @@ through the gateway (the user's client opened the link; nothing listens on the u
 served environment's `RemoteGameClass`. Its calls are relayed by the gateway to the client:
 
     generate {rng_state, config}             -> {task, rng_state}     (draws continue the job's generator)
-    reset    {session, game_kwargs, task}    -> {observation, system_prompt, initial_user_message, example_turns}
+    reset    {session, game_kwargs, task}    -> {observation, system_prompt, initial_user_message, example_turns, tools}
     step     {session, action}               -> {observation, reward, done, info}
+    call_tool {session, name, arguments}     -> {content} | {error}     (that episode's own tool; env.served_tools)
     close    {session}                       -> {}
 
 Calls made by many threads at about the same time (every episode's step of a turn) travel as
@@ -42,9 +43,10 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from opentinker.core.polling import is_blip
 from opentinker.core.settings import get_settings
-from opentinker.env.base import AbstractGame, StepResult
+from opentinker.env.base import AbstractGame, GameTool, StepResult, ToolFailure
 from opentinker.env.observation import Observation, from_wire
 from opentinker.env.remote import AnswerRefused, RemoteGameError, over_limit
+from opentinker.env.served_tools import tools_from_listing
 
 
 TAKEN_OVER = 4410  # close code: another client of the job took the link over (fit(takeover=True))
@@ -154,6 +156,7 @@ class LinkedGame(AbstractGame):
         self._link, self._game_kwargs = link, game_kwargs
         self._session = uuid.uuid4().hex
         self._prompts: dict[str, Any] = {"system_prompt": "", "initial_user_message": "", "example_turns": []}
+        self._tools: Any = None
         self._opened = False
 
     def get_system_prompt(self) -> str:
@@ -169,11 +172,25 @@ class LinkedGame(AbstractGame):
         self._opened = True
         answer = self._link.ask("reset", session=self._session, game_kwargs=self._game_kwargs, task=task)
         self._prompts = {k: answer[k] for k in self._prompts}
+        self._tools = answer.get("tools")
         return from_wire(answer["observation"], "reset's observation")
 
     def step(self, action: str) -> StepResult:
         answer = self._link.ask("step", session=self._session, action=action)
         return StepResult(from_wire(answer["observation"]), answer["reward"], answer["done"], answer["info"])
+
+    def get_tools(self) -> list[GameTool]:
+        """The tools the client listed with reset's answer; RemoteGameError for a malformed list."""
+        try:
+            return tools_from_listing(self._tools, self._call_tool, self._link.batcher.timeout_s)
+        except ValueError as err:
+            raise RemoteGameError(f"the client's game: the episode's tool list is malformed: {err}") from None
+
+    def _call_tool(self, name: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        try:  # sent once (a call may have effects); the gateway bounds the wait by the link's timeout
+            return self._link.ask("call_tool", session=self._session, name=name, arguments=arguments)
+        except RemoteGameError as err:
+            raise ToolFailure(str(err)) from None
 
     def close(self) -> None:
         if self._opened:  # fire and forget: the client drops the session

@@ -18,6 +18,11 @@ refused past OPENTINKER_ENV_MAX_RESPONSE_BYTES or past `timeout_s` in all, befor
 decoded (a server answering 100 MB observations once took a job to 16.7 GB and the OOM killer).
 A failure's reason names the route, not the session (`POST <server>/sessions/…/step: …`), so the
 same failure of many episodes groups as one in `rollout/first_failure`; the log has the session.
+
+Tools: `get_tools()` gives the tools the server listed with reset's answer (checked: a malformed
+list costs the episode, see env.served_tools); a call goes to the episode's own session and is
+sent once (it may have effects), waiting for the tool's timeout, at most `timeout_s`. A failed
+call (the tool's error, or no answer) is a ToolFailure the model reads.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ import httpx
 
 from opentinker.core.env_hosts import EnvHosts
 from opentinker.core.settings import get_settings
-from opentinker.env.base import UNAVAILABLE, AbstractGame, StepResult
+from opentinker.env.base import UNAVAILABLE, AbstractGame, GameTool, StepResult, ToolFailure
 from opentinker.env.confined_net import confined_client
 from opentinker.env.observation import Observation, from_wire
+from opentinker.env.served_tools import tools_from_listing
 
 log = logging.getLogger(__name__)
 LIMIT_SETTING = "OPENTINKER_ENV_MAX_RESPONSE_BYTES"
@@ -185,6 +191,23 @@ class RemoteGame(AbstractGame):
     def step(self, action: str) -> StepResult:
         answer = self._in_session("step", {"action": action})
         return StepResult(from_wire(answer["observation"]), answer["reward"], answer["done"], answer["info"])
+
+    def get_tools(self) -> list[GameTool]:
+        """The tools the server listed with reset's answer; RemoteGameError for a malformed list."""
+        try:
+            return tools_from_listing(self._prompts.get("tools"), self._call_tool, self._shard.timeout_s)
+        except ValueError as err:
+            raise RemoteGameError(f"{self._shard.url}: the episode's tool list is malformed: {err}") from None
+
+    def _call_tool(self, name: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        session = self._session
+        if session is None:
+            raise ToolFailure("the episode's session is closed")
+        try:
+            return self._shard.request("POST", f"/sessions/{session}/tools/{name}", {"arguments": arguments}, session=session,
+                                       retries=0, timeout_s=timeout_s)
+        except RemoteGameError as err:
+            raise ToolFailure(str(err)) from None
 
     def close(self) -> None:
         """Best effort and quick: one try with a short timeout (the server's sessions die with it)."""

@@ -6,10 +6,15 @@ answers HTTP 500 `{"detail": "<ExcType>: message"}` and the server keeps serving
 
     GET    /health                  -> {"ok", "game", "sessions"}
     POST   /sessions                {"game_kwargs"} -> {"session_id", "system_prompt", "initial_user_message", "example_turns"}
-    POST   /sessions/{id}/reset     {"task"} -> {"observation", "system_prompt", "initial_user_message", "example_turns"}
+    POST   /sessions/{id}/reset     {"task"} -> {"observation", "system_prompt", "initial_user_message", "example_turns", "tools"}
     POST   /sessions/{id}/step      {"action"} -> {"observation", "reward", "done", "info"}
+    POST   /sessions/{id}/tools/{name}  {"arguments"} -> {"content"} | {"error"}
     DELETE /sessions/{id}           -> {"ok"}  (calls game.close())
     POST   /generate_task           {"seed" | "rng_state", "config"} -> {"task", "rng_state"}
+
+Tools: reset's answer lists the episode's `get_tools()` (asked once, after its reset; see
+env.served_tools), and a call runs that episode's own tool within the tool's timeout. A tool's
+failure is the call's answer (`{"error"}`, HTTP 200), not an HTTP error: the model reads it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.env.base import AbstractGame
 from opentinker.env.environment import import_game
 from opentinker.env.hosting import generate_reply, generator_from_state, prompts_of, reset_reply, step_reply
+from opentinker.env.served_tools import call_reply, tool_listing, tools_by_name
 
 
 
@@ -40,6 +46,10 @@ class Reset(BaseModel):
 
 class Step(BaseModel):
     action: str
+
+
+class ToolCall(BaseModel):
+    arguments: dict[str, Any] = Field(default_factory=dict)
 
 
 class GenerateTask(BaseModel):
@@ -67,6 +77,11 @@ def _guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise HTTPException(500, f"{type(err).__name__}: {err}") from None
 
 
+def _episode_tools(game: AbstractGame) -> list[Any]:
+    tools = game.get_tools()
+    return list(tools or [])
+
+
 def _generator(req: GenerateTask) -> np.random.Generator:
     if req.rng_state is None:
         return np.random.default_rng(req.seed)
@@ -77,10 +92,11 @@ def _generator(req: GenerateTask) -> np.random.Generator:
 
 
 class _Sessions:
-    """Live games by session id; the lock guards the dict, never game code."""
+    """Live games by session id, and each episode's tools; the lock guards the dicts, never game code."""
 
     def __init__(self) -> None:
         self._games: dict[str, AbstractGame] = {}
+        self._tools: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def add(self, game: AbstractGame) -> str:
@@ -92,9 +108,24 @@ class _Sessions:
     def get(self, session_id: str, remove: bool = False) -> AbstractGame:
         with self._lock:
             game = self._games.pop(session_id, None) if remove else self._games.get(session_id)
+            if remove:
+                self._tools.pop(session_id, None)
         if game is None:
             raise HTTPException(404, f"unknown session {session_id}")
         return game
+
+    def set_tools(self, session_id: str, tools: list[Any]) -> None:
+        with self._lock:
+            if session_id in self._games:
+                self._tools[session_id] = tools_by_name(tools)
+
+    def tool(self, session_id: str, name: str) -> Any:
+        self.get(session_id)
+        with self._lock:
+            tool = self._tools.get(session_id, {}).get(name)
+        if tool is None:
+            raise HTTPException(404, f"this episode has no tool named {name[:80]!r}")
+        return tool
 
     def __len__(self) -> int:
         with self._lock:
@@ -122,7 +153,15 @@ def create_app(game_class: type[AbstractGame], tokens: list[str] | None = None, 
 
     @app.post("/sessions/{session_id}/reset")
     def reset(session_id: str, req: Reset) -> dict[str, Any]:
-        return _guarded(reset_reply, sessions.get(session_id), req.task)
+        game = sessions.get(session_id)
+        answer = _guarded(reset_reply, game, req.task)
+        tools = _guarded(_episode_tools, game)
+        sessions.set_tools(session_id, tools)
+        return {**answer, "tools": _guarded(tool_listing, tools)}
+
+    @app.post("/sessions/{session_id}/tools/{name}")
+    def call_tool(session_id: str, name: str, req: ToolCall) -> dict[str, Any]:
+        return call_reply(sessions.tool(session_id, name), req.arguments)
 
     @app.post("/sessions/{session_id}/step")
     def step(session_id: str, req: Step) -> dict[str, Any]:

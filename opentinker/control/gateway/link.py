@@ -33,7 +33,7 @@ from opentinker.env.linked import TAKEN_OVER
 from opentinker.env.remote import over_limit
 
 log = logging.getLogger(__name__)
-OPS = ("generate", "reset", "step", "close")
+OPS = ("generate", "reset", "step", "call_tool", "close")
 MAX_CALLS = 1024
 MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a frame over the server's limit
 

@@ -85,3 +85,12 @@ def test_the_gateway_refuses_an_mcp_url_the_env_rule_refuses():
     for url in ("http://169.254.169.254/mcp", f"http://127.0.0.1:{settings.gateway_port}/mcp", "http://10.0.0.1/mcp"):
         with pytest.raises(SpecError):
             confine_env(settings, "alice", {"game": "envs.units:UnitsGame", "tools": [{"mcp": url}]})
+
+
+def test_the_example_specs_of_agents_with_tools_load():
+    from opentinker.core.spec import load_spec
+
+    code = load_spec("examples/code_interpreter_grpo.yaml")
+    assert code.env.game == "envs.code_interpreter:CodeInterpreterMathGame" and code.optimization.steps == 40
+    units = load_spec("examples/mcp_units_grpo.yaml")
+    assert units.env.tools[0].mcp == "http://127.0.0.1:8400/mcp"

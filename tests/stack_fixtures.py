@@ -1,4 +1,4 @@
-"""A session-wide embedded stack (Prefect server + worker, MLflow server, Ray head, gateway) for tests.
+"""A session-wide embedded stack (Prefect server + worker, MLflow server, Ray head, gateway, sandbox) for tests.
 
 Started once per test session (cold start ≈30 s on the 2-core machine, most of it the Prefect
 server creating its database), on free loopback ports and in a temporary state directory, so it
@@ -21,7 +21,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     return ports(count, host)
 
 
-PORTS = ("prefect_port", "mlflow_port", "gateway_port", "ray_port", "ray_client_port")
+PORTS = ("prefect_port", "mlflow_port", "gateway_port", "ray_port", "ray_client_port", "sandbox_port")
 
 
 def local_settings(state_dir, **overrides) -> "Settings":  # noqa: F821

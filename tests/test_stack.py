@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from opentinker.control.services import SERVICES
+from opentinker.control.services import services_for
 from opentinker.control.stack import Stack, StackError
 from opentinker.core.settings import mlflow_env, prefect_env
 from tests.stack_fixtures import free_ports, local_settings
@@ -21,12 +21,12 @@ from tests.stack_fixtures import free_ports, local_settings
 
 def test_up_brings_all_services_healthy_on_loopback(stack):
     settings, status = stack
-    assert set(status) == set(SERVICES)
+    assert set(status) == set(services_for(settings))  # the sandbox service where bubblewrap runs (test_stack_sandbox.py)
     for service in status.values():
         assert service.running and service.healthy and service.pid, service
         assert service.url.startswith(("http://127.0.0.1:", "ray://127.0.0.1:"))
     pids = settings.state_dir / "pids"
-    assert {p.name for p in pids.iterdir()} == {f"{name}.pid" for name in SERVICES}
+    assert {p.name for p in pids.iterdir()} == {f"{name}.pid" for name in services_for(settings)}
     assert (settings.state_dir / "prefect" / "prefect.db").exists()
     assert (settings.state_dir / "mlflow" / "mlflow.db").exists()
     # Flow runs inherit the worker's environment: it must point at this stack.

@@ -123,6 +123,15 @@ def status_table(status) -> Table:
     return table
 
 
+def say_sandbox_left_out(status) -> None:
+    """One line where the stack leaves its sandbox service out (bubblewrap does not run here). Its
+    endpoint, where it runs, is in the table: the key read from its file by `$(cat …)`, never shown."""
+    from opentinker.control.services import sandbox_unavailable
+
+    if "sandbox" not in status and (why := sandbox_unavailable()):
+        console.print(f"sandbox service: not started: {why}", style="yellow", markup=False, soft_wrap=True)
+
+
 def bring_up(settings, deploy: bool):
     """Start (or reuse) the stack and register the deployments (always with `deploy`, else only
     when some are missing); exit 1 with the reason when the stack cannot start."""
@@ -136,6 +145,7 @@ def bring_up(settings, deploy: bool):
     except StackError as err:
         console.print(f"stack: {err}", style="red", markup=False)
         raise typer.Exit(1)
+    say_sandbox_left_out(status)
     if deploy or not deployed(settings):
         with console.status("registering pools, slot limits and deployments"):
             deploy_all(settings)

@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from opentinker.cli.common import bring_up, check_env_or_exit, console, load_any_spec, quiet_libraries, settings_and_env, status_table
+from opentinker.cli.common import (bring_up, check_env_or_exit, console, load_any_spec, quiet_libraries, say_sandbox_left_out,
+                                   settings_and_env, status_table)
 from opentinker.cli.env import env_app
 from opentinker.cli.job_verbs import cancel, job, jobs, logs
 from opentinker.cli.jobs import follow, run, train
@@ -70,7 +71,9 @@ def status() -> None:
     """Show which services of the embedded stack run, with their URLs."""
     from opentinker.control.stack import Stack
 
-    console.print(status_table(Stack(settings_and_env()).status()))
+    status = Stack(settings_and_env()).status()
+    console.print(status_table(status))
+    say_sandbox_left_out(status)
 
 
 @app.command(name="deploy")

@@ -3,8 +3,11 @@ folder), where it answers (port, URL) and how to tell it is healthy. `Stack` sta
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import os
+import shlex
 import socket
 import sys
 import tempfile
@@ -19,12 +22,29 @@ import psutil
 from opentinker.core.hardware import detect_gpus
 from opentinker.core.settings import Settings, mlflow_env, prefect_env, ray_env, settings_env
 
-SERVICES = ("prefect", "mlflow", "ray", "worker", "gateway")
+SERVICES = ("prefect", "mlflow", "ray", "worker", "gateway", "sandbox")
 
 
 def services_for(s: Settings) -> tuple[str, ...]:
-    """The services this stack runs: the Ray head only when jobs join it (ray_head, no other cluster)."""
-    return SERVICES if s.ray_head and not s.ray_address else tuple(n for n in SERVICES if n != "ray")
+    """The services this stack runs: the Ray head only when jobs join it (ray_head, no other cluster),
+    the sandbox service only where bubblewrap runs (`sandbox_unavailable`)."""
+    left_out = {"ray"} if not (s.ray_head and not s.ray_address) else set()
+    if sandbox_unavailable():
+        left_out.add("sandbox")
+    return tuple(n for n in SERVICES if n not in left_out)
+
+
+@functools.cache
+def sandbox_unavailable() -> str | None:
+    """Why the sandbox service cannot run on this machine, in one line naming the Debian package
+    (bubblewrap missing, or refused its namespaces); None: it can. One empty sandboxed run, once."""
+    from opentinker.tools.sandbox import MISSING, Sandbox
+
+    try:
+        Sandbox()
+    except RuntimeError as err:
+        return str(err).replace(MISSING, "it needs bubblewrap (Debian package: bubblewrap)")
+    return None
 
 
 # A worker polls every 2 s instead of Prefect's 10 (a freed slot is refilled sooner), and it and its
@@ -204,6 +224,57 @@ def _ray_head_ready(s: Settings, pid: int) -> bool:
     return not pid or "Ray runtime started" in log.rpartition("=== opentinker: starting ray")[2]
 
 
+SANDBOX_HOST = "127.0.0.1"  # the sandbox service answers this machine only (and only its owner: the key)
+
+
+def sandbox_key_file(s: Settings) -> Path:
+    """The file holding the sandbox service's key, which its owner reads to call it (owner-only)."""
+    return s.state_dir / "sandbox-key"
+
+
+def sandbox_key(s: Settings) -> str:
+    """The sandbox service's key: its file's, created once (mode 0600) as an HMAC of the stack secret,
+    like the Ray token. Only the file is ever named (its command line, `opentinker status`), never the key."""
+    path = sandbox_key_file(s)
+    if not path.exists():
+        key = hmac.new(s.stack_secret().encode(), b"sandbox-service-key", hashlib.sha256).hexdigest()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)  # the same key whoever writes it
+    return path.read_text().strip()
+
+
+def sandbox_url(s: Settings) -> str:
+    return f"http://{SANDBOX_HOST}:{s.sandbox_port}"
+
+
+def sandbox_endpoint(s: Settings) -> str:
+    """The endpoint to give the sandbox_fusion client (`set_sandbox_endpoint`, SANDBOX_FUSION_ENDPOINT) as
+    a shell word that reads the key from its file: printed, it shows no key."""
+    return f"{sandbox_url(s)}/k/$(cat {shlex.quote(str(sandbox_key_file(s)))})"
+
+
+def _sandbox_answers(s: Settings, pid: int) -> bool:
+    """Ours answers /v1/ping with its key; with pid 0 (is anything there?) any HTTP answer counts."""
+    if not pid:
+        try:
+            httpx.get(f"{sandbox_url(s)}/v1/ping", timeout=2.0, trust_env=False)
+            return True
+        except httpx.HTTPError:
+            return False
+    key = sandbox_key_file(s).read_text().strip() if sandbox_key_file(s).exists() else ""
+    return http_ok(f"{sandbox_url(s)}/v1/ping", headers={"Authorization": f"Bearer {key}"}) is not None
+
+
+def _sandbox_command(s: Settings) -> list[str]:
+    """`opentinker sandbox` with the key's file (created here): a command line is public, so never the key."""
+    sandbox_key(s)
+    return [sys.executable, "-m", "opentinker.cli", "sandbox", "--host", SANDBOX_HOST, "--port", str(s.sandbox_port),
+            "--key-file", str(sandbox_key_file(s))]
+
+
 SPECS: dict[str, Service] = {
     "prefect": Service(
         name="prefect",
@@ -257,5 +328,14 @@ SPECS: dict[str, Service] = {
         # No Ray token: the public door never drives the cluster.
         env=lambda s: {**settings_env(s), **prefect_env(s), **mlflow_env(s)},
         healthy=lambda s, pid: http_ok(f"{s.gateway_url}/v1/health") is not None,
+    ),
+    "sandbox": Service(
+        name="sandbox",
+        keywords=("opentinker.cli", "sandbox", "--key-file"),
+        port=lambda s: s.sandbox_port,
+        url=sandbox_endpoint,
+        command=_sandbox_command,
+        env=lambda s: {},
+        healthy=_sandbox_answers,
     ),
 }

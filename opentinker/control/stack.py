@@ -1,5 +1,7 @@
 """The embedded local stack: a Prefect server, a Prefect process worker, an MLflow server, a Ray
-head that every job joins, and the job gateway.
+head that every job joins, the job gateway, and the sandbox service (SandboxFusion's `/run_code` on
+127.0.0.1, for the owner only: its key is in `<state_dir>/sandbox-key`; left out, and said in one
+line by the CLI, where bubblewrap does not run).
 
 All run on one machine, bound to `settings.listen_host` (loopback by default; the gateway to
 `gateway_listen_host`, the one public door), as detached
@@ -32,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
-from opentinker.control.services import SPECS, is_stand_in, ray_temp_dir, services_for
+from opentinker.control.services import SANDBOX_HOST, SPECS, is_stand_in, ray_temp_dir, services_for
 from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, get_settings
@@ -119,7 +121,7 @@ class Stack:
         pids = {name: self.pid(name) for name in names}
         # A dead service may have left children holding its port: clear them and its pid file.
         self._stop([name for name, pid in pids.items() if pid is None], timeout=5.0)
-        for name in ("prefect", "mlflow", "ray", "gateway"):
+        for name in ("prefect", "mlflow", "ray", "gateway", "sandbox"):
             port = SPECS[name].port(s)
             if name in names and pids[name] is None and not self._port_free(port, name):
                 raise StackError(
@@ -134,7 +136,7 @@ class Stack:
         _check_databases(s, [name for name in ("prefect", "mlflow") if pids[name] is None])
         started: list[str] = []
         try:
-            for name in ("prefect", "mlflow", "ray"):
+            for name in ("prefect", "mlflow", "ray", "sandbox"):
                 if name in names and pids[name] is None:
                     pids[name] = self._spawn(name)
                     started.append(name)
@@ -151,6 +153,8 @@ class Stack:
                 pids["gateway"] = self._spawn("gateway")
                 started.append("gateway")
             self._wait("gateway", pids["gateway"], deadline)
+            if "sandbox" in names:
+                self._wait("sandbox", pids["sandbox"], deadline)
         except BaseException:
             for name in started:
                 self._stop([name])
@@ -192,6 +196,8 @@ class Stack:
         return proc.pid
 
     def _host(self, name: str) -> str:
+        if name == "sandbox":
+            return SANDBOX_HOST
         return self.settings.gateway_listen_host if name == "gateway" else self.settings.listen_host
 
     def _port_free(self, port: int, name: str = "prefect") -> bool:
@@ -235,7 +241,7 @@ class Stack:
         `timeout`, then SIGKILL. Removes the pid files. Safe to call when nothing runs."""
         with self._locked():
             self._stop_runs(timeout)
-            self._stop(["gateway", "worker", "ray", "prefect", "mlflow"], timeout)
+            self._stop(["gateway", "sandbox", "worker", "ray", "prefect", "mlflow"], timeout)
             if is_stand_in(ray_temp_dir(self.settings)):
                 shutil.rmtree(ray_temp_dir(self.settings), ignore_errors=True)
 
@@ -280,7 +286,8 @@ def _check_ports(s: Settings, names: tuple[str, ...]) -> None:
     """Every port the stack listens on is its own and outside Ray's worker ports, before anything
     starts: a Ray worker may take such a port first, and `ray start` refuses a client server port in
     there only after a long start, with a traceback."""
-    fields = ["prefect_port", "mlflow_port", "gateway_port", *(["ray_port", "ray_client_port"] if "ray" in names else [])]
+    fields = ["prefect_port", "mlflow_port", "gateway_port", *(["ray_port", "ray_client_port"] if "ray" in names else []),
+              *(["sandbox_port"] if "sandbox" in names else [])]
     low, high = RAY_WORKER_PORTS
     seen: dict[int, str] = {}
     for field in fields:

@@ -13,9 +13,9 @@ network (an IP literal is itself; a name is resolved with getaddrinfo, and one t
 resolve is refused). `*` allows any URL of those schemes.
 
 The stack's own servers (`OwnServers`) are refused first, by address, never by spelling: its fixed
-ports (Prefect, MLflow, the gateway, Ray) and any port a process of the stack listens on here (a
-job's vLLM server with its unauthenticated dev endpoints, Ray's agents, a rollout server: random
-ports), known by the mark in the environment of each process the stack starts (OWN_SERVER_MARK)
+ports (Prefect, MLflow, the gateway, Ray, the sandbox service) and any port a process of the stack
+listens on here (a job's vLLM server with its unauthenticated dev endpoints, Ray's agents, a rollout
+server: random ports), known by the mark in the environment of each process the stack starts (OWN_SERVER_MARK)
 or of an ancestor. The host is resolved as a connection would resolve it (inet_aton's hex,
 octal, decimal and short IPv4 forms, IPv4-mapped and IPv4-compatible IPv6, a trailing dot, every
 address of a name) and one of those ports on an address of this machine (loopback, 0.0.0.0 and
@@ -114,9 +114,10 @@ class OwnServers:
 
     @classmethod
     def of(cls, settings: Any) -> OwnServers:
-        """Those of a Settings: Prefect, MLflow, the gateway, Ray's GCS and client server, and
-        whatever the stack's processes listen on here."""
-        ports = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port}
+        """Those of a Settings: Prefect, MLflow, the gateway, Ray's GCS and client server, the sandbox
+        service (SandboxFusion's API: it runs code), and whatever the stack's processes listen on here."""
+        ports = {settings.prefect_port, settings.mlflow_port, settings.gateway_port, settings.ray_port, settings.ray_client_port,
+                 settings.sandbox_port}
         hosts = {settings.host, settings.listen_host, settings.gateway_listen_host, settings.advertised_host} - {None, ""}
         return cls(frozenset(ports), tuple(sorted(hosts)), marked=True)
 

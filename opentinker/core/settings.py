@@ -23,9 +23,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="OPENTINKER_", extra="ignore")
 
     state_dir: Path = Path("~/.opentinker")
-    """Everything the stack writes: pid files, logs, the SQLite databases, MLflow artifacts, the
-    secret. One place per user whatever the working directory, so every command finds the same
-    stack; OPENTINKER_STATE_DIR moves it."""
+    """Everything the stack writes (pid files, logs, databases, artifacts, secrets), one place per user
+    whatever the working directory, so every command finds the same stack; OPENTINKER_STATE_DIR moves it."""
 
     host: str = "127.0.0.1"
     """The control machine's address as every client dials it (CLI, workers, jobs): Prefect, MLflow,
@@ -116,6 +115,9 @@ class Settings(BaseSettings):
     gateway_port: int = 8200
     """Port of the authenticated job gateway (the URL clients use)."""
 
+    sandbox_port: int = 8310
+    """Port of the stack's sandbox service on 127.0.0.1 (SandboxFusion's /run_code; key: <state_dir>/sandbox-key)."""
+
     project: str = "default"
     """Prefix of MLflow experiment names, so several projects can share one server."""
 
@@ -147,9 +149,8 @@ class Settings(BaseSettings):
     """GPUs each Tinker API session holds (0: the CPU pool); its model sits on them in a Ray actor."""
 
     tinker_shared_bases: bool = True
-    """Tinker sessions live on one base-model worker per pool, their LoRA training clients sharing one
-    copy of each base (passes in turn between tenants; on a GPU batched across adapters); false: each session
-    an actor and a base of its own."""
+    """Tinker sessions live on one base-model worker per pool, their LoRA training clients sharing one copy of
+    each base (passes in turn between tenants; on a GPU batched across adapters); false: each session its own actor and base."""
 
     tinker_worker_seats: int = Field(8, ge=1)
     """Sessions one base-model worker hosts at once: each holds a seat (Prefect limit `slots-<pool>-seats`)."""
@@ -192,12 +193,11 @@ class Settings(BaseSettings):
     workers into the operator's network (cloud metadata, internal services). Default: loopback only."""
 
     env_max_response_bytes: int = Field(4 * 1024**2, gt=0)
-    """The most bytes a job reads of one answer of an environment: one HTTP response of an
-    environment server (`env.url`, also `/generate_task`), one OpenEnv message, one answer of a
-    client link's game as the gateway relays it. It is counted as the answer streams in, before
-    anything is decoded, and within `env.timeout_s`: past it the connection closes and that episode
-    fails in one line with the numbers (the job goes on). Images count as base64 PNG; a game whose
-    observations are larger (several big images) needs more."""
+    """The most bytes a job reads of one answer of an environment: one HTTP response of an environment
+    server (`env.url`, also `/generate_task`), one OpenEnv message, one answer of a client link's game as
+    the gateway relays it. It is counted as the answer streams in, before anything is decoded, and within
+    `env.timeout_s`: past it the connection closes and that episode fails in one line with the numbers (the
+    job goes on). Images count as base64 PNG; a game whose observations are larger (several big images) needs more."""
 
     vllm_python: str | None = None
     """The Python of vLLM's own environment (it pins a fastapi Prefect cannot share); default:

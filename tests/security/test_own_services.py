@@ -117,6 +117,28 @@ def test_a_name_rebound_to_its_own_servers_after_the_check_reaches_nothing(monke
         served.stop()
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "0x7f000001", "[::ffff:127.0.0.1]", "localhost."])
+def test_the_sandbox_services_port_is_refused_as_an_env_url_and_an_mcp_url(stack_key, as_the_stack, tmp_path, host):
+    """The stack's sandbox service runs code for its owner: a tenant's env.url or MCP server there is
+    refused by the gateway and the worker, by its fixed port (whether or not it runs here)."""
+    from opentinker.control.gateway.confine import confine_env
+    from opentinker.core.spec import SpecError
+    from opentinker.env import environment_from_spec
+
+    settings, key = stack_key
+    url = f"http://{host}:{settings.sandbox_port}"
+    config = tiny_spec(tmp_path, env={"game": None, "url": url}).model_dump(mode="json")
+    config.pop("job_id", None)
+    response = httpx.post(f"{settings.gateway_url}/v1/jobs", json={"config": config}, headers={"Authorization": f"Bearer {key}"},
+                          timeout=60, trust_env=False)
+    assert response.status_code == 422 and response.json()["detail"].endswith(OWN), response.text
+    with pytest.raises(ValueError, match=OWN):
+        environment_from_spec(_spec(url), job_id="job-own")
+    with pytest.raises(SpecError, match=OWN):
+        confine_env(settings, "spelling", {"game": "envs.units:UnitsGame", "tools": [{"mcp": f"{url}/mcp"}]})
+    assert EnvHosts.parse(settings.env_url_allow).refusal(f"http://127.0.0.1:{settings.sandbox_port}") is None  # only the stack's rule
+
+
 def test_a_websocket_is_checked_with_its_port_too(as_the_stack):
     """OpenEnv's WebSocket connects through `address_for`: host and port, as the HTTP clients."""
     hosts = Settings().env_hosts

@@ -24,7 +24,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from envs.math import parse_answer
+from envs.math import graded
 from opentinker.env import AbstractGame, StepResult
 from opentinker.tools.declared import Tool
 
@@ -91,7 +91,4 @@ class CodeInterpreterMathGame(AbstractGame):
         return question
 
     def step(self, action: str) -> StepResult:
-        given = parse_answer(action)
-        correct = given is not None and given == self.answer
-        info = {"correct": correct, "answer": given, "expected": self.answer, "format_ok": given is not None}
-        return StepResult("Correct." if correct else f"Incorrect: {self.answer}.", 1.0 if correct else 0.0, True, info)
+        return graded(action, self.answer)

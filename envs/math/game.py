@@ -26,6 +26,15 @@ def parse_answer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
+def graded(action: str, expected: int) -> StepResult:
+    """The turn that answers a question with one number: reward 1 for `Answer: <expected>`, the
+    episode ends either way (the tool-using games' grading)."""
+    given = parse_answer(action)
+    correct = given is not None and given == expected
+    info = {"correct": correct, "answer": given, "expected": expected, "format_ok": given is not None}
+    return StepResult("Correct." if correct else f"Incorrect: {expected}.", 1.0 if correct else 0.0, True, info)
+
+
 class MathGame(AbstractGame):
     """One arithmetic question per episode (single turn)."""
 

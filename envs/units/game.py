@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.math import parse_answer
+from envs.math import graded
 from envs.units.table import FACTORS, convert
 from opentinker.env import AbstractGame, StepResult
 
@@ -48,7 +48,4 @@ class UnitsGame(AbstractGame):
         return question
 
     def step(self, action: str) -> StepResult:
-        given = parse_answer(action)
-        correct = given is not None and given == self.answer
-        info = {"correct": correct, "answer": given, "expected": self.answer, "format_ok": given is not None}
-        return StepResult("Correct." if correct else f"Incorrect: {self.answer}.", 1.0 if correct else 0.0, True, info)
+        return graded(action, self.answer)

@@ -220,3 +220,72 @@ def test_a_served_games_tools_arrive_as_plain_fields(smol):
 
     traj, _ = _play(smol, [_call("lookup", key="x"), "Answer: 5"], game=Served())
     assert traj.messages[-2]["content"] == "error: no such key" and traj.info["tool_errors"] == 1
+
+
+# The Qwen/hermes format as a transformers response_template (the declarative spec that
+# `tokenizer.parse_response` reads; the shape of the Qwen models' own on the Hub): text before
+# the calls is `content`, every `<tool_call>` block a JSON {"name", "arguments"} in `tool_calls`.
+HERMES_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"},
+    },
+}
+
+
+@pytest.fixture
+def parsing(qwen_style, monkeypatch):
+    """A copy of the Qwen-style tokenizer with a response parser, and the prefixes its parse_response was called with."""
+    tok = copy.deepcopy(qwen_style)
+    tok.response_template = HERMES_RESPONSE_TEMPLATE
+    seen = []
+    real = tok.parse_response
+
+    def spy(text, *args, **kwargs):
+        seen.append(kwargs.get("prefix"))
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tok, "parse_response", spy)
+    return tok, seen
+
+
+def test_calls_are_parsed_by_the_tokenizers_response_parser(parsing):
+    tok, seen = parsing
+    tools = ToolFormat(tok)
+    assert tools.name == "template" and tools.response_template is HERMES_RESPONSE_TEMPLATE
+    turn = tools.parse("Let me add.\n" + _call("add", a=2, b=3) + "\n" + _call("add", a=1, b=1))
+    assert seen == [""]  # through parse_response, with the explicit empty prefix (None raises in transformers 5)
+    assert [(c.name, c.arguments, c.id) for c in turn.calls] == [("add", {"a": 2, "b": 3}, "call_0"), ("add", {"a": 1, "b": 1}, "call_1")]
+    assert turn.content == "Let me add." and not turn.errors
+    plain = tools.parse("Answer: 5")
+    assert not plain.attempted and plain.content == "Answer: 5" and len(seen) == 2
+    # the parsed message formats.py reads its calls from
+    assert tok.parse_response(_call("add", a=2, b=3), prefix="")["tool_calls"] == [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+
+
+def test_a_tool_episode_with_a_response_parser_is_token_exact(parsing):
+    tok, seen = parsing
+    traj, engine = _play(tok, [_call("add", a=2, b=3), "Answer: 5"])
+    assert len(seen) == 2  # both turns were read by the response parser
+    assert not traj.failed and traj.stop_reason == "done" and traj.reward == 1.0
+    assert traj.info == {"tool_calls": 1, "tool_invalid": 0, "tool_errors": 0, "correct": True}
+    assert [m["role"] for m in traj.messages][-3:] == ["assistant", "tool", "assistant"] and traj.messages[-2]["content"] == "5"
+    _assert_exact(tok, traj)
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode(engine.prompts[1])
+
+
+def test_text_the_response_parser_cannot_read_is_an_error_line_and_the_episode_goes_on(parsing):
+    tok, seen = parsing
+    bad = '<tool_call>{"name": "add", "arguments": {"a": 2,</tool_call>'
+    turn = ToolFormat(tok).parse(bad)
+    assert not turn.calls and len(turn.errors) == 1 and turn.errors[0].startswith("the tool call could not be read: ValueError")
+    assert seen == [""]
+    traj, _ = _play(tok, [bad, "Answer: 5"])
+    assert not traj.failed and traj.reward == 1.0
+    assert traj.info == {"tool_calls": 1, "tool_invalid": 1, "tool_errors": 1, "correct": True}
+    assert traj.messages[-2]["role"] == "tool" and "could not be read" in traj.messages[-2]["content"]
+    _assert_exact(tok, traj)

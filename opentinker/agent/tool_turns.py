@@ -30,7 +30,10 @@ def episode_tools(game: AbstractGame, job_tools: list[Tool], max_calls_per_turn:
 
 def answer_tool_turn(box: ToolBox, chat: ChatFormat, traj: Trajectory, policy_stopped: bool) -> tuple[list[int], str, list[dict]] | None:
     """The tokens, text and `tool` messages that answer the last turn's tool calls; None when it called none."""
-    turn = chat.tools.parse(traj.turns[-1].action)
+    last = traj.turns[-1]
+    # a response parser reads the turn after what the template opened it with (e.g. `<think>`): give it the prompt
+    prefix = chat.tokenizer.decode(traj.token_ids[: last.sampled_start]) if chat.tools.response_template is not None else ""
+    turn = chat.tools.parse(last.action, prefix=prefix)
     if not turn.attempted:
         return None
     results = box.answer(turn, call_with_timeout)

@@ -157,6 +157,7 @@ def _follow_and_report(flow_run_id: str, job_id: str, settings, total: int | Non
         lines["checkpoint"] = final.result.get("checkpoint") or checkpoint_hint or "-"
     if final.accuracy is not None:
         lines["validation accuracy"] = fmt(final.accuracy, pct=True)
+    lines |= console_lines(settings)
     for key, value in lines.items():  # plain lines: links stay whole and clickable
         console.print(f"  {key}: {value}", markup=False, soft_wrap=True)
     if final.state != "COMPLETED":
@@ -200,3 +201,13 @@ def follow(job_id: str = typer.Argument(..., help="the job's id (as `train` prin
     total = ((run.parameters.get("spec") or {}).get("optimization") or {}).get("steps")
     console.print(f"following job [cyan]{job_id}[/]")
     _follow_and_report(str(run.id), job_id, settings, total, None)
+
+
+def console_lines(settings) -> dict[str, str]:
+    """The web console's link and the key that opens it: the operator's (made on first use, kept
+    owner-only in the state folder, printed to this terminal only: the person who started the
+    stack is its operator); a tenant signs in with its own key (`opentinker tenant add NAME`)."""
+    from opentinker.control.console.session import operator_key
+
+    return {"Console": f"{settings.public_gateway_url}/console",
+            "Console key (the operator's; a tenant signs in with its own)": operator_key(settings, create=True) or "-"}

@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.background import BackgroundTask
 
+from opentinker.control.console.routes import console_router
 from opentinker.control.gateway.jobs import CheckpointNotFound, JobConflict, JobNotFound, TenantJobs, TooManyJobs
 from opentinker.control.gateway.link import LinkHub, valid_calls
 from opentinker.control.gateway.tenants import TenantStore
@@ -231,5 +232,6 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     from opentinker.control.gateway.tinker_api import add_tinker_routes
     from opentinker.control.gateway.tinker_sessions import PrefectSessions
 
+    app.include_router(console_router(settings, store))
     refused_body = add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
     return ServerErrors(BodyLimit(app, settings.max_request_bytes, on_refused=refused_body), log)

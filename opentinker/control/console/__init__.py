@@ -1,0 +1,1 @@
+"""The gateway's web console for tenants and the operator (see routes.py)."""

@@ -1,0 +1,175 @@
+"""The console's jobs list: one page of a tenant's (or every tenant's) jobs, fast.
+
+`TenantJobs.list()` reads up to 200 flow runs with everything Prefect holds and asks MLflow for
+each job's history; with a long history that takes seconds. This reads one page (50 flow runs,
+newest first) with Prefect's own filters (state type, flow for the kind, the job's tag for a
+search), counts by state with `count_flow_runs` (all queries at once on the async client), and
+takes the page's last reward and accuracy from one MLflow search per experiment (the latest
+values a run already carries, no history). Answers are kept `CACHE_S` seconds per view.
+
+The counts are of flow runs (a job re-submitted under the same id counts once per run), and a
+state filter that Prefect cannot express exactly (QUEUED includes RUNNING runs still waiting for
+their slots) is finished on the page, which may then hold fewer than 50 rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from opentinker.control.scheduler import SLOTS_HELD_TAG, TINKER_TAG, job_state
+from opentinker.tracking.metrics import headline_key
+from opentinker.tracking.runs import JOB_TAG
+
+PAGE = 50
+CACHE_S = float(os.environ.get("OPENTINKER_CONSOLE_CACHE_S", "2"))
+STATES = ("QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
+KINDS = {"rl": ("rl-train", "self-play"), "sft": ("sft",), "inference": ("serve-model",), "tinker": ("tinker-session",),
+         "evaluation": ("evaluate-promote",)}
+KIND_OF_FLOW = {flow: kind for kind, flows in KINDS.items() for flow in flows}
+# The Prefect state types a user-facing state may come from (job_state finishes the choice).
+_CANDIDATES = {"QUEUED": ("SCHEDULED", "PENDING", "PAUSED", "RUNNING"), "RUNNING": ("RUNNING", "CANCELLING"),
+               "COMPLETED": ("COMPLETED",), "FAILED": ("FAILED", "CRASHED"), "CANCELLED": ("CANCELLED", "CANCELLING", "FAILED", "CRASHED")}
+_cache: dict[tuple, tuple[float, Any]] = {}
+_flow_names: dict[Any, str] = {}
+
+
+def _tags(tenant: str | None) -> list[str]:
+    return [f"tenant:{tenant}"] if tenant else ["opentinker"]
+
+
+def _filter(tenant: str | None, types: tuple[str, ...] | None = None, job_ids: list[str] | None = None, tag: str | None = None):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+    from prefect.client.schemas.objects import StateType
+
+    tags = _tags(tenant) + ([tag] if tag else [])
+    out = FlowRunFilter(tags=FlowRunFilterTags(all_=tags))
+    if types:
+        out.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType(t) for t in types]))
+    if job_ids:
+        out.tags = FlowRunFilterTags(all_=tags + [f"job:{job_ids[0]}"])
+    return out
+
+
+def _flow_filter(kind: str | None):
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    return FlowFilter(name=FlowFilterName(any_=list(KINDS[kind]))) if kind in KINDS else None
+
+
+async def _counts(client: Any, tenant: str | None, kind: str | None) -> dict[str, int]:
+    flows = _flow_filter(kind)
+
+    async def count(types: tuple[str, ...], tag: str | None = None) -> int:
+        return await client.count_flow_runs(flow_filter=flows, flow_run_filter=_filter(tenant, types, tag=tag))
+
+    waiting, running, holding, cancelling, completed, failed, cancelled = await asyncio.gather(
+        count(("SCHEDULED", "PENDING", "PAUSED")), count(("RUNNING",)), count(("RUNNING",), SLOTS_HELD_TAG),
+        count(("CANCELLING",)), count(("COMPLETED",)), count(("FAILED", "CRASHED")), count(("CANCELLED",)))
+    return {"QUEUED": waiting + running - holding, "RUNNING": holding + cancelling, "COMPLETED": completed,
+            "FAILED": failed, "CANCELLED": cancelled}
+
+
+def job_id_of(run: Any) -> str | None:
+    return next((t.split(":", 1)[1] for t in run.tags or [] if t.startswith("job:")), None)
+
+
+def kind_of(run: Any, flow_name: str | None) -> str:
+    if TINKER_TAG in (run.tags or []):
+        return "tinker"
+    if "kind:inference" in (run.tags or []):
+        return "inference"
+    return KIND_OF_FLOW.get(flow_name or "", flow_name or "rl")
+
+
+def row(run: Any, flow_name: str | None) -> dict[str, Any]:
+    state, reason = job_state(run)
+    spec = (run.parameters or {}).get("spec") or {}
+    return {"job_id": job_id_of(run), "tenant": (run.parameters or {}).get("tenant"), "kind": kind_of(run, flow_name),
+            "state": state, "reason": reason, "step": None, "total_steps": (spec.get("optimization") or {}).get("steps"),
+            "reward": None, "accuracy": None, "created": run.created.isoformat() if run.created else None,
+            "started": run.start_time.isoformat() if run.start_time else None,
+            "created_ms": int(run.created.timestamp() * 1000) if run.created else 0}
+
+
+def _progress(settings: Any, rows: list[dict[str, Any]]) -> None:
+    """Each row's step, last reward and accuracy from its MLflow run's latest values: one search
+    per experiment for the whole page."""
+    from mlflow.tracking import MlflowClient
+
+    ml = MlflowClient(tracking_uri=settings.mlflow_url)
+    by_experiment: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["job_id"] and r["kind"] in ("rl", "sft", "evaluation"):
+            by_experiment.setdefault(r["tenant"] or settings.project, []).append(r)
+    for name, group in by_experiment.items():
+        experiment = ml.get_experiment_by_name(name)
+        if experiment is None:
+            continue
+        # MLflow filters tags by one value at a time (no IN, no OR): ask for the runs that started
+        # since the page's oldest job was created, and pick the page's among them
+        since = min((r["created_ms"] for r in group), default=0) - 60_000
+        runs = ml.search_runs([experiment.experiment_id], filter_string=f"attributes.start_time >= {since}",
+                              order_by=["attributes.start_time DESC"], max_results=1000)
+        newest: dict[str, Any] = {}
+        for run in runs:
+            newest.setdefault(run.data.tags.get(JOB_TAG), run)
+        for r in group:
+            if (run := newest.get(r["job_id"])) is None:
+                continue
+            keys = run.data.metrics
+            steps = {m.key: m.step for m in getattr(run.data, "_metric_objs", [])}
+            reward_key = headline_key(keys, "rollout/reward_mean")
+            if reward_key in keys:
+                r["reward"], r["step"] = keys[reward_key], steps.get(reward_key)
+            elif "sft/loss" in keys:
+                r["step"], r["total_steps"] = steps.get("sft/loss"), int(keys.get("sft/max_steps", 0)) or r["total_steps"]
+            if (acc_key := headline_key(keys, "eval/accuracy")) in keys:
+                r["accuracy"] = keys[acc_key]
+
+
+async def _flow_name(client: Any, flow_id: Any) -> str | None:
+    if flow_id not in _flow_names:
+        try:
+            _flow_names[flow_id] = (await client.read_flow(flow_id)).name
+        except Exception:  # noqa: BLE001 - a flow deleted under us: its runs show their tags' kind
+            return None
+    return _flow_names[flow_id]
+
+
+async def jobs_page(settings: Any, tenant: str | None, state: str | None = None, kind: str | None = None,
+                    q: str | None = None, page: int = 0, cache: bool = True) -> dict[str, Any]:
+    """{"jobs": rows, "counts": {state: n}, "page", "more"} for the tenant (None: every tenant)."""
+    state = state if state in STATES else None
+    kind = kind if kind in KINDS else None
+    q = (q or "").strip()[:200] or None
+    key = (tenant, state, kind, q, page)
+    if cache and CACHE_S > 0 and (hit := _cache.get(key)) and time.monotonic() - hit[0] < CACHE_S:
+        return hit[1]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    ids = None
+    if q:
+        ids = [q] if tenant is None or q.startswith(f"{tenant}-") else [f"{tenant}-{q}"]
+    async with get_client() as client:
+        runs_call = client.read_flow_runs(flow_filter=_flow_filter(kind), flow_run_filter=_filter(
+            tenant, _CANDIDATES[state] if state else None, ids), sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=PAGE, offset=page * PAGE)
+        runs, counts = await asyncio.gather(runs_call, _counts(client, tenant, kind))
+        names = {run.flow_id: await _flow_name(client, run.flow_id) for run in runs}
+    rows, seen = [], set()
+    for run in runs:
+        r = row(run, names.get(run.flow_id))
+        if r["job_id"] is None or r["job_id"] in seen or (state and r["state"] != state):
+            continue
+        seen.add(r["job_id"])
+        rows.append(r)
+    await asyncio.to_thread(_progress, settings, rows)
+    out = {"jobs": rows, "counts": counts, "page": page, "more": len(runs) == PAGE}
+    if len(_cache) > 512:
+        _cache.clear()
+    _cache[key] = (time.monotonic(), out)
+    return out

@@ -1,0 +1,261 @@
+"""The gateway's web console (opentinker/control/console): sessions, CSRF and CSP without a stack,
+then in headless Chromium on the test stack: sign in, one's own jobs only, a live curve, a
+transcript, cancel, sign out, and tenant strings that stay text."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.cdp import Browser, chromium
+from tests.conftest import tiny_spec
+
+HOSTILE = "<img src=x onerror=alert(1)>"
+SCRIPT = "<script>alert('transcript')</script>"
+
+
+# --- without a stack ---------------------------------------------------------------------------
+@pytest.fixture
+def gateway(tmp_path):
+    """(TestClient of a gateway app, settings, a tenant's key); no Prefect is reached."""
+    from fastapi.testclient import TestClient
+
+    from opentinker.control.gateway.app import create_app
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.core.settings import Settings
+
+    settings = Settings(state_dir=tmp_path / "state")
+    key = TenantStore(settings.state_dir / "tenants.json").create("acme")
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
+        yield client, settings, key
+
+
+def _signed_in(client, key):
+    r = client.post("/console/signin", data={"key": key}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/console/jobs"
+    return r
+
+
+def test_session_cookie_is_signed_checked_and_ends_with_its_key(tmp_path):
+    from opentinker.control.console.session import Sessions, operator_key
+    from opentinker.control.gateway.tenants import TenantStore
+    from opentinker.core.settings import Settings
+
+    settings = Settings(state_dir=tmp_path)
+    store = TenantStore(tmp_path / "tenants.json")
+    key = store.create("acme")
+    sessions = Sessions(settings, store)
+    assert sessions.sign_in("tml-wrong") is None and sessions.sign_in("") is None
+    session, cookie = sessions.sign_in(key)
+    assert session.tenant == "acme" and key not in cookie
+    assert sessions.read(cookie).tenant == "acme"
+    body, _, mac = cookie.rpartition(".")
+    forged = json.dumps({"s": "*operator*"})
+    assert sessions.read(f"{body}x.{mac}") is None and sessions.read(f"{forged}.{mac}") is None
+    assert sessions.csrf_ok(session, sessions.csrf(session)) and not sessions.csrf_ok(session, "") \
+        and not sessions.csrf_ok(session, sessions.csrf(sessions.sign_in(key)[0]))
+    store.create("acme", rotate=True)  # a new key ends the sessions of the old one
+    assert sessions.read(cookie) is None
+    op = operator_key(settings, create=True)
+    assert operator_key(settings) == op and (tmp_path / "console-operator-key").stat().st_mode & 0o077 == 0
+    op_session, op_cookie = sessions.sign_in(op)
+    assert op_session.operator and sessions.read(op_cookie).operator
+    other = Sessions(Settings(state_dir=tmp_path / "other"), store)  # another stack's secret: not its cookie
+    assert other.read(op_cookie) is None
+
+
+def test_signin_cookie_csp_and_csrf(gateway):
+    client, settings, key = gateway
+    page = client.get("/console/signin")
+    assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"] and "<script>" not in page.text
+    assert client.get("/console/jobs", follow_redirects=False).headers["location"] == "/console/signin"
+    assert client.post("/console/signin", data={"key": "tml-nope"}).status_code == 401
+    assert client.post("/console/signin", data={"key": key}, headers={"Origin": "https://evil.example"}).status_code == 403
+    r = _signed_in(client, key)
+    cookie = r.headers["set-cookie"]
+    assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower() and "Path=/console" in cookie
+    assert key not in cookie and key not in r.headers["location"]
+    # an action without the session's CSRF token, or from another origin, is refused
+    assert client.post("/console/jobs/acme-x/cancel").status_code == 403
+    assert client.post("/console/jobs/acme-x/cancel", data={"csrf": "0" * 64}).status_code == 403
+    assert client.post("/console/signout", data={}).status_code == 403
+    from opentinker.control.console.session import COOKIE, Sessions
+    from opentinker.control.gateway.tenants import TenantStore
+
+    sessions = Sessions(settings, TenantStore(settings.state_dir / "tenants.json"))
+    token = sessions.csrf(sessions.read(client.cookies[COOKIE]))
+    assert client.post("/console/signout", data={"csrf": token}, headers={"Origin": "http://evil.example"}).status_code == 403
+    out = client.post("/console/signout", data={"csrf": token}, follow_redirects=False)
+    assert out.status_code == 303 and COOKIE not in client.cookies
+    assert client.get("/console/api/jobs").status_code == 401
+    # static files: fixed names only
+    assert client.get("/console/static/console.js").status_code == 200
+    assert client.get("/console/static/uPlot.iife.min.js").status_code == 200
+    assert client.get("/console/static/..%2Fsession.py").status_code == 404
+
+
+def test_transcript_turns_are_escaped_and_marked():
+    from opentinker.control.console.routes import _templates
+    from opentinker.control.console.views import episode
+
+    e = episode({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": SCRIPT},
+                              {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": HOSTILE}}]},
+                              {"role": "tool", "content": [{"type": "text", "text": HOSTILE},
+                                                           {"type": "image_url", "image_url": {"url": "javascript:alert(1)"}}]},
+                              {"role": "assistant", "content": "42"}], "reward": 1.0})
+    assert [t["trained"] for t in e["turns"]] == [False, False, True, False, True]
+    html = _templates().get_template("transcripts.html").render(session=None, csrf="", job_id=HOSTILE, files=["step-1.json"],
+                                                               chosen="step-1.json", episodes=[e])
+    assert SCRIPT not in html and HOSTILE not in html and "javascript:" not in html
+    assert "&lt;script&gt;" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+# --- in a browser, on the test stack -------------------------------------------------------------
+def _spec(tmp_path, steps, every=2, **overrides):
+    return tiny_spec(tmp_path, optimization={"steps": steps}, checkpoint={"every": every}, **overrides).model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def console(stack_env, tmp_path_factory):
+    if chromium() is None:
+        pytest.skip("needs Chromium (Debian package `chromium`) for the browser tests")
+    from opentinker.client import SchedulerClient
+    from opentinker.control.console.session import operator_key
+    from tests.stack_fixtures import deployed_tenants
+
+    settings, _ = stack_env
+    key, rival_key = deployed_tenants(settings, "webacme", "webrival")
+    tmp = tmp_path_factory.mktemp("console")
+    mine, rival = SchedulerClient(url=settings.gateway_url, api_key=key), SchedulerClient(url=settings.gateway_url, api_key=rival_key)
+    running = mine.submit_job(config=_spec(tmp, 5000, 20, evaluation={"every": 5, "n_samples": 4}), num_gpus=0)["job_id"]
+    theirs = rival.submit_job(config={k: v for k, v in _spec(tmp, 2).items() if k != "env"}, num_gpus=0)["job_id"]  # parked
+    hostile = mine.submit_job(config={k: v for k, v in _spec(tmp, 2).items() if k != "env"}, num_gpus=0)["job_id"]
+    from prefect.states import Failed
+
+    from opentinker.control.scheduler import prefect_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with prefect_client() as client:  # a job whose reason is a tenant's string (a failure message)
+        run = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"job:{hostile}"])))[0]
+        client.set_flow_run_state(run.id, Failed(message=HOSTILE), force=True)
+    browser = Browser(tmp / "chromium")
+    try:
+        yield {"settings": settings, "key": key, "operator": operator_key(settings, create=True), "running": running,
+               "theirs": theirs, "hostile": hostile, "browser": browser, "base": f"{settings.gateway_url}/console", "client": mine}
+    finally:
+        browser.close()
+
+
+def _sign_in(b, base, key):
+    b.navigate(f"{base}/signin")
+    b.submit("form[action='/console/signin']", {"key": key})
+    assert b.url().endswith("/console/jobs"), b.url()
+
+
+def test_browser_signs_in_and_sees_only_its_own_jobs(console):
+    b, base = console["browser"], console["base"]
+    _sign_in(b, base, console["key"])
+    text = b.wait_text(console["running"], console["hostile"])
+    assert console["theirs"] not in text and "webrival" not in text
+    # the key is nowhere the page's scripts or the address bar can read it
+    assert b.js("document.cookie") == "" and console["key"] not in b.url()
+    assert b.js("localStorage.length + sessionStorage.length") == 0
+    # a tenant's string renders as text: no element made of it, no dialog
+    assert HOSTILE in text and b.js("document.querySelectorAll('img').length") == 0
+    b.wait("document.getElementById('live').dataset.refreshed", timeout=15, what="the list's live refresh")
+    assert HOSTILE in b.text() and b.js("document.querySelectorAll('img').length") == 0
+    # filters: by state, and by id
+    b.navigate(f"{base}/jobs?state=FAILED")
+    assert console["hostile"] in b.text() and console["running"] not in b.text()
+    b.navigate(f"{base}/jobs?q={console['running']}")
+    assert console["running"] in b.text() and console["hostile"] not in b.text()
+    # another tenant's job by its URL: the not-found page
+    b.navigate(f"{base}/jobs/{console['theirs']}")
+    assert "There is no job" in b.text() and b.js("fetch(location.href).then(r => r.status)") == 404
+    b.pump()
+    assert b.dialogs == [], b.dialogs
+
+
+def test_browser_watches_a_running_jobs_curve_gain_a_point(console):
+    from mlflow.tracking import MlflowClient
+
+    b, base, job = console["browser"], console["base"], console["running"]
+    b.navigate(f"{base}/jobs/{job}")
+    points = "(() => { const c = document.querySelector('#charts [data-curve=\"reward\"]'); return c ? +c.dataset.points : 0 })()"
+    first = b.wait(points, timeout=240, what="the reward curve's first point")
+    seen = b.wait(f"{points} > {first} && {points}", timeout=120, what="the reward curve's next point")
+    seen_at = time.time()
+    assert b.js("document.querySelector('#charts [data-curve=\"reward\"] canvas') !== null")  # uPlot drew it
+    ml = MlflowClient(tracking_uri=console["settings"].mlflow_url)
+    run = ml.search_runs([ml.get_experiment_by_name("webacme").experiment_id], filter_string=f"tags.`opentinker.job_id` = '{job}'")[0]
+    logged = {m.step: m.timestamp / 1000 for m in ml.get_metric_history(run.info.run_id, "rollout/reward_mean")}
+    step = sorted(logged)[seen - 1]
+    assert seen_at - logged[step] < 5.0 + 0.5, f"step {step} shown {seen_at - logged[step]:.1f} s after it was logged"
+    assert "RUNNING" in b.text() and b.wait("document.getElementById('logs').textContent.length > 0", timeout=30, what="log lines")
+    assert "job_id:" in b.text() or "model:" in b.text()  # the spec, as YAML
+
+
+def test_browser_opens_a_transcript_and_scripts_in_it_stay_text(console):
+    from mlflow.tracking import MlflowClient
+
+    b, base, job = console["browser"], console["base"], console["running"]
+    ml = MlflowClient(tracking_uri=console["settings"].mlflow_url)
+    run = ml.search_runs([ml.get_experiment_by_name("webacme").experiment_id], filter_string=f"tags.`opentinker.job_id` = '{job}'")[0]
+    hostile = [{"task": SCRIPT, "reward": 0.5, "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": SCRIPT},
+                                                            {"role": "assistant", "content": HOSTILE}]}]
+    ml.log_text(run.info.run_id, json.dumps(hostile), "transcripts/step-999999.json")
+    b.navigate(f"{base}/jobs/{job}/transcripts")
+    text = b.wait_text("Episode 0", SCRIPT, HOSTILE)
+    assert b.js("document.querySelectorAll('script').length") == 2  # uPlot and console.js, nothing of the transcript
+    assert b.js("document.querySelectorAll('img').length") == 0
+    assert b.js("document.querySelectorAll('.turn.trained').length") == 1 and "masked" in text
+    options = b.js("[...document.querySelectorAll('#t-file option')].map(o => o.value)")
+    assert len(options) >= 2, options  # the job's own evaluation transcripts too
+    b.navigate(f"{base}/jobs/{job}/transcripts?file={options[-1]}")
+    b.wait_text("Episode 0", "assistant")
+    b.pump()
+    assert b.dialogs == [], b.dialogs
+
+
+def test_browser_cancel_needs_the_csrf_token_and_then_cancels(console):
+    b, base, job = console["browser"], console["base"], console["running"]
+    b.navigate(f"{base}/jobs/{job}")
+    b.wait("!!document.getElementById('cancel')", what="the cancel button")
+    status = b.js(f"fetch('/console/jobs/{job}/cancel', {{method: 'POST'}}).then(r => r.status)")
+    assert status == 403  # the browser's own cookie, no token
+    status = b.js(f"fetch('/console/jobs/{job}/cancel', {{method: 'POST', body: new URLSearchParams({{csrf: 'f'.repeat(64)}})}}).then(r => r.status)")
+    assert status == 403
+    assert console["client"].job_status(job)["state"] == "RUNNING"
+    b.submit("form.cancel")
+    assert b.url().endswith(f"/console/jobs/{job}")
+    b.wait("['RUNNING', 'CANCELLED'].includes(document.getElementById('job-state').textContent)", what="the job's state after cancel")
+    deadline = time.monotonic() + 120
+    while console["client"].job_status(job)["state"] != "CANCELLED" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert console["client"].job_status(job)["state"] == "CANCELLED"
+
+
+def test_browser_operator_sees_every_tenant_and_the_slots(console):
+    b, base = console["browser"], console["base"]
+    b.navigate(f"{base}/jobs")
+    b.submit("form.signout")
+    assert b.url().endswith("/console/signin")
+    b.navigate(f"{base}/jobs")
+    assert b.url().endswith("/console/signin")  # signed out
+    _sign_in(b, base, console["operator"])
+    text = b.wait_text(console["running"], console["theirs"])
+    assert "webrival" in text and "webacme" in text and "tenant" in text
+    b.navigate(f"{base}/operator")
+    assert "slots-cpu" in b.wait_text("Slots", "Queue")
+    b.navigate(f"{base}/jobs/{console['theirs']}")
+    assert console["theirs"] in b.text() and "There is no job" not in b.text()
+    b.navigate(f"{base}/jobs")
+    b.submit("form.signout")
+    r = httpx.post(f"{base}/signin", data={"key": console["key"]})  # a tenant's key never opens the operator's page
+    assert r.status_code in (200, 303)
+    b.pump()
+    assert b.dialogs == [], b.dialogs

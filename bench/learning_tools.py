@@ -98,10 +98,12 @@ def transcripts(task: str, train: list[dict], n: int, url: str | None) -> list[d
 
 
 def warm_start(rows: list[dict], model: str, folder: str) -> tuple[str, dict]:
-    """One epoch of LoRA SFT on the rows with opentinker's SFT job; (checkpoint URL, its result)."""
+    """One epoch of LoRA SFT on the rows with opentinker's SFT job; (checkpoint URL, its result).
+    `folder` outlives the run (runs/bench-warm-start/...): a rerun reuses the finished checkpoint."""
     from opentinker.sft.job import run_sft
     from opentinker.sft.spec import parse_sft_spec
 
+    Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / "warm_start.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = parse_sft_spec({"job_id": "warm-start", "model": {"name": model}, "adapter": {"kind": "lora", "r": 16, "alpha": 32},
@@ -173,7 +175,7 @@ def main() -> int:
             if args.warm_start:
                 rows = transcripts(args.task, train, args.warm_start, base["env"]["tools"][0]["mcp"] if server else None)
                 t0 = time.perf_counter()
-                checkpoint, result = warm_start(rows, args.model, tmp)
+                checkpoint, result = warm_start(rows, args.model, str(ROOT / "runs" / "bench-warm-start" / f"{args.task}-{args.model}-{len(rows)}"))
                 warm = {"transcripts": len(rows), "seconds": time.perf_counter() - t0, "example": rows[0],
                         **{k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}}
                 base["model"] = base["model"] | {"init_from": checkpoint}
@@ -190,16 +192,26 @@ def main() -> int:
             print(f"{args.task}: {len(train)} training and {len(val)} held-out problems; {steps} steps, model {args.model}", flush=True)
             job = RLJob(spec, job_id=f"bench-learning-tools-{args.task}", start_server=rollout_server)  # vLLM samples, as in a job
 
+            steps: list = []
+
             def on_step(r):
                 m = r.metrics
+                steps.append({"step": r.step, **m})
                 print(f"step {r.step:>3}: reward {m['rollout/reward_mean']:.3f} tool calls {m.get('rollout/tool_call_rate', 0):.2f} "
                       f"valid {m.get('rollout/tool_valid_rate', 0):.2f} ({m['step/seconds']:.1f}s)", flush=True)
 
+            evaluations: list = []
+
             def on_eval(e):
+                evaluations.append(e)
+                if len(evaluations) > 1:  # the curve so far, in case the run is stopped before its end
+                    write(args, task, out_path, spec, Partial(evaluations, list(steps), time.perf_counter() - t_rl), val,
+                          torch.__version__, warm, partial=True)
                 m = e.metrics
                 print(f"eval {e.step:>3}: accuracy {m.get('eval/accuracy', 0):.3f} tool calls {m.get('eval/tool_call_rate', 0):.3f} "
                       f"valid {m.get('eval/tool_valid_rate', 0):.3f}", flush=True)
 
+            t_rl = time.perf_counter()
             result = job.run(on_step=on_step, on_eval=on_eval)
     finally:
         if server is not None:
@@ -208,7 +220,14 @@ def main() -> int:
     return 0
 
 
-def write(args, task, out_path, spec, result, val, torch_version, warm) -> None:
+class Partial:
+    """A run's evaluations and step metrics so far, shaped as its result."""
+
+    def __init__(self, evaluations: list, history: list, seconds: float):
+        self.evaluations, self.history, self.seconds = evaluations, history, seconds
+
+
+def write(args, task, out_path, spec, result, val, torch_version, warm, partial: bool = False) -> None:
     keys = ("accuracy", "tool_call_rate", "tool_valid_rate", "tool_error_rate", "format_ok", "turns_mean")
     curve = [{"step": e.step, **{k: e.metrics.get(f"eval/{k}") for k in keys},
               "examples": [t.get("messages", t) for t in e.transcripts[:2]]} for e in result.evaluations]
@@ -241,7 +260,7 @@ def write(args, task, out_path, spec, result, val, torch_version, warm) -> None:
     lines += ["", "Sampled training rollouts (temperature 1):", "", head.replace("| turns |", "| turns | reward |"),
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [row(c) + f" {c['reward_mean'] or 0:.3f} |" for c in train_curve]
-    lines += ["", f"Verdict: {verdict}", ""]
+    lines += ["", f"Verdict: {verdict}" + (" (the run was stopped here; these are its evaluations so far)" if partial else ""), ""]
     Path(out_path + ".md").write_text("\n".join(lines))
     print("\n".join(lines), flush=True)
 

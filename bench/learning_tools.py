@@ -149,6 +149,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--warm-start", type=int, default=0, help="SFT transcripts before RL (0: none)")
+    parser.add_argument("--warm-start-checkpoint", default=None, help="the checkpoint an earlier run's warm start on the same rows made")
     args = parser.parse_args()
     task = TASKS[args.task]
     out_path = args.out or str(ROOT / "bench" / "results" / task["out"])
@@ -175,7 +176,10 @@ def main() -> int:
             if args.warm_start:
                 rows = transcripts(args.task, train, args.warm_start, base["env"]["tools"][0]["mcp"] if server else None)
                 t0 = time.perf_counter()
-                checkpoint, result = warm_start(rows, args.model, str(ROOT / "runs" / "bench-warm-start" / f"{args.task}-{args.model}-{len(rows)}"))
+                if args.warm_start_checkpoint:  # the SFT of these same rows, made by an earlier run
+                    checkpoint, result = args.warm_start_checkpoint, {}
+                else:
+                    checkpoint, result = warm_start(rows, args.model, str(ROOT / "runs" / "bench-warm-start" / f"{args.task}-{args.model}-{len(rows)}"))
                 warm = {"transcripts": len(rows), "seconds": time.perf_counter() - t0, "example": rows[0],
                         **{k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}}
                 base["model"] = base["model"] | {"init_from": checkpoint}

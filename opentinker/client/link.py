@@ -209,7 +209,7 @@ class EnvironmentLink:
             game = self.game_class(**{**self.game_kwargs, **dict(call.get("game_kwargs") or {})})
             self._sessions[call["session"]] = game
             answer = reset_reply(game, dict(call.get("task") or {}))
-            tools = list(game.get_tools() or [])
+            tools = list(getattr(game, "get_tools", lambda: [])() or [])  # a game that is not an AbstractGame may have none
             self._tools[call["session"]] = tools_by_name(tools)
             return {**answer, "tools": tool_listing(tools)}
         if op == "step":

@@ -78,7 +78,7 @@ def _guarded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def _episode_tools(game: AbstractGame) -> list[Any]:
-    tools = game.get_tools()
+    tools = getattr(game, "get_tools", lambda: [])()  # a game that is not an AbstractGame may have none
     return list(tools or [])
 
 

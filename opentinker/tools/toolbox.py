@@ -14,9 +14,6 @@ import json
 import time
 from typing import Any, Callable
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-
 from opentinker.tools.declared import NAME_PATTERN, Tool, ToolCall, ToolError, ToolResult
 from opentinker.tools.formats import ParsedTurn
 
@@ -27,8 +24,14 @@ Bounded = Callable[..., Any]  # (fn, timeout_s, *args) -> an outcome with .value
 
 
 def checked_tools(tools: list[Tool]) -> list[Tool]:
-    """The tools, refused in one line if a name is malformed or repeated or a schema is not a JSON Schema."""
+    """The tools, refused in one line if a name is malformed or repeated or a schema is not a JSON Schema
+    (jsonschema is imported here, by jobs with tools: the core engine runs without it)."""
+    if not tools:
+        return tools
     import re
+
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
 
     seen: set[str] = set()
     for tool in tools:
@@ -56,7 +59,8 @@ def _without_patterns(schema: Any) -> Any:
     return schema
 
 
-def _validator(schema: dict[str, Any]) -> Draft202012Validator:
+def _validator(schema: dict[str, Any]) -> Any:
+    from jsonschema import Draft202012Validator
     from referencing import Registry
 
     return Draft202012Validator(_without_patterns(schema), registry=Registry())  # local references only, nothing fetched

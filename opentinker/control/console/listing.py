@@ -5,7 +5,9 @@ each job's history; with a long history that takes seconds. This reads one page 
 newest first) with Prefect's own filters (state type, flow for the kind, the job's tag for a
 search), counts by state with `count_flow_runs` (all queries at once on the async client), and
 takes the page's last reward and accuracy from one MLflow search per experiment (the latest
-values a run already carries, no history). Answers are kept `CACHE_S` seconds per view.
+values a run already carries, no history), while the counts are still coming. Answers are kept
+`CACHE_S` seconds per view; a job that ended a while ago never changes, so its step, reward and
+accuracy are kept once read and MLflow is asked only about the page's live jobs.
 
 The counts are of flow runs (a job re-submitted under the same id counts once per run), and a
 state filter that Prefect cannot express exactly (QUEUED includes RUNNING runs still waiting for
@@ -32,8 +34,12 @@ KIND_OF_FLOW = {flow: kind for kind, flows in KINDS.items() for flow in flows}
 # The Prefect state types a user-facing state may come from (job_state finishes the choice).
 _CANDIDATES = {"QUEUED": ("SCHEDULED", "PENDING", "PAUSED", "RUNNING"), "RUNNING": ("RUNNING", "CANCELLING"),
                "COMPLETED": ("COMPLETED",), "FAILED": ("FAILED", "CRASHED"), "CANCELLED": ("CANCELLED", "CANCELLING", "FAILED", "CRASHED")}
+ENDED = ("COMPLETED", "FAILED", "CANCELLED")
+SETTLED_S = 30.0  # an ended job's last metrics are in MLflow this long after its flow run ended
+PROGRESS = ("step", "total_steps", "reward", "accuracy")
 _cache: dict[tuple, tuple[float, Any]] = {}
 _flow_names: dict[Any, str] = {}
+_settled: dict[tuple[str, int], dict[str, Any]] = {}  # (job id, created ms) -> its PROGRESS, for jobs long ended
 
 
 def _tags(tenant: str | None) -> list[str]:
@@ -91,43 +97,58 @@ def row(run: Any, flow_name: str | None) -> dict[str, Any]:
             "state": state, "reason": reason, "step": None, "total_steps": (spec.get("optimization") or {}).get("steps"),
             "reward": None, "accuracy": None, "created": run.created.isoformat() if run.created else None,
             "started": run.start_time.isoformat() if run.start_time else None,
-            "created_ms": int(run.created.timestamp() * 1000) if run.created else 0}
+            "created_ms": int(run.created.timestamp() * 1000) if run.created else 0,
+            "ended_ms": int(run.end_time.timestamp() * 1000) if run.end_time and state in ENDED else None}
 
 
 def _progress(settings: Any, rows: list[dict[str, Any]]) -> None:
-    """Each row's step, last reward and accuracy from its MLflow run's latest values: one search
-    per experiment for the whole page."""
+    """Each row's step, last reward and accuracy: kept from an earlier read for a job long ended,
+    else from its MLflow run's latest values, one search per experiment for the page's others."""
     from mlflow.tracking import MlflowClient
 
-    ml = MlflowClient(tracking_uri=settings.mlflow_url)
     by_experiment: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        if r["job_id"] and r["kind"] in ("rl", "sft", "evaluation"):
+        if (kept := _settled.get((r["job_id"], r["created_ms"]))) is not None:
+            r.update(kept)
+        elif r["job_id"] and r["kind"] in ("rl", "sft", "evaluation"):
             by_experiment.setdefault(r["tenant"] or settings.project, []).append(r)
+    if not by_experiment:
+        return
+    ml = MlflowClient(tracking_uri=settings.mlflow_url)
     for name, group in by_experiment.items():
         experiment = ml.get_experiment_by_name(name)
         if experiment is None:
             continue
-        # MLflow filters tags by one value at a time (no IN, no OR): ask for the runs that started
-        # since the page's oldest job was created, and pick the page's among them
-        since = min((r["created_ms"] for r in group), default=0) - 60_000
+        # MLflow filters tags and run names by one value at a time (IN is for run ids only): ask for
+        # the runs that started since the oldest of these jobs was created, and pick theirs
+        since = min(r["created_ms"] for r in group) - 60_000
         runs = ml.search_runs([experiment.experiment_id], filter_string=f"attributes.start_time >= {since}",
                               order_by=["attributes.start_time DESC"], max_results=1000)
         newest: dict[str, Any] = {}
         for run in runs:
             newest.setdefault(run.data.tags.get(JOB_TAG), run)
         for r in group:
-            if (run := newest.get(r["job_id"])) is None:
-                continue
-            keys = run.data.metrics
-            steps = {m.key: m.step for m in getattr(run.data, "_metric_objs", [])}
-            reward_key = headline_key(keys, "rollout/reward_mean")
-            if reward_key in keys:
-                r["reward"], r["step"] = keys[reward_key], steps.get(reward_key)
-            elif "sft/loss" in keys:
-                r["step"], r["total_steps"] = steps.get("sft/loss"), int(keys.get("sft/max_steps", 0)) or r["total_steps"]
-            if (acc_key := headline_key(keys, "eval/accuracy")) in keys:
-                r["accuracy"] = keys[acc_key]
+            if (run := newest.get(r["job_id"])) is not None:
+                _read_progress(run, r)
+    settled_before = time.time() * 1000 - SETTLED_S * 1000
+    if len(_settled) > 20_000:
+        _settled.clear()
+    for group in by_experiment.values():
+        for r in group:
+            if r["ended_ms"] is not None and r["ended_ms"] < settled_before:
+                _settled[(r["job_id"], r["created_ms"])] = {k: r[k] for k in PROGRESS}
+
+
+def _read_progress(run: Any, r: dict[str, Any]) -> None:
+    keys = run.data.metrics
+    steps = {m.key: m.step for m in getattr(run.data, "_metric_objs", [])}
+    reward_key = headline_key(keys, "rollout/reward_mean")
+    if reward_key in keys:
+        r["reward"], r["step"] = keys[reward_key], steps.get(reward_key)
+    elif "sft/loss" in keys:
+        r["step"], r["total_steps"] = steps.get("sft/loss"), int(keys.get("sft/max_steps", 0)) or r["total_steps"]
+    if (acc_key := headline_key(keys, "eval/accuracy")) in keys:
+        r["accuracy"] = keys[acc_key]
 
 
 async def _flow_name(client: Any, flow_id: Any) -> str | None:
@@ -155,19 +176,19 @@ async def jobs_page(settings: Any, tenant: str | None, state: str | None = None,
     if q:
         ids = [q] if tenant is None or q.startswith(f"{tenant}-") else [f"{tenant}-{q}"]
     async with get_client() as client:
-        runs_call = client.read_flow_runs(flow_filter=_flow_filter(kind), flow_run_filter=_filter(
+        counting = asyncio.ensure_future(_counts(client, tenant, kind))
+        runs = await client.read_flow_runs(flow_filter=_flow_filter(kind), flow_run_filter=_filter(
             tenant, _CANDIDATES[state] if state else None, ids), sort=FlowRunSort.EXPECTED_START_TIME_DESC,
             limit=PAGE, offset=page * PAGE)
-        runs, counts = await asyncio.gather(runs_call, _counts(client, tenant, kind))
         names = {run.flow_id: await _flow_name(client, run.flow_id) for run in runs}
-    rows, seen = [], set()
-    for run in runs:
-        r = row(run, names.get(run.flow_id))
-        if r["job_id"] is None or r["job_id"] in seen or (state and r["state"] != state):
-            continue
-        seen.add(r["job_id"])
-        rows.append(r)
-    await asyncio.to_thread(_progress, settings, rows)
+        rows, seen = [], set()
+        for run in runs:
+            r = row(run, names.get(run.flow_id))
+            if r["job_id"] is None or r["job_id"] in seen or (state and r["state"] != state):
+                continue
+            seen.add(r["job_id"])
+            rows.append(r)
+        counts, _ = await asyncio.gather(counting, asyncio.to_thread(_progress, settings, rows))
     out = {"jobs": rows, "counts": counts, "page": page, "more": len(runs) == PAGE}
     if len(_cache) > 512:
         _cache.clear()

@@ -31,6 +31,7 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
        "form-action 'self'; base-uri 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+MAX_PAGE = 10_000
 TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 
 
@@ -63,7 +64,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         response.headers.update(HEADERS)
         return response
 
-    def page(name: str, session: Session | None, status: int = 200, **context: Any) -> Response:
+    def render(name: str, session: Session | None, status: int = 200, **context: Any) -> Response:
         html = env.get_template(name).render(session=session, csrf=sessions.csrf(session) if session else "",
                                              public_url=settings.public_gateway_url, **context)
         return secured(HTMLResponse(html, status_code=status))
@@ -86,7 +87,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         return views.view(settings, session.tenant)
 
     def not_found(session: Session | None, job_id: str) -> Response:
-        return page("notfound.html", session, status=404, what=f"job {job_id}")
+        return render("notfound.html", session, status=404, what=f"job {job_id}")
 
     def signin_redirect() -> Response:
         return secured(RedirectResponse("/console/signin", status_code=303))
@@ -99,17 +100,17 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
 
     @router.get("/signin")
     def signin_page(request: Request) -> Response:
-        return page("signin.html", None, error=None)
+        return render("signin.html", None, error=None)
 
     @router.post("/signin")
     async def signin(request: Request) -> Response:
         try:
             same_origin(request)
         except Refused as err:
-            return page("signin.html", None, status=err.status, error=str(err))
+            return render("signin.html", None, status=err.status, error=str(err))
         found = await asyncio.to_thread(sessions.sign_in, (await form(request)).get("key", ""))
         if found is None:
-            return page("signin.html", None, status=401, error="unknown key")
+            return render("signin.html", None, status=401, error="unknown key")
         response = secured(RedirectResponse("/console/jobs", status_code=303))
         response.set_cookie(COOKIE, found[1], max_age=LIFETIME_S, path="/console", httponly=True, samesite="strict",
                             secure=request.url.scheme == "https")
@@ -126,7 +127,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
             if not sessions.csrf_ok(session, fields.get("csrf") or request.headers.get("x-csrf-token")):
                 raise Refused(403, "missing or wrong CSRF token")
         except Refused as err:
-            return page("error.html", session, status=err.status, message=str(err))
+            return render("error.html", session, status=err.status, message=str(err))
         response = signin_redirect()
         response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
         return response
@@ -143,19 +144,21 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
 
     # --- jobs -------------------------------------------------------------------------------
     @router.get("/jobs")
-    async def jobs_list(request: Request, state: str = "", kind: str = "", q: str = "") -> Response:
+    async def jobs_list(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:
         session = current(request)
         if session is None:
             return signin_redirect()
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None)
-        return page("jobs.html", session, data=data, states=listing.STATES, kinds=list(listing.KINDS), state=state, kind=kind, q=q)
+        page_no = max(0, min(page, MAX_PAGE))
+        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page_no)
+        return render("jobs.html", session, data=data, states=listing.STATES, kinds=list(listing.KINDS), state=state, kind=kind, q=q,
+                      page_no=page_no)
 
     @router.get("/api/jobs")
-    async def jobs_json(request: Request, state: str = "", kind: str = "", q: str = "", page_no: int = 0) -> Response:
+    async def jobs_json(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:
         session = current(request)
         if session is None:
             return secured(JSONResponse({"detail": "sign in"}, status_code=401))
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, max(0, min(page_no, 10_000)))
+        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, max(0, min(page, MAX_PAGE)))
         return secured(JSONResponse(data))
 
     @router.get("/jobs/{job_id}")
@@ -172,7 +175,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
             files = views.transcript_files(jobs, job_id)
         except JobNotFound:
             return not_found(session, job_id)
-        return page("job.html", session, job=status, spec=views.spec_text(settings, session.tenant, job_id), checkpoints=ckpts,
+        return render("job.html", session, job=status, spec=views.spec_text(settings, session.tenant, job_id), checkpoints=ckpts,
                     transcripts=files)
 
     @router.get("/api/jobs/{job_id}")
@@ -217,11 +220,11 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
                 raise JobNotFound(job_id)
             await asyncio.to_thread(jobs_of(session).cancel, job_id)
         except Refused as err:
-            return page("error.html", session, status=err.status, message=str(err))
+            return render("error.html", session, status=err.status, message=str(err))
         except JobNotFound:
             return not_found(session, job_id[:256])
         except JobConflict as err:
-            return page("error.html", session, status=409, message=str(err))
+            return render("error.html", session, status=409, message=str(err))
         return secured(RedirectResponse(f"/console/jobs/{quote(job_id, safe='')}", status_code=303))
 
     @router.get("/jobs/{job_id}/transcripts")
@@ -241,8 +244,8 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         except JobNotFound:
             return not_found(session, job_id[:256])
         except ValueError as err:
-            return page("error.html", session, status=413, message=str(err))
-        return page("transcripts.html", session, job_id=job_id, files=files, chosen=chosen, episodes=episodes)
+            return render("error.html", session, status=413, message=str(err))
+        return render("transcripts.html", session, job_id=job_id, files=files, chosen=chosen, episodes=episodes)
 
     # --- Tinker sessions, inference jobs, the operator's view --------------------------------
     @router.get("/tinker")
@@ -266,7 +269,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
 
         inference = await asyncio.to_thread(urls)
         runs = await asyncio.to_thread(views.tinker_overview, jobs) if session.tenant else {"training_runs": []}
-        return page("tinker.html", session, sessions_rows=sessions_page["jobs"], inference=inference, **runs)
+        return render("tinker.html", session, sessions_rows=sessions_page["jobs"], inference=inference, **runs)
 
     @router.get("/operator")
     def operator(request: Request) -> Response:
@@ -274,7 +277,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         if session is None:
             return signin_redirect()
         if not session.operator:
-            return page("notfound.html", session, status=404, what="page")
-        return page("operator.html", session, **views.operator_overview(settings))
+            return render("notfound.html", session, status=404, what="page")
+        return render("operator.html", session, **views.operator_overview(settings))
 
     return router

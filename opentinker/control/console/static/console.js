@@ -27,7 +27,7 @@
     const operator = document.body.dataset.operator === "1";
     const params = new URLSearchParams(window.location.search);
     const query = new URLSearchParams();
-    for (const k of ["state", "kind", "q"]) if (params.get(k)) query.set(k, params.get(k));
+    for (const k of ["state", "kind", "q", "page"]) if (params.get(k)) query.set(k, params.get(k));
     async function refresh() {
       let data;
       try { data = await getJSON("/console/api/jobs?" + query.toString()); } catch (e) { return; }

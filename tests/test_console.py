@@ -114,6 +114,35 @@ def test_transcript_turns_are_escaped_and_marked():
     assert "&lt;script&gt;" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
 
 
+def test_transcript_tokens_show_what_the_update_trains_and_masks(tiny_path):
+    """A record's tokens by loss mask: runs of one mask value, each decoded; together the whole
+    record; on the page, the trained runs marked and every string escaped."""
+    from transformers import AutoTokenizer
+
+    from opentinker.control.console.routes import _templates
+    from opentinker.control.console.views import episode
+    from opentinker.core.trajectory import Trajectory
+    from opentinker.tracking.transcripts import token_spans, transcripts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    prompt, reply, result, answer = (tokenizer(text, add_special_tokens=False)["input_ids"]
+                                     for text in ("<|im_start|>user\nWhat is 2+2?", SCRIPT, "\ntool says 4\n", "Answer: 4"))
+    ids = prompt + reply + result + answer
+    mask = [0] * len(prompt) + [1] * len(reply) + [0] * len(result) + [1] * len(answer)
+    spans = token_spans(tokenizer, ids, mask)
+    assert [s["trained"] for s in spans] == [False, True, False, True]
+    assert [s["text"] for s in spans] == [tokenizer.decode(part) for part in (prompt, reply, result, answer)]
+    assert "".join(s["text"] for s in spans) == tokenizer.decode(ids)
+    record = transcripts([Trajectory(prompt_ids=prompt, token_ids=ids, loss_mask=mask, messages=[{"role": "user", "content": "2+2"}])],
+                         tokenizer)[0]
+    assert record["tokens"] == spans and json.loads(json.dumps(record))["tokens"] == spans
+    e = episode(record)
+    html = _templates().get_template("transcripts.html").render(session=None, csrf="", job_id="j", files=["step-1.json"],
+                                                               chosen="step-1.json", episodes=[e])
+    assert SCRIPT not in html and '<span class="trained">&lt;script&gt;' in html and '<span class="trained">Answer: 4</span>' in html
+    assert episode({"tokens": [{"text": "x" * 300_000, "trained": "yes"}]})["tokens"] == [{"text": "x" * 200_000, "trained": False}]
+
+
 # --- in a browser, on the test stack -------------------------------------------------------------
 def _spec(tmp_path, steps, every=2, **overrides):
     return tiny_spec(tmp_path, optimization={"steps": steps}, checkpoint={"every": every}, **overrides).model_dump(mode="json")
@@ -217,12 +246,59 @@ def test_browser_opens_a_transcript_and_scripts_in_it_stay_text(console):
     assert len(options) >= 2, options  # the job's own evaluation transcripts too
     b.navigate(f"{base}/jobs/{job}/transcripts?file={options[-1]}")
     b.wait_text("Episode 0", "assistant")
+    # the job's own record: its tokens, the policy's marked trained and the prompt's masked
+    assert b.js("document.querySelectorAll('pre.tokens .trained').length") >= 1
+    assert b.js("document.querySelectorAll('pre.tokens .masked').length") >= 1
+    b.pump()
+    assert b.dialogs == [], b.dialogs
+
+
+def test_browser_shows_tinker_sessions_and_the_docs_pictures_are_taken(console, tmp_path):
+    """The tenant's Tinker session and its checkpoint's tinker:// path on the Tinker page; then the
+    docs' own script (docs/console_screenshots.py) takes every page the docs show, here."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from PIL import Image
+
+    tinker = pytest.importorskip("tinker")
+    b, base, key = console["browser"], console["base"], console["key"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TINKER_TELEMETRY", "0")
+    service = tinker.ServiceClient(base_url=console["settings"].gateway_url, api_key=key)
+    try:
+        trainer = service.create_lora_training_client(base_model="tiny-random", rank=4, seed=0).result()
+        path = trainer.save_weights_for_sampler("console").result().path
+        assert path.startswith("tinker://")
+        _sign_in(b, base, key)
+        b.navigate(f"{base}/tinker")
+        text = b.wait_text(path, "RUNNING")
+        assert "No Tinker sessions." not in text and trainer.model_id in text
+    finally:
+        service.close("success")
+        mp.undo()
+    b.navigate(f"{base}/jobs")
+    b.submit("form.signout")
+
+    root = Path(__file__).resolve().parents[1]
+    loaded = importlib.util.spec_from_file_location("console_screenshots", root / "docs" / "console_screenshots.py")
+    script = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(script)
+    sizes = script.shoot_pages(b, base, key, console["operator"], console["running"], tmp_path, points=1)
+    shown = set(re.findall(r"img/console-([a-z]+)\.png", (root / "docs" / "console.md").read_text()))
+    assert set(sizes) == shown == set(script.PAGES), (sorted(sizes), sorted(shown))
+    for page, height in script.PAGES.items():
+        assert (root / "docs" / "img" / f"console-{page}.png").exists()
+        with Image.open(tmp_path / f"console-{page}.png") as picture:
+            assert picture.size == (b.width, height) and len(picture.getcolors(256) or range(256)) > 8, page
     b.pump()
     assert b.dialogs == [], b.dialogs
 
 
 def test_browser_cancel_needs_the_csrf_token_and_then_cancels(console):
     b, base, job = console["browser"], console["base"], console["running"]
+    _sign_in(b, base, console["key"])
     b.navigate(f"{base}/jobs/{job}")
     b.wait("!!document.getElementById('cancel')", what="the cancel button")
     status = b.js(f"fetch('/console/jobs/{job}/cancel', {{method: 'POST'}}).then(r => r.status)")

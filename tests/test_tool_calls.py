@@ -163,7 +163,7 @@ def test_job_tools_join_the_games_and_clashing_names_cost_the_episode(smol):
     traj, engine = _play(smol, [_call("double", x=4), "Answer: 5"], tools=[double])
     assert traj.messages[-2]["content"] == "8" and '"name": "double"' in smol.decode(engine.prompts[0])
     clash, _ = _play(smol, ["Answer: 5"], tools=[Tool("add", "Another add.", lambda a: "0")])
-    assert clash.failed and "two tools are named 'add'" in clash.failure
+    assert clash.failed and "the tool 'add' is declared by the job's env.tools and by the game" in clash.failure
 
 
 def test_a_turn_without_a_call_goes_to_the_game_and_games_without_tools_are_unchanged(smol):

@@ -16,7 +16,7 @@ from opentinker.agent.guard import call_with_timeout
 from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractGame
 from opentinker.tools.declared import Tool
-from opentinker.tools.sources import as_tools
+from opentinker.tools.sources import as_tools, merge_tools
 from opentinker.tools.toolbox import ToolBox
 
 
@@ -24,7 +24,8 @@ def episode_tools(game: AbstractGame, job_tools: list[Tool], max_calls_per_turn:
     """The episode's tools (the job's, then the game's); None when there are none. Asked inside
     the episode's bounded reset, so a game whose get_tools raises costs its episode."""
     own = getattr(game, "get_tools", None)
-    tools = list(job_tools) + as_tools(own() if own is not None else [])  # a served game's GameTools become Tools
+    game_tools = as_tools(own() if own is not None else [])  # a served game's GameTools become Tools
+    tools = merge_tools([job_tools, game_tools], ["the job's env.tools", "the game"])
     return ToolBox(tools, max_calls_per_turn=max_calls_per_turn) if tools else None
 
 

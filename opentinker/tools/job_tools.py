@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from opentinker.tools.declared import Tool
+from opentinker.tools.sources import merge_tools
 from opentinker.tools.toolbox import checked_tools
 
 
@@ -16,9 +17,9 @@ class JobTools:
         self.tools: list[Tool] = []
         self._open: list[Any] = []
         try:
-            for source in sources:
-                self.tools += self._made(source, hosts, max_response_bytes)
-            checked_tools(self.tools)  # two servers' tools of one name: refused here
+            made = [self._made(source, hosts, max_response_bytes) for source in sources]
+            labels = [source.mcp if getattr(source, "mcp", None) else "the python tool" for source in sources]
+            self.tools = checked_tools(merge_tools(made, labels))  # two servers' tools of one name: refused here, naming both
         except BaseException:
             self.close()
             raise

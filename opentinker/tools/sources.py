@@ -14,9 +14,7 @@ from opentinker.tools.declared import NAME_PATTERN, Tool, ToolError
 
 def as_tool(item: Any) -> Tool:
     """A Tool as is; anything else with its fields (a GameTool of the layers below) as a Tool whose
-    `run` turns ToolFailure into ToolError. ValueError for a name that does not match NAME_PATTERN."""
-    if not re.match(NAME_PATTERN, str(getattr(item, "name", ""))):
-        raise ValueError(f"the tool name {str(getattr(item, 'name', ''))[:80]!r} does not match {NAME_PATTERN}")
+    `run` turns ToolFailure into ToolError (names are checked by `merge_tools`)."""
     if isinstance(item, Tool):
         return item
     inner = item.run
@@ -36,13 +34,16 @@ def as_tools(items: Iterable[Any]) -> list[Tool]:
 
 
 def merge_tools(lists: Iterable[Iterable[Tool]], sources: Iterable[str] | None = None) -> list[Tool]:
-    """The tools of several sources (a game, MCP servers), in order; ValueError in one line naming
-    the tool and, given `sources` (one name per list, e.g. the MCP URLs), the two that declare it."""
+    """The tools of several sources (a job's spec, MCP servers, a game), in order; ValueError in one
+    line for a malformed name, or naming a repeated tool and, given `sources` (one name per list,
+    e.g. the MCP URLs), the two that declare it. The one check of tool names."""
     names = list(sources) if sources is not None else None
     out: list[Tool] = []
     owner: dict[str, int] = {}
     for index, tools in enumerate(lists):
         for tool in tools:
+            if not re.match(NAME_PATTERN, str(tool.name)):
+                raise ValueError(f"the tool name {str(tool.name)[:80]!r} does not match {NAME_PATTERN}")
             if tool.name in owner:
                 first = owner[tool.name]
                 where = (f" by {names[first]} and by {names[index]}" if first != index else f" twice by {names[index]}") \

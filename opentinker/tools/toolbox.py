@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any, Callable
 
-from opentinker.tools.declared import NAME_PATTERN, Tool, ToolCall, ToolError, ToolResult
+from opentinker.tools.declared import Tool, ToolCall, ToolError, ToolResult
 from opentinker.tools.formats import ParsedTurn
 
 MAX_RESULT_CHARS = 4000  # what a tool message keeps of a long answer (the model reads the start)
@@ -24,24 +24,21 @@ Bounded = Callable[..., Any]  # (fn, timeout_s, *args) -> an outcome with .value
 
 
 def checked_tools(tools: list[Tool]) -> list[Tool]:
-    """The tools, refused in one line if a name is malformed or repeated or a schema is not a JSON Schema
-    (jsonschema is imported here, by jobs with tools: the core engine runs without it)."""
+    """The tools, refused in one line if one is not a Tool, a name is malformed or repeated
+    (`merge_tools`), or a schema is not a JSON Schema (jsonschema is imported here, by jobs with
+    tools: the core engine runs without it)."""
     if not tools:
         return tools
-    import re
-
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
-    seen: set[str] = set()
+    from opentinker.tools.sources import merge_tools
+
     for tool in tools:
         if not isinstance(tool, Tool):
             raise TypeError(f"a declared tool is {type(tool).__name__}, expected opentinker.tools.Tool")
-        if not re.match(NAME_PATTERN, tool.name):
-            raise ValueError(f"tool name {tool.name!r} must match {NAME_PATTERN}")
-        if tool.name in seen:
-            raise ValueError(f"two tools are named {tool.name!r}: tool names must be distinct")
-        seen.add(tool.name)
+    merge_tools([tools])
+    for tool in tools:
         try:
             Draft202012Validator.check_schema(tool.parameters)
         except SchemaError as err:

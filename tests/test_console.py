@@ -87,11 +87,16 @@ def test_signin_cookie_csp_and_csrf(gateway):
     from opentinker.control.gateway.tenants import TenantStore
 
     sessions = Sessions(settings, TenantStore(settings.state_dir / "tenants.json"))
-    token = sessions.csrf(sessions.read(client.cookies[COOKIE]))
+    copied = client.cookies[COOKIE]
+    token = sessions.csrf(sessions.read(copied))
     assert client.post("/console/signout", data={"csrf": token}, headers={"Origin": "http://evil.example"}).status_code == 403
     out = client.post("/console/signout", data={"csrf": token}, follow_redirects=False)
     assert out.status_code == 303 and COOKIE not in client.cookies
     assert client.get("/console/api/jobs").status_code == 401
+    # a copy of the signed-out cookie opens nothing either: the server ended the session
+    client.cookies.set(COOKIE, copied, path="/console")
+    assert client.get("/console/api/jobs").status_code == 401
+    client.cookies.clear()
     # static files: fixed names only
     assert client.get("/console/static/console.js").status_code == 200
     assert client.get("/console/static/uPlot.iife.min.js").status_code == 200

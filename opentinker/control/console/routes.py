@@ -128,6 +128,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
                 raise Refused(403, "missing or wrong CSRF token")
         except Refused as err:
             return render("error.html", session, status=err.status, message=str(err))
+        sessions.end(session)
         response = signin_redirect()
         response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
         return response

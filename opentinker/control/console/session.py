@@ -90,6 +90,7 @@ class Sessions:
         self.settings = settings
         self.store = store
         self._signing = hmac.new(settings.stack_secret().encode(), b"opentinker-console-session-v1", hashlib.sha256).digest()
+        self._ended: dict[str, int] = {}  # nonce -> expiry of sessions signed out: a copied cookie dies with them
 
     # --- keys -------------------------------------------------------------------------------
     def _tenant_fingerprint(self, tenant: str) -> str | None:
@@ -135,12 +136,19 @@ class Sessions:
             subject, nonce, expires, fingerprint = str(data["s"]), str(data["n"]), int(data["e"]), str(data["k"])
         except (ValueError, KeyError, TypeError):
             return None
-        if expires < time.time():
+        if expires < time.time() or nonce in self._ended:
             return None
         now = self._operator_fingerprint() if subject == OPERATOR else self._tenant_fingerprint(subject)
         if now is None or not hmac.compare_digest(now, fingerprint):
             return None  # the tenant was removed, or its key (the operator's) changed
         return Session(None if subject == OPERATOR else subject, nonce, expires)
+
+    def end(self, session: Session) -> None:
+        """Sign the session out on the server too (this gateway's memory: a restart forgets it, and
+        the session still ends at its expiry)."""
+        now = time.time()
+        self._ended = {n: e for n, e in self._ended.items() if e >= now}
+        self._ended[session.nonce] = session.expires
 
     # --- CSRF -------------------------------------------------------------------------------
     def csrf(self, session: Session) -> str:

@@ -28,6 +28,7 @@ CURVES = [
 TIMES = [("rollout", "rollout/seconds"), ("update", "update/seconds"), ("weight sync", "rollout/sync_seconds"),
          ("evaluation", "eval/seconds"), ("whole step", "step/seconds")]
 MAX_TRANSCRIPT_BYTES = 8 * 2**20
+MAX_EPISODES = 256  # of one file shown
 MAX_TOKEN_CHARS = 200_000  # of one episode's tokens shown
 HIDDEN = ("job_token", "api_key")  # secrets a status carries for clients: never on a page
 
@@ -105,13 +106,19 @@ def checkpoints(jobs: TenantJobs, job_id: str) -> list[dict[str, Any]]:
         return []
 
 
-def transcript_files(jobs: TenantJobs, job_id: str) -> list[str]:
-    """The job's recorded episode files (MLflow artifacts `transcripts/step-NNNNNN.json`), newest first."""
+def transcript_sizes(jobs: TenantJobs, job_id: str) -> dict[str, int | None]:
+    """The job's recorded episode files (MLflow artifacts `transcripts/step-NNNNNN.json`), newest
+    first, with their sizes as MLflow lists them."""
     try:
         found = jobs.artifacts(job_id, "transcripts")
     except Exception:  # noqa: BLE001 - no run yet, no artifacts: an empty list
         found = []
-    return sorted((f["path"].rpartition("/")[2] for f in found if f["path"].endswith(".json") and not f["is_dir"]), reverse=True)
+    files = {f["path"].rpartition("/")[2]: f.get("size") for f in found if f["path"].endswith(".json") and not f["is_dir"]}
+    return dict(sorted(files.items(), reverse=True))
+
+
+def transcript_files(jobs: TenantJobs, job_id: str) -> list[str]:
+    return list(transcript_sizes(jobs, job_id))
 
 
 def _parts(content: Any) -> list[dict[str, str]]:
@@ -166,14 +173,17 @@ def episode(raw: dict[str, Any]) -> dict[str, Any]:
 
 def transcripts(jobs: TenantJobs, job_id: str, name: str) -> list[dict[str, Any]]:
     """The episodes of one transcript file of the job (JobNotFound for another tenant's)."""
-    if name not in transcript_files(jobs, job_id):
+    sizes = transcript_sizes(jobs, job_id)
+    if name not in sizes:
         return []
+    if (sizes[name] or 0) > MAX_TRANSCRIPT_BYTES:  # refused before it is downloaded (its writer is the tenant's game)
+        raise ValueError(f"{name} is {sizes[name]} bytes, more than the console shows")
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(jobs.download_artifact(job_id, f"transcripts/{name}", tmp))
         if local.stat().st_size > MAX_TRANSCRIPT_BYTES:
             raise ValueError(f"{name} is {local.stat().st_size} bytes, more than the console shows")
         data = json.loads(local.read_text())
-    return [episode(e) for e in data if isinstance(e, dict)] if isinstance(data, list) else []
+    return [episode(e) for e in data[:MAX_EPISODES] if isinstance(e, dict)] if isinstance(data, list) else []
 
 
 def operator_overview(settings: Any) -> dict[str, Any]:

@@ -180,7 +180,7 @@ def main() -> int:
                     checkpoint, result = args.warm_start_checkpoint, {}
                 else:
                     checkpoint, result = warm_start(rows, args.model, str(ROOT / "runs" / "bench-warm-start" / f"{args.task}-{args.model}-{len(rows)}"))
-                warm = {"transcripts": len(rows), "seconds": time.perf_counter() - t0, "example": rows[0],
+                warm = {"transcripts": len(rows), "seconds": time.perf_counter() - t0, "example": rows[0], "reused": args.warm_start_checkpoint,
                         **{k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}}
                 base["model"] = base["model"] | {"init_from": checkpoint}
                 print(f"warm start: {len(rows)} transcripts, {warm['seconds']:.0f} s", flush=True)
@@ -244,7 +244,8 @@ def write(args, task, out_path, spec, result, val, torch_version, warm, partial:
                f"the final training step's tool calls {_pct(final.get('tool_valid_rate'))} well formed (goal: {task['goal']})")
     times = sorted(h["step/seconds"] for h in result.history)
     command = (f"python bench/learning_tools.py --task {args.task} --steps {len(result.history)} --every {args.every} "
-               f"--eval-n {len(val)}" + (f" --warm-start {warm['transcripts']}" if warm else ""))
+               f"--eval-n {len(val)}" + (f" --warm-start {warm['transcripts']}" if warm else "")
+               + (f" --warm-start-checkpoint {warm['reused']}" if warm and warm.get("reused") else ""))
     data = {"command": command, "task": args.task, "spec": spec.model_dump(mode="json") | {"env": {"game": task["game"], "held_out": len(val)}},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch_version},
             "wall_seconds": result.seconds, "median_step_seconds": times[len(times) // 2] if times else None,
@@ -255,7 +256,7 @@ def write(args, task, out_path, spec, result, val, torch_version, warm, partial:
     lines = [f"# Learning with tools: {args.model}, {task['what']}, LoRA r16 + GRPO (CPU)", "",
              f"`{command}`; "
              f"{task['spec']}, hermes tool format, one example conversation, "
-             + (f"SFT warm start on {warm['transcripts']} transcripts ({warm['seconds']:.0f} s; step 0 is that policy). " if warm else "no SFT warm start. ")
+             + (f"SFT warm start on {warm['transcripts']} transcripts ({warm_made(warm)}; step 0 is that policy). " if warm else "no SFT warm start. ")
              + f"Wall time {result.seconds:.0f} s "
              f"(median step {data['median_step_seconds'] or 0:.1f} s).", "", "Greedy, held-out:", "", head, "|---:|---:|---:|---:|---:|---:|---:|"]
     row = lambda c: (f"| {c['step']} | {_pct(c['accuracy'])} | {_pct(c['tool_call_rate'])} | {_pct(c['tool_valid_rate'])} | "
@@ -267,6 +268,12 @@ def write(args, task, out_path, spec, result, val, torch_version, warm, partial:
     lines += ["", f"Verdict: {verdict}" + (" (the run was stopped here; these are its evaluations so far)" if partial else ""), ""]
     Path(out_path + ".md").write_text("\n".join(lines))
     print("\n".join(lines), flush=True)
+
+
+def warm_made(warm: dict) -> str:
+    if warm.get("reused"):
+        return "the checkpoint an earlier run of the same command made from the same rows, reused"
+    return f"{warm['seconds']:.0f} s"
 
 
 if __name__ == "__main__":

@@ -211,11 +211,21 @@ def _vllm_processes() -> set[int]:
     return found
 
 
-def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_line(vllm_pool, vllm_tiny_path, tmp_path):
+def _killer(steps: set[int], killed: list[int], listening: list):
+    """An on_step hook: SIGKILL to this process's vLLM servers after each of `steps` (once each),
+    noting any TCP port they listened on."""
+    def hook(report) -> None:
+        if report.step in steps and report.step not in killed:
+            killed.append(report.step)
+            for process in _vllm_servers_of_this_process():
+                listening.extend(c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN)
+                os.killpg(os.getpgid(process.pid), signal.SIGKILL)
+    return hook
+
+
+def test_a_killed_vllm_server_is_started_again_once(vllm_pool, vllm_tiny_path, tmp_path):
     """The job starts its own server (the product's path: on a Unix socket, no port). SIGKILL to it after step 1's checkpoint: the
-    job starts a new one, goes on from step 1 and completes. Killed twice: the second death fails
-    the job in one line saying how the server ended, with step 2's checkpoint there to resume from."""
-    from opentinker.backend.server_engine import ServerGone
+    job starts a new one, goes on from step 1 and completes."""
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import RLJob
 
@@ -224,29 +234,31 @@ def test_a_killed_vllm_server_is_started_again_once_then_fails_the_job_in_one_li
                      optimization={"steps": 3}, checkpoint={"every": 1})
     killed: list[int] = []
     listening: list = []  # a job's own server listens on a Unix socket in its folder, on no port
-
-    def kill_after(steps):
-        def hook(report) -> None:
-            if report.step in steps and report.step not in killed:
-                killed.append(report.step)
-                for process in _vllm_servers_of_this_process():
-                    listening.extend(c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN)
-                    os.killpg(os.getpgid(process.pid), signal.SIGKILL)
-        return hook
-
     once = RLJob(spec, job_id="killed-once", start_server=rollout_server)
     try:
-        result = once.run(on_step=kill_after({1}))
+        result = once.run(on_step=_killer({1}, killed, listening))
     finally:
         once.close()
     assert (result.steps_done, killed, listening) == (3, [1], []) and "is gone: vLLM's server ended" in result.restarted
     assert [h["step"] for h in result.history] == [1.0, 2.0, 3.0]  # step 2 trained once, after the restart
 
-    killed.clear()
+
+@pytest.mark.slow  # two more vLLM starts (~40 s); a server that dies failing the job in one line is in the default run
+def test_a_vllm_server_killed_twice_fails_the_job_in_one_line(vllm_pool, vllm_tiny_path, tmp_path):
+    """Killed after step 1 and again after step 2: the second death fails the job in one line
+    saying how the server ended, with step 2's checkpoint there to resume from."""
+    from opentinker.backend.server_engine import ServerGone
+    from opentinker.inference.launch import rollout_server
+    from opentinker.rl import RLJob
+
+    vllm_pool.stop()
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+                     optimization={"steps": 3}, checkpoint={"every": 1})
+    killed: list[int] = []
     twice = RLJob(spec, job_id="killed-twice", start_server=rollout_server)
     try:
         with pytest.raises(ServerGone) as failed:
-            twice.run(on_step=kill_after({1, 2}))
+            twice.run(on_step=_killer({1, 2}, killed, []))
     finally:
         twice.close()
     assert killed == [1, 2] and "\n" not in str(failed.value)

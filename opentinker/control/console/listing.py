@@ -9,6 +9,11 @@ values a run already carries, no history), while the counts are still coming. An
 `CACHE_S` seconds per view; a job that ended a while ago never changes, so its step, reward and
 accuracy are kept once read and MLflow is asked only about the page's live jobs.
 
+Rows are newest first by when a job started, or was submitted if it has not started: a job parked
+until its environment is known (Client link, `fit()`) is Scheduled ten years ahead, and Prefect
+keeps that as its expected start, so one that never started (waiting still, or cancelled while
+waiting) sorts first.
+
 The counts are of flow runs (a job re-submitted under the same id counts once per run), and a
 state filter that Prefect cannot express exactly (QUEUED includes RUNNING runs still waiting for
 their slots) is finished on the page, which may then hold fewer than 50 rows.
@@ -178,7 +183,7 @@ async def jobs_page(settings: Any, tenant: str | None, state: str | None = None,
     async with get_client() as client:
         counting = asyncio.ensure_future(_counts(client, tenant, kind))
         runs = await client.read_flow_runs(flow_filter=_flow_filter(kind), flow_run_filter=_filter(
-            tenant, _CANDIDATES[state] if state else None, ids), sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            tenant, _CANDIDATES[state] if state else None, ids), sort=FlowRunSort.START_TIME_DESC,
             limit=PAGE, offset=page * PAGE)
         names = {run.flow_id: await _flow_name(client, run.flow_id) for run in runs}
         rows, seen = [], set()

@@ -143,6 +143,7 @@ def main() -> int:
         t0 = time.monotonic()
         history(settings, args.jobs, tmp, args.with_mlflow)
         made_s = time.monotonic() - t0
+        time.sleep(SETTLED_S + 1)  # a history is old: its newest jobs too ended over SETTLED_S ago
         base = settings.gateway_url
         with httpx.Client(base_url=base, timeout=120) as client:
             r = client.post("/console/signin", data={"key": key}, follow_redirects=False)

@@ -31,6 +31,7 @@ from opentinker.tracking.metrics import headline_key
 from opentinker.tracking.runs import JOB_TAG
 
 PAGE = 50
+MAX_PAGE = 10_000
 CACHE_S = float(os.environ.get("OPENTINKER_CONSOLE_CACHE_S", "2"))
 STATES = ("QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 KINDS = {"rl": ("rl-train", "self-play"), "sft": ("sft",), "inference": ("serve-model",), "tinker": ("tinker-session",),
@@ -171,6 +172,7 @@ async def jobs_page(settings: Any, tenant: str | None, state: str | None = None,
     state = state if state in STATES else None
     kind = kind if kind in KINDS else None
     q = (q or "").strip()[:200] or None
+    page = max(0, min(page, MAX_PAGE))
     key = (tenant, state, kind, q, page)
     if cache and CACHE_S > 0 and (hit := _cache.get(key)) and time.monotonic() - hit[0] < CACHE_S:
         return hit[1]

@@ -31,7 +31,6 @@ CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' 
        "form-action 'self'; base-uri 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin",
            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
-MAX_PAGE = 10_000
 TYPES = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 
 
@@ -149,17 +148,16 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         session = current(request)
         if session is None:
             return signin_redirect()
-        page_no = max(0, min(page, MAX_PAGE))
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page_no)
+        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page)
         return render("jobs.html", session, data=data, states=listing.STATES, kinds=list(listing.KINDS), state=state, kind=kind, q=q,
-                      page_no=page_no)
+                      page_no=data["page"])
 
     @router.get("/api/jobs")
     async def jobs_json(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:
         session = current(request)
         if session is None:
             return secured(JSONResponse({"detail": "sign in"}, status_code=401))
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, max(0, min(page, MAX_PAGE)))
+        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page)
         return secured(JSONResponse(data))
 
     @router.get("/jobs/{job_id}")

@@ -342,3 +342,22 @@ def test_browser_operator_sees_every_tenant_and_the_slots(console):
     assert r.status_code in (200, 303)
     b.pump()
     assert b.dialogs == [], b.dialogs
+
+
+def test_a_transcript_file_too_large_is_refused_before_it_is_downloaded(tmp_path):
+    """A tenant's game writes the transcripts: one listed over the limit is refused without being read."""
+    from opentinker.control.console import views
+
+    downloaded = []
+
+    class Listed:  # what TenantJobs answers: the artifact listing, and the download it must not make
+        def artifacts(self, job_id, path):
+            return [{"path": "transcripts/step-000001.json", "is_dir": False, "size": views.MAX_TRANSCRIPT_BYTES + 1}]
+
+        def download_artifact(self, job_id, path, dst):
+            downloaded.append(path)
+            raise AssertionError("downloaded")
+
+    with pytest.raises(ValueError, match=r"step-000001\.json is \d+ bytes, more than the console shows"):
+        views.transcripts(Listed(), "acme-j", "step-000001.json")
+    assert downloaded == [] and views.transcripts(Listed(), "acme-j", "../../etc/passwd") == []

@@ -49,8 +49,8 @@ def test_two_one_gpu_jobs_get_distinct_devices(two_gpu_node, tmp_path):
     from opentinker.orchestration.actors import actor_options
 
     spec = tiny_spec(tmp_path, resources={"num_gpus": 1, "num_cpus": 0.5})
-    a, seen_a = _probe(actor_options(spec, "job-a"))
-    b, seen_b = _probe(actor_options(spec, "job-b"))
+    a, seen_a = _probe(actor_options(spec, "job-a", "operator/job-a"))
+    b, seen_b = _probe(actor_options(spec, "job-b", "operator/job-b"))
     try:
         assert len(seen_a["gpu_ids"]) == len(seen_b["gpu_ids"]) == 1
         assert seen_a["gpu_ids"] != seen_b["gpu_ids"]
@@ -68,7 +68,7 @@ def test_an_inference_job_beside_a_training_job_gets_another_device(two_gpu_node
     from opentinker.orchestration.actors import actor_options
     from opentinker.orchestration.serving import serving_options
 
-    train, seen_train = _probe(actor_options(tiny_spec(tmp_path, resources={"num_gpus": 1, "num_cpus": 0.5}), "train"))
+    train, seen_train = _probe(actor_options(tiny_spec(tmp_path, resources={"num_gpus": 1, "num_cpus": 0.5}), "train", "operator/train"))
     serve, seen_serve = _probe(serving_options(InferenceSpec(model_path="file:///x", num_gpus=1, engine="vllm"), "serve"))
     try:
         assert seen_train["gpu_ids"] != seen_serve["gpu_ids"]

@@ -17,7 +17,7 @@ console = Console()
 def sandbox(
     host: str = typer.Option("127.0.0.1", help="interface to bind"),
     port: int = typer.Option(8310, help="port (0: any free port)"),
-    max_running: Optional[int] = typer.Option(None, help="programs running at once on this machine (default: its CPUs)"),
+    max_running: Optional[int] = typer.Option(None, help="programs running at once (default: its CPUs)"),
     key_file: Optional[Path] = typer.Option(None, help="read the key from this file (the stack's: <state_dir>/sandbox-key); "
                                                          "what is printed then names the file, not the key"),
 ) -> None:

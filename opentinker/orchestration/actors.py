@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentinker.core.spec import JobSpec
+from opentinker.tools.sandbox import OWNER_ENV
 
 
 @dataclass
@@ -64,15 +65,17 @@ def streams_apart(spec: JobSpec) -> bool:
     return algorithm is not None and algorithm.max_staleness > 0
 
 
-def actor_options(spec: JobSpec, name: str) -> dict[str, Any]:
+def actor_options(spec: JobSpec, name: str, owner: str) -> dict[str, Any]:
     """Ray options from the spec's resources; torch threads through OMP_NUM_THREADS (Ray would set
     1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine). A job whose
-    producer and trainer compute at once on the CPU splits the cores between them."""
+    producer and trainer compute at once on the CPU splits the cores between them. `owner`
+    ("tenant/job") is whose sandboxed calls the actor makes: the sandbox shares its slots and the
+    CPU fairly between owners (opentinker/tools/sandbox.py)."""
     r = spec.resources
     cores = os.cpu_count() or 1
     threads = str(r.torch_threads or (max(1, cores // 2) if streams_apart(spec) and r.num_gpus == 0 else cores))
     return {"name": name, "num_cpus": r.num_cpus, "num_gpus": r.num_gpus, "max_restarts": 0,
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}}
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false", OWNER_ENV: owner}}}
 
 
 def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobActors:
@@ -85,6 +88,7 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     from opentinker.rl.engine_choice import choose_engine
     from opentinker.rl.policy import with_pinned_init_from
 
+    owner = f"{tenant or 'operator'}/{job_id}"
     if spec.resources.share_base:
         from opentinker.core.settings import get_settings
         from opentinker.orchestration.on_base_worker import JobOnBaseWorker
@@ -92,12 +96,12 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
         return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
     spec, choice = choose_engine(spec, starts_servers=True)  # here, once: trainer and sampler must agree on how it samples
     if spec.resources.colocate and not streams_apart(spec):
-        job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated")).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
+        job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated", owner)).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
         return JobActors(job=job, engine_choice=choice)
     spec = with_pinned_init_from(spec, job_id, tenant)  # the sampler and its server know no tenant: one base for both sides
-    policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy")).remote(spec, job_id, tenant=tenant)
-    sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler")).remote(spec, job_id=job_id, start_server=rollout_server)
+    policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy", owner)).remote(spec, job_id, tenant=tenant)
+    sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
     return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
@@ -109,7 +113,8 @@ def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None)
 
     from opentinker.rl.selfplay import SelfPlayJob
 
-    handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents")).remote(spec, job_id, tenant=tenant)
+    owner = f"{tenant or 'operator'}/{job_id}"
+    handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents", owner)).remote(spec, job_id, tenant=tenant)
     ray.get(handle.__ray_ready__.remote())
     return handle
 

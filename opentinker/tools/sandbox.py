@@ -15,15 +15,25 @@ virtualenv) with:
   caller's files (copied in through memfds with `--file`), a private `--proc` and a minimal `--dev`;
 - `--clearenv` (PATH, HOME=/tmp, LANG), `--die-with-parent`, `--new-session` (no TIOCSTI onto our
   terminal), and no capabilities;
+- `--disable-userns`: the program cannot make user namespaces of its own (with one it could mount
+  a tmpfs of any size);
 - limits set inside by `prlimit` just before Python starts: RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC
-  (counted per sandbox: each has its own user namespace), RLIMIT_FSIZE; the wall time is enforced
+  (counted per sandbox: each has its own user namespace), RLIMIT_FSIZE, RLIMIT_NOFILE; the wall time is enforced
   from outside: the whole process group is SIGKILLed, bwrap's pid 1 dies with its parent and the
   kernel then kills everything left in the pid namespace (a double-forked `setsid` child included);
+- each call in cgroups of its own (sandbox_cgroups.py): its memory (page cache, tmpfs, memfd,
+  pipes, sockets, kernel memory), processes and CPU bounded from the host's side, all sandboxes
+  together at most half the host's memory. Where cgroups cannot be had the sandbox says so once
+  and runs its stricter fallback (`fallback_limits`): fewer processes, descriptors and smaller
+  files, so the host memory a call can hold has a stated bound, and one call at a time per owner;
 - stdout and stderr read to the end but kept only up to `output_bytes` each (flagged truncated);
-- at most `max_running` sandboxes at once on the machine, across processes: a run holds an
-  exclusive `flock` on one of N slot files in a 0700 folder of our own, `/dev/shm/opentinker-sandbox-<uid>`
-  (or the temp folder where there is no /dev/shm); processes configured with different N share
-  the first slots.
+- slots shared fairly: an owner (a tenant's job, named `tenant/job` by OPENTINKER_SANDBOX_OWNER,
+  which the job's actors carry; else this process) runs at most `max_running` calls at once, and
+  the machine at most `MACHINE_FACTOR` times the CPUs (with cgroups, which share the CPU equally
+  between tenants, then jobs) or the CPUs (fallback). A run holds an exclusive `flock` on one slot
+  file of its owner and one of the machine, in a 0700 folder of our own,
+  `/dev/shm/opentinker-sandbox-<uid>` (or the temp folder where there is no /dev/shm), so another
+  tenant's call finds a slot while one tenant's long calls run.
 
 Python runs as `python3 -E -s main.py` (what `-I` does, less `-P`): the environment is already
 cleared, and the script's folder stays on sys.path, so a file given in `files` imports as it does in
@@ -37,6 +47,7 @@ import binascii
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
 import posixpath
@@ -48,18 +59,26 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from opentinker.tools.declared import Tool, ToolError
+from opentinker.tools.sandbox_cgroups import CallGroup, CallGroups, owner_parts, launcher
+
+log = logging.getLogger(__name__)
 
 BWRAP = "/usr/bin/bwrap"
+_SAID: set[str] = set()  # the fallback's reasons already logged in this process
 PYTHON = "/usr/bin/python3"
 PRLIMIT = "/usr/bin/prlimit"
+SETPRIV = "/usr/bin/setpriv"
 NOBODY = 65534
 MISSING = "the python tool needs bubblewrap (Debian package: bubblewrap)"
 LANGUAGES = ("python", "python3")
+OWNER_ENV = "OPENTINKER_SANDBOX_OWNER"  # whose calls these are: "tenant/job" (orchestration/actors.py sets it)
+MACHINE_FACTOR = 4  # with cgroups, calls at once on the machine per CPU (the CPU is shared by weight, memory capped)
+TCP_SHARE = 8  # a call's TCP buffers may take this fraction of its memory (cgroup v1 counts them apart)
 # With fetch_files: run the program as a child, then send the files back on fd 3 (JSON, base64).
 _FETCH = """import base64, json, os, subprocess, sys
 rc = subprocess.call([sys.executable, '-E', '-s', 'main.py'])
@@ -79,16 +98,30 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 
 @dataclass
 class SandboxLimits:
-    """What one run may use. `max_running` is per machine (see the module's docstring)."""
+    """What one run may use. `max_running` is per owner (see the module's docstring)."""
 
     wall_s: float = 5.0
     cpu_s: int = 5
-    memory_mb: int = 512  # RLIMIT_AS of the program
-    processes: int = 32  # RLIMIT_NPROC inside the sandbox's own user namespace
+    memory_mb: int = 512  # RLIMIT_AS of each process, and (cgroups) of the whole call
+    processes: int = 32  # RLIMIT_NPROC inside the sandbox's own user namespace, and (cgroups) pids.max
     file_size_mb: int = 16  # RLIMIT_FSIZE: the largest file it may write
-    disk_mb: int = 64  # the tmpfs at /tmp
+    open_files: int = 256  # RLIMIT_NOFILE
+    disk_mb: int = 64  # each tmpfs, /tmp and /dev/shm
     output_bytes: int = 64 * 1024  # kept of stdout, and of stderr
-    max_running: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_running: int = field(default_factory=lambda: os.cpu_count() or 1)  # calls of one owner at once
+
+
+def fallback_limits(limits: SandboxLimits) -> SandboxLimits:
+    """Where no cgroup bounds a call: fewer processes, descriptors and smaller files (memfds and
+    pipes are bounded only through them), at most `limits`."""
+    return replace(limits, processes=min(limits.processes, 4), open_files=min(limits.open_files, 32),
+                   file_size_mb=min(limits.file_size_mb, 8))
+
+
+def fallback_bound_mb(limits: SandboxLimits) -> int:
+    """What a call can hold of the host at most without cgroups: each process its address space and
+    a full file per descriptor, plus both tmpfs."""
+    return limits.processes * (limits.memory_mb + limits.open_files * limits.file_size_mb) + 2 * limits.disk_mb
 
 
 @dataclass
@@ -105,53 +138,72 @@ class RunResult:
     stderr_truncated: bool = False
     message: str = ""
     files: dict[str, bytes] = field(default_factory=dict)
+    memory_peak_mb: float | None = None  # the call's cgroup's peak (None: no cgroup)
 
 
 class _Slots:
-    """N slot files, one `flock` each: a run holds one for its whole length (and, within this
-    process, one of N places of a semaphore first, so that its own callers wait in turn)."""
+    """Slot files, one `flock` each: a run holds one of its owner's `per_owner` and one of the
+    machine's `machine` for its whole length (and, within this process, one of `per_owner` places
+    of a semaphore first, so that its own callers wait in turn)."""
 
-    def __init__(self, n: int):
-        self.here = threading.Semaphore(max(1, n))  # this process's callers queue here, in order, not in the spin below
+    def __init__(self, owner: str, per_owner: int, machine: int):
+        self.here = threading.Semaphore(max(1, per_owner))  # this process's callers queue here, in order, not in the spin below
         base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-        self.folder, self.n = base / f"opentinker-sandbox-{os.getuid()}", max(1, n)
-        try:
-            os.mkdir(self.folder, 0o700)
-        except FileExistsError:
-            pass
-        info = os.lstat(self.folder)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise RuntimeError(f"{self.folder} is not a 0700 folder of uid {os.getuid()}: remove it")
+        self.folder = base / f"opentinker-sandbox-{os.getuid()}"
+        _private_folder(self.folder)
+        self.owner_folder = self.folder / "owner" / "--".join(owner_parts(owner))
+        _private_folder(self.folder / "owner")
+        _private_folder(self.owner_folder)
+        self.per_owner, self.n = max(1, per_owner), max(1, machine)
 
-    def acquire(self, timeout_s: float) -> int:
-        deadline, wait = time.monotonic() + timeout_s, 0.001
+    def acquire(self, timeout_s: float) -> tuple[int, int]:
+        deadline = time.monotonic() + timeout_s
         if not self.here.acquire(timeout=timeout_s):
-            raise TimeoutError(f"no sandbox slot free in {timeout_s:.0f} s ({self.n} running)")
+            raise TimeoutError(f"no sandbox slot free in {timeout_s:.0f} s ({self.per_owner} of this owner running)")
+        mine = None
         try:
-            return self._lock(deadline, timeout_s, wait)
+            mine = _lock(self.owner_folder, self.per_owner, deadline, f"no sandbox slot free in {timeout_s:.0f} s "
+                                                                       f"({self.per_owner} of this owner running)")
+            return mine, _lock(self.folder, self.n, deadline, f"no sandbox slot free in {timeout_s:.0f} s ({self.n} running on this machine)")
         except BaseException:
+            if mine is not None:
+                os.close(mine)
             self.here.release()
             raise
 
-    def release(self, fd: int) -> None:
-        os.close(fd)
+    def release(self, fds: tuple[int, int]) -> None:
+        for fd in fds:
+            os.close(fd)
         self.here.release()
 
-    def _lock(self, deadline: float, timeout_s: float, wait: float) -> int:
-        while True:
-            for i in range(self.n):
-                fd = os.open(self.folder / f"slot-{i}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return fd
-                except OSError as err:
-                    os.close(fd)
-                    if err.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no sandbox slot free in {timeout_s:.0f} s ({self.n} running)")
-            time.sleep(wait)
-            wait = min(wait * 2, 0.02)
+
+def _private_folder(folder: Path) -> None:
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RuntimeError(f"{folder} is not a 0700 folder of uid {os.getuid()}: remove it")
+
+
+def _lock(folder: Path, n: int, deadline: float, why: str) -> int:
+    """An exclusive flock on one of `folder`'s n slot files, waiting until `deadline`."""
+    wait = 0.001
+    while True:
+        for i in range(n):
+            fd = os.open(folder / f"slot-{i}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as err:
+                os.close(fd)
+                if err.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(why)
+        time.sleep(wait)
+        wait = min(wait * 2, 0.02)
 
 
 def _checked_path(name: str) -> str:
@@ -204,13 +256,40 @@ class Sandbox:
     naming the Debian package when it does not); `run` is thread-safe."""
 
     _checked: set[str] = set()
+    _groups: tuple[CallGroups | None, str] | None = None  # this process's, made once
 
-    def __init__(self, limits: SandboxLimits | None = None, bwrap: str | None = None):
-        self.limits = limits or SandboxLimits()
+    def __init__(self, limits: SandboxLimits | None = None, bwrap: str | None = None, owner: str | None = None,
+                 cgroups: bool = True):
+        """`owner`: whose calls ("tenant/job"; default OPENTINKER_SANDBOX_OWNER, else this process);
+        `cgroups=False` runs the fallback even where cgroups could be had."""
+        self.limits = asked = limits or SandboxLimits()
         self.bwrap = bwrap or shutil.which("bwrap") or BWRAP
         self._as_nobody = os.geteuid() == 0
         self.check()
-        self._slots = _Slots(self.limits.max_running)
+        self.groups, why = self.call_groups() if cgroups else (None, "cgroups turned off for this sandbox")
+        cpus = os.cpu_count() or 1
+        if self.groups is not None:
+            self.limits, per_owner, machine = asked, asked.max_running, MACHINE_FACTOR * cpus
+        else:  # the machine's CPUs as its cap; an owner leaves one slot to others
+            self.limits = fallback_limits(asked)
+            machine = max(asked.max_running, 1)
+            per_owner = max(1, machine - 1)
+            self.fallback = (f"the sandbox runs without cgroups here ({why}): each call is held to {self.limits.processes} processes, "
+                             f"{self.limits.open_files} open files and {self.limits.file_size_mb} MB files, at most "
+                             f"{fallback_bound_mb(self.limits)} MB of the host, {per_owner} of an owner's calls at once")
+            if why not in _SAID:
+                _SAID.add(why)
+                log.warning(self.fallback)
+        self.owner = owner or os.environ.get(OWNER_ENV) or f"process-{os.getpid()}"
+        self._slots = _Slots(self.owner, per_owner, machine)
+
+    fallback = ""  # the one line said where there are no cgroups
+
+    @classmethod
+    def call_groups(cls) -> tuple[CallGroups | None, str]:
+        if cls._groups is None:
+            cls._groups = CallGroups.here()
+        return cls._groups
 
     def check(self) -> None:
         """One empty run: bwrap present, namespaces allowed, python3 there."""
@@ -218,7 +297,7 @@ class Sandbox:
             return
         if not os.access(self.bwrap, os.X_OK):
             raise RuntimeError(f"{MISSING}: {self.bwrap} not found; apt-get install bubblewrap")
-        for path in (PYTHON, PRLIMIT):
+        for path in (PYTHON, PRLIMIT, SETPRIV):
             if not os.access(path, os.X_OK):
                 raise RuntimeError(f"{MISSING}: {path} not found (Debian packages python3 and util-linux)")
         try:
@@ -237,7 +316,7 @@ class Sandbox:
         return {"env": {"PATH": "/usr/bin:/bin"}, **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if self._as_nobody else {})}
 
     def _bwrap_args(self, extra: list[str]) -> list[str]:
-        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--unshare-user",
+        args = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--unshare-user", "--disable-userns",
                 "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
@@ -256,7 +335,7 @@ class Sandbox:
     def _limits(self, memory_mb: int | None, cpu: int) -> list[str]:
         lim = self.limits
         return [PRLIMIT, f"--cpu={cpu}:{cpu + 1}", f"--as={(memory_mb or lim.memory_mb) << 20}",
-                f"--nproc={lim.processes}", f"--fsize={lim.file_size_mb << 20}", "--core=0", "--"]
+                f"--nproc={lim.processes}", f"--fsize={lim.file_size_mb << 20}", f"--nofile={lim.open_files}", "--core=0", "--"]
 
     def run(self, code: str, stdin: str = "", files: dict[str, bytes] | None = None, language: str = "python", *,
             wall_s: float | None = None, memory_mb: int | None = None, fetch_files: list[str] | None = None,
@@ -287,15 +366,32 @@ class Sandbox:
                 command += [PYTHON, "-E", "-s", "main.py"]
             slot = self._slots.acquire(queue_timeout_s)
             try:
-                return self._run(command, fds, stdin.encode("utf-8", "surrogatepass"), wall, cpu_s, bool(wanted))
+                group = None
+                if self.groups is not None:
+                    memory = (memory_mb or self.limits.memory_mb) << 20
+                    tcp = max(4 << 20, memory // TCP_SHARE)
+                    try:  # +3: bwrap, its pid 1 inside, then the program
+                        group = self.groups.make(self.owner, memory - tcp, tcp, self.limits.processes + 3)
+                    except OSError as err:
+                        return RunResult("Error", None, "", "", 0.0, message=f"could not make the call's cgroups: {err}")
+                try:
+                    return self._run(command, fds, stdin.encode("utf-8", "surrogatepass"), wall, cpu_s, bool(wanted), group)
+                finally:
+                    if group is not None:
+                        group.remove()
             finally:
                 self._slots.release(slot)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _run(self, command: list[str], fds: list[int], stdin: bytes, wall: float, cpu_s: int, fetch: bool) -> RunResult:
+    def _run(self, command: list[str], fds: list[int], stdin: bytes, wall: float, cpu_s: int, fetch: bool,
+             group: CallGroup | None) -> RunResult:
         cap = self.limits.output_bytes
+        if group is not None:  # root joins the call's cgroups, then becomes nobody: all of the call is born inside them
+            command, user = [*launcher(group, NOBODY, NOBODY), *command], {"env": self._popen_user()["env"]}
+        else:
+            user = self._popen_user()
         back_r = back_w = None
         if fetch:
             back_r, back_w = os.pipe()
@@ -303,8 +399,7 @@ class Sandbox:
         start = time.monotonic()
         try:
             proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=[*fds, *([back_w] if fetch else [])], start_new_session=True,
-                                    **self._popen_user())
+                                    pass_fds=[*fds, *([back_w] if fetch else [])], start_new_session=True, **user)
         except OSError as err:
             for fd in (back_r, back_w):
                 if fd is not None:
@@ -344,6 +439,12 @@ class Sandbox:
             result.status, result.message = "TimeLimitExceeded", f"timed out: over its CPU time limit of {cpu_s} s"
         elif rc == 1 and stderr.startswith("bwrap:"):
             result.status, result.message = "Error", stderr.strip().splitlines()[0]
+        elif group is not None and group.oom_killed():
+            limit_mb = sum(int((group.folders["memory"] / name).read_text()) for name in
+                           ("memory.limit_in_bytes", "memory.kmem.tcp.limit_in_bytes")) >> 20
+            result.message = f"killed: over its memory limit of {limit_mb} MB"
+        if group is not None:
+            result.memory_peak_mb = round(group.peak_bytes() / (1 << 20), 1)
         if back_r is not None:
             reader.close()
             result.files = _decode_files(b"".join(back), self.limits.file_size_mb << 20)
@@ -397,6 +498,8 @@ def describe(result: RunResult, limit: int) -> str:
         parts.append(f"[{result.message}]")
     elif result.status == "Error":
         parts.append(f"[sandbox error: {result.message}]")
+    elif result.message:
+        parts.append(f"[{result.message}]")
     elif result.return_code:
         parts.append(f"[exit status {result.return_code}]")
     text = "\n".join(p.rstrip("\n") for p in parts if p).strip("\n")

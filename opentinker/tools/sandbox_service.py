@@ -10,7 +10,7 @@ or, for clients that cannot send headers (sandbox_fusion's `run_code`, verl's to
 endpoint URL), as a path prefix: `http://127.0.0.1:PORT/k/KEY/run_code`, i.e. the endpoint
 `http://127.0.0.1:PORT/k/KEY`. Keys are compared with hmac.compare_digest; uvicorn's access log is
 off (it would write the key). Request bodies over 1 MiB are refused (413), and runs share the
-sandbox's machine-wide cap on concurrent runs (`SandboxLimits.max_running`). It listens on
+sandbox's slots (one owner: `SandboxLimits.max_running` at once; sandbox.py). It listens on
 127.0.0.1 unless told otherwise.
 """
 

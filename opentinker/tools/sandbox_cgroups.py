@@ -155,6 +155,8 @@ class CallGroups:
                 _write(memory / "memory.limit_in_bytes", str(limit))
         except (OSError, ValueError) as err:
             return None, f"cannot make cgroups under {ROOT}: {err}"
+        for base in bases.values():
+            _sweep(base)
         return cls(bases), ""
 
     def make(self, owner: str, memory_bytes: int, tcp_bytes: int, processes: int) -> CallGroup:
@@ -187,6 +189,20 @@ class CallGroups:
             group.remove()
             raise
         return group
+
+
+def _sweep(base: Path) -> None:
+    """Remove the empty call folders of processes that died mid-call (a killed job leaves them)."""
+    for folder in sorted(base.rglob("call-*"), reverse=True):
+        try:
+            pid = int(folder.name.split("-")[1])
+            os.kill(pid, 0)
+            continue  # its process is alive: its calls may be running
+        except ProcessLookupError:
+            pass
+        except (ValueError, IndexError, PermissionError):
+            continue
+        CallGroup({"": folder}).remove(within_s=0.0)
 
 
 def launcher(group: CallGroup, uid: int, gid: int) -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentinker.control.processes import group_members, reap, signal_group, tail
-from opentinker.control.services import RAY_NODE_ENV, is_stand_in, ray_node_ports, short_dir, worker_prefect_env
+from opentinker.control.services import RAY_NODE_ENV, private_ray_dir, ray_dir, ray_node_ports, remove_stand_in, worker_prefect_env
 from opentinker.control.submit import check_ray_address
 from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
@@ -96,11 +95,11 @@ class WorkerNode:
 
     @property
     def temp_dir(self) -> Path:
-        return short_dir(self.settings.state_dir, f"ray-node-{self.pool}")
+        return ray_dir(self.settings.state_dir, f"node-{self.pool}")
 
     def node_command(self) -> list[str]:
         command = [str(Path(sys.executable).with_name("ray")), "start", "--address", self.join, "--block",
-                   "--temp-dir", str(self.temp_dir), *ray_node_ports(), "--disable-usage-stats"]
+                   "--temp-dir", str(private_ray_dir(self.settings.state_dir, f"node-{self.pool}")), *ray_node_ports(), "--disable-usage-stats"]
         if not self.local_address.startswith("127."):
             command += ["--node-ip-address", self.local_address]
         if self.num_gpus is not None:
@@ -188,8 +187,7 @@ class WorkerNode:
             except subprocess.TimeoutExpired:
                 signal_group(self.worker.pid, signal.SIGKILL)
         self.stop_node()
-        if is_stand_in(self.temp_dir):
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        remove_stand_in(self.temp_dir)
 
     def rejoin(self) -> None:
         """After the node left: wait (saying so once) until the head answers, then join again."""

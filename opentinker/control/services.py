@@ -8,7 +8,9 @@ import hashlib
 import hmac
 import os
 import shlex
+import shutil
 import socket
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -146,22 +148,53 @@ def _mlflow_command(s: Settings) -> list[str]:
     return command
 
 
-def short_dir(state_dir: Path, name: str) -> Path:
-    """A Ray node's own folder (sessions, logs, sockets): `<state_dir>/<name>` when that path is short
-    enough for Ray's socket names (AF_UNIX paths stop at 107 bytes), else a short one in the system's
-    temporary folder named after it (`is_stand_in` tells; the stack removes it when it stops)."""
-    inside = state_dir / name
+def ray_dir(state_dir: Path, name: str) -> Path:
+    """A Ray node's own folder (its --temp-dir: sessions, logs, sockets), `<home>/<name>`. The home is
+    `<state_dir>/ray` when the path is short enough for Ray's socket names (AF_UNIX paths stop at 107
+    bytes), else a short stand-in in the system's temporary folder named after the state dir
+    (`is_stand_in` tells; whoever started the node removes its folder when it stops). Ray makes every
+    folder it creates 0777 (`ray._common.utils.try_make_directory_shared`, session and sockets
+    folders included), so the world is kept out one level up: `private_ray_dir` makes the home 0700."""
+    inside = state_dir / "ray" / name
     if len(str(inside)) <= 40:
         return inside
-    return Path(tempfile.gettempdir()) / f"opentinker-{name}-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}"
+    return Path(tempfile.gettempdir()) / f"opentinker-ray-{hashlib.sha256(str(state_dir).encode()).hexdigest()[:10]}" / name
+
+
+def private_ray_dir(state_dir: Path, name: str) -> Path:
+    """`ray_dir`, its home made a 0700 folder of ours first: created so, tightened if it is ours
+    (an older stack left `<state>/ray` 0777), refused in one line if it is a link or another user's
+    (in a shared /tmp someone may have made it first, to read our sockets or plant their own)."""
+    folder = ray_dir(state_dir, name)
+    home = folder.parent
+    home.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(home, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(home)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"Ray's folder {home} is not a folder of uid {os.getuid()} (a link, or another user's): remove it")
+    os.chmod(home, 0o700)
+    return folder
 
 
 def is_stand_in(folder: Path) -> bool:
-    return folder.parent == Path(tempfile.gettempdir()) and folder.name.startswith("opentinker-")
+    return folder.parent.parent == Path(tempfile.gettempdir()) and folder.parent.name.startswith("opentinker-ray-")
+
+
+def remove_stand_in(folder: Path) -> None:
+    """Remove a stopped node's stand-in folder, and its home once no other node's folder is left in it."""
+    if is_stand_in(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            folder.parent.rmdir()
+        except OSError:
+            pass  # another node of this state dir still runs there
 
 
 def ray_temp_dir(s: Settings) -> Path:
-    return short_dir(s.state_dir, "ray")
+    return ray_dir(s.state_dir, "head")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -201,7 +234,7 @@ def _ray_head_command(s: Settings) -> list[str]:
     """`ray start --head --block`: the stack's long-lived cluster, sized for the jobs of all slots.
     Forgets the address a dead head recorded: `ray start` refuses to start where it finds a raylet
     (another node on this machine, still waiting for the dead head) that names it."""
-    (ray_temp_dir(s) / "ray_current_cluster").unlink(missing_ok=True)
+    (private_ray_dir(s.state_dir, "head") / "ray_current_cluster").unlink(missing_ok=True)
     cpus = s.ray_num_cpus if s.ray_num_cpus is not None else (os.cpu_count() or 1) * max(1, s.cpu_slots)
     gpus = s.ray_num_gpus if s.ray_num_gpus is not None else (s.gpu_slots if s.gpu_slots is not None else detect_gpus())
     command = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--port", str(s.ray_port),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from opentinker.control.processes import PortError, alive, group_members, port_free, reap, signal_group, tail
-from opentinker.control.services import SANDBOX_HOST, SPECS, is_stand_in, ray_temp_dir, services_for
+from opentinker.control.services import SANDBOX_HOST, SPECS, ray_temp_dir, remove_stand_in, services_for
 from opentinker.core.env_hosts import OWN_SERVER_MARK
 from opentinker.core.polling import wait_for
 from opentinker.core.settings import Settings, get_settings
@@ -242,8 +241,7 @@ class Stack:
         with self._locked():
             self._stop_runs(timeout)
             self._stop(["gateway", "sandbox", "worker", "ray", "prefect", "mlflow"], timeout)
-            if is_stand_in(ray_temp_dir(self.settings)):
-                shutil.rmtree(ray_temp_dir(self.settings), ignore_errors=True)
+            remove_stand_in(ray_temp_dir(self.settings))
 
     def _stop_runs(self, timeout: float) -> None:
         """SIGTERM the flow runs our worker started and wait for them: a run stopped so records its end

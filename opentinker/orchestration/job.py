@@ -21,6 +21,7 @@ from prefect import get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 
 from opentinker.control.scheduler import CANCEL_REQUESTED_TAG, pool_for, prefect_client, seat_pool, slots_for
+from opentinker.control.services import private_ray_dir
 from opentinker.control.submit import check_ray_address
 from opentinker.core.errors import one_line
 from opentinker.core.ids import check_job_id
@@ -67,7 +68,8 @@ def ray_connection() -> tuple[str | None, dict[str, Any]]:
     Joining a cluster: checked reachable first (one line instead of Ray's long retries), with the
     stack's token, and the job's code as a runtime environment (`job_runtime_env`). Each run gets a
     namespace of its own, so actor names of a crashed run never collide with its resubmission.
-    Without a cluster: a local Ray for this run (sized to this machine, no dashboard)."""
+    Without a cluster: a local Ray for this run (sized to this machine, no dashboard), its folder in
+    the state dir's private Ray home (not Ray's world-writable /tmp/ray)."""
     settings = get_settings()
     common = {"logging_level": "WARNING", "log_to_driver": False, "namespace": f"opentinker-{uuid4().hex[:12]}"}
     address = cluster_address(settings)
@@ -79,6 +81,7 @@ def ray_connection() -> tuple[str | None, dict[str, Any]]:
     return None, {
         **common,
         "address": "local",  # never a cluster that `ray start` left on this machine
+        "_temp_dir": str(private_ray_dir(settings.state_dir, "local")),
         "num_cpus": os.cpu_count() or 1,
         "include_dashboard": False,
         "object_store_memory": 512 * 1024**2,

@@ -319,3 +319,9 @@ def test_a_failed_train_ends_with_the_command_that_resumes_it(stack_env, tmp_pat
     lines = out.stdout.strip().splitlines()
     assert "the task generator only produces validation tasks" in lines[-2]
     assert lines[-1] == f"resume it from its last checkpoint: opentinker train {spec_path} --steps 2 --job-id resume-me"
+    # The operator's console key stays in its file: the run's end names the file, never the key.
+    from opentinker.control.console.session import operator_key, operator_key_path
+
+    key_file = operator_key_path(settings)
+    assert operator_key(settings) not in out.stdout + out.stderr
+    assert f"  Console key (the operator's; a tenant signs in with its own): in {key_file} (read it: cat {key_file})" in lines

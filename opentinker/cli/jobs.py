@@ -204,10 +204,12 @@ def follow(job_id: str = typer.Argument(..., help="the job's id (as `train` prin
 
 
 def console_lines(settings) -> dict[str, str]:
-    """The web console's link and the key that opens it: the operator's (made on first use, kept
-    owner-only in the state folder, printed to this terminal only: the person who started the
-    stack is its operator); a tenant signs in with its own key (`opentinker tenant add NAME`)."""
-    from opentinker.control.console.session import operator_key
+    """The web console's link and where the key that opens it lives: the operator's (made on first
+    use, kept owner-only in the state folder). The key itself is never printed: this end of a run
+    lands in logs (`make demo`'s); a tenant signs in with its own key (`opentinker tenant add NAME`)."""
+    from opentinker.control.console.session import operator_key, operator_key_path
 
+    operator_key(settings, create=True)
+    path = operator_key_path(settings)
     return {"Console": f"{settings.public_gateway_url}/console",
-            "Console key (the operator's; a tenant signs in with its own)": operator_key(settings, create=True) or "-"}
+            "Console key (the operator's; a tenant signs in with its own)": f"in {path} (read it: cat {shlex.quote(str(path))})"}

@@ -7,7 +7,7 @@ browser's storage or a URL. Every request checks again that the tenant still exi
 key (removing a tenant or rotating its key ends its console sessions at once).
 
 The operator is whoever holds the key in `<state_dir>/console-operator-key` (made on first use by
-`operator_key(settings, create=True)`: `opentinker train` prints it to its own terminal). The
+`operator_key(settings, create=True)`; `opentinker train` names the file, never the key). The
 operator's console sees every tenant's jobs, each row naming its tenant.
 
 The CSRF token is an HMAC of the session's nonce: a page carries it in a hidden field or a

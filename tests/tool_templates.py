@@ -1,5 +1,6 @@
 """A Qwen2.5-style chat template (it renders `tools=` and answers `tool` messages in one user turn
-of <tool_response> blocks), to test a policy whose template has a tool format of its own."""
+of <tool_response> blocks), to test a policy whose template has a tool format of its own, and the
+same format as a response parser's template."""
 
 QWEN_STYLE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
@@ -29,3 +30,16 @@ QWEN_STYLE = r"""{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
 """
+
+# The Qwen/hermes format as a transformers response_template (the declarative spec that
+# `tokenizer.parse_response` reads; the shape of the Qwen models' own on the Hub): text before
+# the calls is `content`, every `<tool_call>` block a JSON {"name", "arguments"} in `tool_calls`.
+HERMES_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"},
+    },
+}

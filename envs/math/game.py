@@ -20,10 +20,18 @@ SYSTEM_PROMPT = "You are a careful calculator. Reply with the result in the form
 EXAMPLES = [("What is 3 + 4?", "Answer: 7"), ("What is 12 - 5?", "Answer: 7"), ("What is 6 * 3?", "Answer: 18")]
 
 
+MAX_ANSWER_DIGITS = 30  # far past any answer here; int() of 4,301 digits raises, and no metric wants such a number
+
+
 def parse_answer(text: str) -> int | None:
-    """The number of the last `Answer: N` in the text, or None when the format is missing."""
+    """The number of the last `Answer: N` in the text, or None when the format is missing or N has
+    more than MAX_ANSWER_DIGITS digits (leading zeros aside)."""
     found = ANSWER_RE.findall(text)
-    return int(found[-1]) if found else None
+    if not found:
+        return None
+    sign, digits = ("-", found[-1][1:]) if found[-1].startswith("-") else ("", found[-1])
+    digits = digits.lstrip("0") or "0"
+    return int(sign + digits) if len(digits) <= MAX_ANSWER_DIGITS else None
 
 
 def graded(action: str, expected: int) -> StepResult:

@@ -7,12 +7,15 @@ moment (opentinker/backend/stream.py: continuous batching), so a slow tool or a 
 costs its own episode only. The token record of each episode is append-only (see
 `opentinker.core.trajectory`); every sampled token records the policy version that drew it.
 Environment failures (an exception, a step past `step_timeout_s`, garbage) end one episode, never
-the others.
+the others; so does anything raised while a turn's text is handled (the model's text reaches
+parsers, tools and templates there): that episode fails, counted, with its traceback in the log.
+The engine's own failures are the job's.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from opentinker.env.observation import Observation
 from opentinker.tools.declared import Tool
 from opentinker.tools.toolbox import ToolBox
 
+log = logging.getLogger(__name__)
 
 class EpisodeState(enum.Enum):
     PENDING = "pending"
@@ -128,7 +132,11 @@ def _play(ep: Episode, engine: RolloutEngine, chat: ChatFormat, params: Sampling
     _start(ep, chat, limits)
     while ep.state is EpisodeState.GENERATING:
         _generate(ep, engine, chat, params, limits)
-        _interact(ep, chat, limits)
+        try:
+            _interact(ep, chat, limits)
+        except Exception as err:  # noqa: BLE001 - a turn's text raised somewhere: it costs this episode, not the job
+            log.exception("episode of group %s: handling turn %d raised", ep.group_id, len(ep.traj.turns))
+            _fail(ep, f"turn {len(ep.traj.turns)}: {type(err).__name__}: {str(err)[:300]}")
 
 
 def _start(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:

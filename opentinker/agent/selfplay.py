@@ -14,6 +14,7 @@ a draw for everyone, with the reason in `info`; it never stops the other matches
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ from opentinker.agent.loop import EpisodeLimits, each, episode_generators
 from opentinker.backend.rollout import RolloutEngine, SamplingParams
 from opentinker.core.trajectory import Trajectory
 from opentinker.env.base import AbstractMatch as Match
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,7 +72,13 @@ def _play(seats: dict[str, Seat], match: Match, i: int, params: SamplingParams, 
     while not match.finished and i not in aborted:
         player = match.current_player
         seat = seats[player]
-        if not _show(seat, match, player, records, pending, stopped, aborted, limits, group, i):
+        try:
+            shown = _show(seat, match, player, records, pending, stopped, aborted, limits, group, i)
+        except Exception as err:  # noqa: BLE001 - the match's text or code raised: it costs this match, not the job
+            log.exception("match %d: showing %s its turn raised", i, player)
+            aborted[i] = f"observation for {player}: {type(err).__name__}: {str(err)[:300]}"
+            return
+        if not shown:
             return
         traj = records[player][i]
         (comp,) = seat.engine.generate([traj.token_ids], params, [limits.max_total_tokens - len(traj)], **extra)

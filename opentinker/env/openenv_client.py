@@ -46,6 +46,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosedError, PayloadTooBig
 
 from opentinker.core.env_hosts import EnvHosts
+from opentinker.core.json_text import JsonTextError, loads_bounded
 from opentinker.core.settings import get_settings
 from opentinker.env.base import SEED_KEY, AbstractGame, GameTool, StepResult, ToolFailure, seed_task
 from opentinker.env.confined_net import confined_client
@@ -161,8 +162,8 @@ def parse_action(text: str, schema: dict[str, Any], validator: Any) -> dict[str,
         body = text.strip()
         fenced = _FENCE.match(body)
         try:
-            action = json.loads(fenced.group(1) if fenced else body)
-        except ValueError as err:
+            action = loads_bounded(fenced.group(1) if fenced else body)
+        except JsonTextError as err:
             raise ValueError(f"the action must be one JSON object: {err}") from None
         if not isinstance(action, dict):
             raise ValueError(f"the action must be one JSON object, not {type(action).__name__}")

@@ -16,19 +16,30 @@ and `opentinker serve` hands the same text to vLLM (`--chat-template`, with its 
 parser), so a served checkpoint reads and writes tools exactly as it was trained to.
 
 Calls are parsed with the tokenizer's response parser where it has one (`response_template`),
-otherwise as hermes `<tool_call>` blocks (vLLM's hermes parser reads the same).
+otherwise as hermes `<tool_call>` blocks (vLLM's hermes parser reads the same). The text is the
+model's, so reading it is bounded: MAX_CALLS calls a turn, JSON by `core.json_text.loads_bounded`,
+and a response parser (third-party code, superlinear on some text) gets at most MAX_PARSED_CHARS,
+fed as a stream, with whitespace runs cut to MAX_SPACE_RUN. Whatever the text is, it becomes calls
+and error lines, never an exception.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentinker.core.json_text import JsonTextError, loads_bounded
 from opentinker.tools.declared import ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_CALLS = 32  # call blocks read in one turn; the rest are one error line (the toolbox runs far fewer)
+MAX_PARSED_CHARS = 1 << 18  # a turn a response parser reads (64k tokens or so); a longer one is an error line
+PARSER_CHUNK = 1024  # characters fed to a response parser at a time
+MAX_SPACE_RUN = 64  # whitespace a response parser reads in one run
+_LONG_SPACE = re.compile(r"\s{%d,}" % (MAX_SPACE_RUN + 1))
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -159,20 +170,54 @@ class ToolFormat:
         if self.response_template is not None:
             return self._parse_with_template(text, prefix)
         turn = ParsedTurn(content=text.split(CALL_OPEN, 1)[0].strip())
-        for i, body in enumerate(_CALL.findall(text)):
-            _add_call(turn, _unclosed(body.strip()), i)
+        for i, match in enumerate(_CALL.finditer(text)):
+            if i == MAX_CALLS:
+                turn.errors.append(f"more than {MAX_CALLS} tool calls in one turn: the rest were not read")
+                break
+            _add_call(turn, _unclosed(match.group(1).strip()), i)
         return turn
 
     def _parse_with_template(self, text: str, prefix: str) -> ParsedTurn:
+        if len(text) > MAX_PARSED_CHARS:
+            return ParsedTurn(errors=[f"the turn is {len(text):,} characters; tool calls are read in turns of at most "
+                                      f"{MAX_PARSED_CHARS:,}"], content=text)
         try:
-            message = self.tokenizer.parse_response(text, prefix=prefix)
-        except Exception as err:  # noqa: BLE001 - the model's text is not the format
-            return ParsedTurn(errors=[f"the tool call could not be read: {type(err).__name__}: {err}"], content=text)
-        turn = ParsedTurn(content=str(message.get("content") or ""))
-        for i, call in enumerate(message.get("tool_calls") or []):
+            message = _streamed(self.response_template, _short_spaces(text), _short_spaces(prefix))
+            calls = message.get("tool_calls") or []
+            content = str(message.get("content") or "")
+        except Exception as err:  # noqa: BLE001 - the model's text is not the format (RecursionError included)
+            return ParsedTurn(errors=[f"the tool call could not be read: {type(err).__name__}: {str(err)[:300]}"], content=text)
+        turn = ParsedTurn(content=content)
+        for i, call in enumerate(calls if isinstance(calls, list) else [calls]):
+            if i == MAX_CALLS:
+                turn.errors.append(f"more than {MAX_CALLS} tool calls in one turn: the rest were not read")
+                break
             function = call.get("function", call) if isinstance(call, dict) else {}
-            _add_call(turn, json.dumps({"name": function.get("name"), "arguments": function.get("arguments")}), i)
+            function = function if isinstance(function, dict) else {}
+            try:  # back to text, so one bounded reading checks both formats' calls
+                body = json.dumps({"name": function.get("name"), "arguments": function.get("arguments")})
+            except (TypeError, ValueError, RecursionError) as err:
+                turn.errors.append(f"tool call {i + 1} could not be read: {type(err).__name__}")
+                continue
+            _add_call(turn, body, i)
         return turn
+
+
+def _streamed(response_template: Any, text: str, prefix: str) -> dict[str, Any]:
+    """transformers' response parser on `text`, fed as a stream: given the whole text at once it
+    rescans all of it for every field it finds (32 calls before 30,000 characters took 16 s)."""
+    from transformers.utils.chat_parsing import ResponseParser
+
+    parser = ResponseParser(response_template, prefix=prefix)
+    for start in range(0, len(text), PARSER_CHUNK):
+        parser.feed(text[start:start + PARSER_CHUNK])
+    return parser.finalize()[0]
+
+
+def _short_spaces(text: str) -> str:
+    """Every run of whitespace cut to MAX_SPACE_RUN characters: a response template's `\\s*` patterns
+    cost the square of a run's length (4,000 spaces took 0.3 s, 100,000 over two minutes)."""
+    return _LONG_SPACE.sub(lambda m: m.group()[:MAX_SPACE_RUN], text)
 
 
 def _model_template(tokenizer: Any) -> str:
@@ -195,18 +240,32 @@ def _unclosed(body: str) -> str:
 def _add_call(turn: ParsedTurn, body: str, index: int) -> None:
     """One `{"name": …, "arguments": {…}}` object, or the reason it is not one."""
     try:
-        data = json.loads(body)
-    except json.JSONDecodeError as err:
-        turn.errors.append(f"tool call {index + 1} is not valid JSON ({err.msg} at character {err.pos}); write "
+        data = loads_bounded(body)
+    except JsonTextError as err:
+        turn.errors.append(f"tool call {index + 1} is not valid JSON ({err}); write "
                            f'{CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{CALL_CLOSE}')
         return
     arguments = data.get("arguments", data.get("parameters", {})) if isinstance(data, dict) else None
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as the OpenAI API does
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = loads_bounded(arguments)
+        except JsonTextError:
             arguments = None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(arguments, dict):
         turn.errors.append(f'tool call {index + 1} must be an object {{"name": "...", "arguments": {{...}}}}')
         return
+    if not _finite(arguments):
+        turn.errors.append(f"tool call {index + 1}: a number in its arguments is NaN or infinite (1e999 is); JSON has neither")
+        return
     turn.calls.append(ToolCall(name=data["name"], arguments=arguments, id=f"call_{index}"))
+
+
+def _finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in parsed JSON (json reads `NaN`, `Infinity` and `1e999` as floats)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return True

@@ -137,7 +137,14 @@ def test_the_operator_sees_the_same_job_without_a_key(finished, tenants):
     mine, theirs = (json.loads(_cli(settings, k, "job", job_id, "--json").stdout) for k in (key, None))
     same = ("job_id", "tenant", "state", "step", "total_steps", "reward", "accuracy", "started", "links", "checkpoint", "checkpoints")
     assert {k: theirs[k] for k in same} == {k: mine[k] for k in same}
-    assert _cli(settings, None, "logs", job_id, "--json").stdout == _cli(settings, key, "logs", job_id, "--json").stdout
+    # The same lines in the same order; the operator's whole, the tenant's without the operator's folders
+    # ("Downloading flow code from storage at '<tmp>/…'"; tenant_logs.py, tests/test_tenant_logs.py).
+    from opentinker.control.gateway.tenant_logs import operator_folders, tenant_message
+
+    whole, tenants = ([json.loads(line) for line in _cli(settings, k, "logs", job_id, "--json").stdout.splitlines()] for k in (None, key))
+    assert [line | {"message": None} for line in whole] == [line | {"message": None} for line in tenants]
+    assert [tenant_message(line["message"], operator_folders(settings)) for line in whole] == [line["message"] for line in tenants]
+    assert any(str(settings.state_dir) in line["message"] or "/tmp/" in line["message"] for line in whole)
     missing = _cli(settings, None, "logs", "nosuchjob")
     assert (missing.exit_code, missing.stdout) == (2, "no job 'nosuchjob'\n")
 

@@ -237,10 +237,54 @@ def test_through_the_gateway_such_jobs_fail_in_one_line_with_the_cause_and_free_
         for job_id, line in expected.items():
             final = client.wait(job_id, timeout=600, poll=1.0)
             assert final["state"] == "FAILED" and line in final["reason"] and "\n" not in final["reason"], final
+        for job_id, line in expected.items():
+            assert_tenant_log_is_the_jobs_own(settings, key, client, job_id, line)
     finally:
         client.close()
     with get_client(sync_client=True) as prefect:
         assert prefect.read_global_concurrency_limit_by_name("slots-cpu").active_slots == 0
+
+
+def _whole_log(read_page, job_id: str) -> list[str]:
+    """Every message of the job's log through `read_page(offset)` (a page of the gateway's logs
+    answer), once its log is complete."""
+    from opentinker.core.polling import wait_for
+
+    def read() -> list[str] | None:
+        messages, offset = [], 0
+        while True:
+            page = read_page(offset)
+            messages += [line["message"] for line in page["lines"]]
+            offset = page["next_offset"]
+            if len(page["lines"]) < 200:
+                return messages if page["complete"] else None
+
+    return wait_for(read, interval=1.0, timeout=120, what=f"the whole log of {job_id}")
+
+
+def assert_tenant_log_is_the_jobs_own(settings, key: str, client, job_id: str, reason: str) -> None:
+    """The failed job's log as its tenant reads it (`opentinker logs`, the console's log view): its
+    lines and the one-line reason, no traceback, none of Ray's internals, no path of the operator's
+    machine; the operator's copy (Prefect's own lines) keeps the traceback."""
+    import httpx
+
+    from opentinker.control.gateway.jobs import StackJobs
+
+    operator = _whole_log(lambda offset: StackJobs(settings).logs(job_id, offset, 200), job_id)
+    assert any("Traceback (most recent call last)" in m for m in operator) and any("/site-packages/" in m for m in operator)
+    with httpx.Client(base_url=settings.gateway_url, trust_env=False, timeout=60) as console:
+        assert console.post("/console/signin", data={"key": key}, follow_redirects=False).status_code == 303
+        views = {"gateway": _whole_log(lambda offset: client.logs(job_id, offset=offset, limit=200), job_id),
+                 "console": _whole_log(lambda offset: console.get(f"/console/api/jobs/{job_id}/logs", params={"offset": offset}).json(), job_id)}
+    import opentinker
+
+    operators_paths = [str(settings.state_dir), str(Path(opentinker.__file__).parents[1]), str(Path.home()), sys.prefix, "/tmp/"]
+    for view, messages in views.items():
+        assert len(messages) == len(operator), view  # line for line: offsets are the operator's too
+        text = "\n".join(messages)
+        for leak in ["Traceback", "/site-packages/", "ray.", 'File "', *operators_paths]:
+            assert leak not in text, (view, leak, text)
+        assert any(reason in m for m in messages), (view, text)
 
 
 # --- lines that say what happened ------------------------------------------------------------------

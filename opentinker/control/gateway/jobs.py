@@ -25,6 +25,7 @@ from typing import Any
 from opentinker.control.gateway import checkpoints, confine, inference
 from opentinker.control.follow import LOG_SETTLE_S, Progress, flow_run_logs, mlflow_runs, read_progress
 from opentinker.control.gateway.quota import tenant_lock
+from opentinker.control.gateway.tenant_logs import tenant_lines
 from opentinker.control.scheduler import (AWAITING_ENV, CANCEL_REQUESTED_TAG, QUEUED_CANCEL, SLOTS_HELD_TAG, check_fits, deployment_name,
                                           ensure_tenant_limit, ensure_tenant_queue, flow_for, job_state, job_tags, parked_state,
                                           prefect_client)
@@ -270,9 +271,13 @@ class TenantJobs:
         state, reason = job_state(run)
         settled = datetime.now(timezone.utc) - timedelta(seconds=2 * LOG_SETTLE_S)  # its worker's last lines come after its end
         complete = state in TERMINAL and (run.end_time is None or run.end_time < settled)
-        lines = flow_run_logs(run.id, offset, limit)
+        lines = self._shown(flow_run_logs(run.id, offset, limit))
         return {"job_id": job_id, "state": state, "reason": reason, "complete": complete, "offset": offset,
                 "next_offset": offset + len(lines), "lines": lines}
+
+    def _shown(self, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A tenant reads its job's lines without tracebacks and the operator's paths (tenant_logs.py)."""
+        return tenant_lines(lines, self.settings)
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """A job that holds no slots yet (scheduled, parked, pending, or started and waiting for
@@ -352,6 +357,9 @@ class StackJobs(TenantJobs):
 
     def _experiment(self, run: Any) -> str:
         return run.parameters.get("tenant") or self.settings.project
+
+    def _shown(self, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return lines  # the operator's own machine: whole, tracebacks and paths too
 
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """The job's step folders where its spec put them (a tenant's job: the tenant's storage)."""

@@ -33,10 +33,12 @@ import threading
 from typing import Any
 
 from opentinker.core.env_hosts import EnvHosts
+from opentinker.core.schema_cost import SchemaRefused
 from opentinker.core.settings import get_settings
 from opentinker.env.confined_net import confined_async_transport
 from opentinker.env.remote import LIMIT_SETTING
 from opentinker.tools.declared import NAME_PATTERN, Tool, ToolError
+from opentinker.tools.toolbox import validator_of
 
 MAX_TOOLS = 256  # a server listing more would fill the prompt with schemas
 MAX_PAGES = 64
@@ -284,8 +286,13 @@ class McpTools:
             schema = getattr(item, "input_schema", None) or getattr(item, "inputSchema", None) or {"type": "object", "properties": {}}
             if not isinstance(schema, dict) or schema.get("type", "object") != "object":
                 raise ValueError(f"{self.field}: {self.url}: the tool {name!r}'s inputSchema is not a JSON Schema object")
-            out.append(Tool(name, str(item.description or ""), self._caller(name), {"type": "object", **schema},
-                            timeout_s=self.timeout_s + _MARGIN_S))
+            tool = Tool(name, str(item.description or ""), self._caller(name), {"type": "object", **schema},
+                        timeout_s=self.timeout_s + _MARGIN_S)
+            try:
+                validator_of(tool)  # its cost bounded now, and its validator built once for the job
+            except SchemaRefused as err:
+                raise ValueError(f"{self.field}: {self.url}: the tool {name!r}'s input schema {err} (refused)") from None
+            out.append(tool)
         return out
 
     def _caller(self, name: str) -> Any:

@@ -10,10 +10,12 @@ timed out).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any, Callable
 
+from opentinker.core.schema_cost import ArgumentsUnchecked, SchemaRefused, bounded_validator, first_error, schema_text
 from opentinker.tools.declared import Tool, ToolCall, ToolError, ToolResult
 from opentinker.tools.formats import ParsedTurn
 
@@ -25,13 +27,10 @@ Bounded = Callable[..., Any]  # (fn, timeout_s, *args) -> an outcome with .value
 
 def checked_tools(tools: list[Tool]) -> list[Tool]:
     """The tools, refused in one line if one is not a Tool, a name is malformed or repeated
-    (`merge_tools`), or a schema is not a JSON Schema (jsonschema is imported here, by jobs with
-    tools: the core engine runs without it)."""
+    (`merge_tools`), or a schema is not a JSON Schema or could cost a check unbounded work
+    (core.schema_cost: its size, depth, $refs and combinators)."""
     if not tools:
         return tools
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
     from opentinker.tools.sources import merge_tools
 
     for tool in tools:
@@ -40,27 +39,22 @@ def checked_tools(tools: list[Tool]) -> list[Tool]:
     merge_tools([tools])
     for tool in tools:
         try:
-            Draft202012Validator.check_schema(tool.parameters)
-        except SchemaError as err:
-            raise ValueError(f"tool {tool.name!r}: parameters is not a JSON Schema: {err.message}") from None
+            validator_of(tool)
+        except SchemaRefused as err:
+            raise ValueError(f"tool {tool.name!r}: its parameters schema {err} (refused)") from None
     return tools
 
 
-def _without_patterns(schema: Any) -> Any:
-    """The schema less its regular expressions: a tool's schema may come from a tenant's MCP server,
-    and a hostile pattern could spin the worker (the tool itself still checks what it needs)."""
-    if isinstance(schema, dict):
-        return {k: _without_patterns(v) for k, v in schema.items() if k not in ("pattern", "patternProperties", "format")}
-    if isinstance(schema, list):
-        return [_without_patterns(v) for v in schema]
-    return schema
+def validator_of(tool: Tool) -> Any:
+    """The tool's argument validator (core.schema_cost.bounded_validator), built once per schema:
+    a job's tools are listed once, and a game's are the same schema every episode. SchemaRefused
+    (why, naming nothing: the caller names the tool and its source) when its schema is refused."""
+    return _validator(schema_text(tool.parameters))
 
 
-def _validator(schema: dict[str, Any]) -> Any:
-    from jsonschema import Draft202012Validator
-    from referencing import Registry
-
-    return Draft202012Validator(_without_patterns(schema), registry=Registry())  # local references only, nothing fetched
+@functools.lru_cache(maxsize=512)
+def _validator(text: str) -> Any:
+    return bounded_validator(json.loads(text))
 
 
 class ToolBox:
@@ -68,7 +62,7 @@ class ToolBox:
 
     def __init__(self, tools: list[Tool], max_calls_per_turn: int = 4, max_result_chars: int = MAX_RESULT_CHARS):
         self.tools = {t.name: t for t in checked_tools(tools)}
-        self._validators = {t.name: _validator(t.parameters) for t in tools}
+        self._validators = {t.name: validator_of(t) for t in tools}  # built when the tools were listed: cached
         self.max_calls_per_turn = max_calls_per_turn
         self.max_result_chars = max_result_chars
         self.counts = {"tool_calls": 0, "tool_invalid": 0, "tool_errors": 0}
@@ -96,15 +90,13 @@ class ToolBox:
         if tool is None:
             known = ", ".join(self.tools) or "none"
             return ToolResult(call.name, f"error: there is no tool named {json.dumps(call.name)[:80]} (tools: {known})", "unknown_tool", call.id)
-        problem = next(iter(self._validators[tool.name].iter_errors(call.arguments)), None)
-        if problem is not None:
-            where = "/".join(str(p) for p in problem.absolute_path) or "arguments"
-            return ToolResult(tool.name, f"error: {where}: {problem.message[:300]}", "bad_arguments", call.id)
         t0 = time.perf_counter()
-        out = bounded(_run, tool.timeout_s, tool, call.arguments)
+        deadline = time.monotonic() + tool.timeout_s
+        out = bounded(_checked_run, tool.timeout_s, tool, self._validators[tool.name], call.arguments, deadline)
         seconds = time.perf_counter() - t0
         if out.error is None:
-            return ToolResult(tool.name, self._clip(out.value), None, call.id, seconds)
+            kind, text = out.value
+            return ToolResult(tool.name, self._clip(text), kind, call.id, seconds)
         kind = "timeout" if out.error.startswith("timed out") else "failed"
         message = out.error.split(": ", 1)[1] if out.error.startswith("ToolError: ") else out.error
         return ToolResult(tool.name, self._clip(f"error: {message}"), kind, call.id, seconds)
@@ -115,8 +107,18 @@ class ToolBox:
         return f"{text[: self.max_result_chars]}\n… ({len(text):,} characters; the rest was cut)"
 
 
-def _run(tool: Tool, arguments: dict[str, Any]) -> str:
+def _checked_run(tool: Tool, validator: Any, arguments: dict[str, Any], deadline: float) -> tuple[str | None, str]:
+    """(the failure's kind or None, the text the model reads): the arguments checked against the
+    schema, then the call, in one worker, so that both are within the tool's time; a check past
+    `deadline` stops itself (its thread ends: core.schema_cost.first_error)."""
+    try:
+        problem = first_error(validator, arguments, deadline=deadline)
+    except ArgumentsUnchecked as err:
+        return err.kind, f"error: arguments: {err}" + (f" ({tool.timeout_s:g}s, the tool's timeout)" if err.kind == "timeout" else "")
+    if problem is not None:
+        where = "/".join(str(p) for p in problem.absolute_path) or "arguments"
+        return "bad_arguments", f"error: {where}: {problem.message[:300]}"
     value = tool.run(arguments)
     if not isinstance(value, str):
         raise ToolError(f"the tool returned {type(value).__name__}, not text")
-    return value
+    return None, value

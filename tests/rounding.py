@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,13 +62,17 @@ def _gap(got, want) -> float:
     return _max_abs(as64(got) - as64(want))
 
 
-def within(got, want, tolerance: float) -> bool:
-    """max|got − want| ≤ tolerance (logged as a ratio where OPENTINKER_ROUNDING_LOG says)."""
-    gap = _gap(got, want)
+def _log(ratio: float) -> None:
     if path := os.environ.get("OPENTINKER_ROUNDING_LOG"):
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
         with open(path, "a") as log:
-            log.write(f"{test}\t{gap / tolerance if tolerance else math.inf:.4g}\n")
+            log.write(f"{test}\t{ratio:.4g}\n")
+
+
+def within(got, want, tolerance: float) -> bool:
+    """max|got − want| ≤ tolerance (logged as a ratio where OPENTINKER_ROUNDING_LOG says)."""
+    gap = _gap(got, want)
+    _log(gap / tolerance if tolerance else (0.0 if gap == 0 else math.inf))
     return gap <= tolerance
 
 
@@ -115,3 +120,62 @@ def same_call_metrics(got: dict, want: dict, data, outputs) -> bool:
     """A Tinker call's metrics in two orders of one pass (see same_metric)."""
     gap = logprob_gap([x for out in outputs for x in np.ravel(out["logprobs"])])
     return got.keys() == want.keys() and all(same_metric(got[k], want[k], call_sensitivity(data, outputs), gap) for k in want)
+
+
+@dataclass
+class UpdateBounds:
+    """What bounds an RL update's rounding, taken from its trainer before the update: the gradient
+    of the step (per parameter name), the gap of its log-probabilities, and each sampled token's
+    ratio exp(logprob − sampled)."""
+
+    grads: dict[str, torch.Tensor]
+    lp_gap: float
+    ratios: list[float]
+
+
+def update_bounds(trainer, trajs) -> UpdateBounds:
+    """UpdateBounds of `trainer.update(trajs)`, leaving the trainer as it was (gradients cleared)."""
+    usable = [t for t in trajs if not t.failed and t.num_sampled > 0]
+    trainer.compute_gradients(usable)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad and p.grad is not None}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    lps = trainer.logprobs(usable)
+    sampled = [[lp for lp, m in zip(t.sampling_logprobs, t.loss_mask) if m] for t in usable]
+    ratios = [math.exp(a - b) for row, made in zip(lps, sampled) for a, b in zip(row, made)]
+    return UpdateBounds(grads, logprob_gap([x for row in lps for x in row]), ratios)
+
+
+def same_update_metrics(got: dict, want: dict, bounds: UpdateBounds, clip: float = 0.2) -> bool:
+    """An RL update's metrics in two orders of its passes. Each is a mean over positions (token- or
+    sequence-weighted: weights summing to 1) of a term whose derivative in its position's
+    log-probability is at most: r·|A| for the clipped policy loss (|A| ≤ 2: the tests' rewards lie
+    in [0, 1.3], so GRPO's z-scores of 4 samples ≤ 1.5 and RLOO's differences ≤ 1.3), r for the
+    ratio, |e^d − 1| for k3's KL (d = ref − logprob: ≤ 1 where d < 0, and where d > 0 the position's
+    k3 ≥ d²/2 is at most `tokens` times the mean), and 2H ≤ 2·log V summed over the vocabulary for
+    the entropy. The clipped fraction counts positions: those whose ratio lies within rounding of
+    a clip bound may flip, each 1/tokens."""
+    r_max, tokens = max(bounds.ratios, default=1.0), max(want.get("update/tokens", 1.0), 1.0)
+    d_max = math.sqrt(2 * tokens * max(want.get("update/kl", 0.0), 0.0))
+    sensitivity = {"update/policy_loss": 2 * r_max, "update/ratio_mean": r_max,
+                   "update/kl": max(1.0, math.expm1(d_max)), "update/entropy": 2 * math.log(VOCAB)}
+    same = all(same_metric(got[k], want[k], s, bounds.lp_gap) for k, s in sensitivity.items() if k in want)
+    clipped = "update/clip_fraction"
+    if clipped not in want:
+        return same
+    edge = sum(any(abs(r - b) <= 2 * bounds.lp_gap * r for b in (1 - clip, 1 + clip)) for r in bounds.ratios)
+    return same and within(got[clipped], want[clipped], edge / tokens + PASS * abs(want[clipped]))
+
+
+def same_adam_step(got: torch.Tensor, want: torch.Tensor, grad: torch.Tensor, lr: float, rel: float = PASS) -> bool:
+    """Weights after one AdamW step from the same weights, their gradients `grad` within rel of the
+    tensor's largest in the two orders: the first step moves a weight by lr·ĝ/(|ĝ| + eps) (ĝ the
+    clipped gradient, the decay alike), which moves by at most lr·δĝ/|ĝ| and never by more than 2·lr;
+    δĝ/|ĝ| ≤ 2·rel·max|g|/|g| (the gradient's gap and the clipping factor's, a norm within rel), plus
+    a few roundings of the weight. Near-zero gradients thus may move their weights by up to 2·lr."""
+    g = grad.detach().double().abs()
+    gap = (got.detach().double() - want.detach().double()).abs()
+    moved = torch.where(g > 0, 2 * rel * g.max() / g.clamp(min=1e-300), torch.full_like(g, 2.0)).clamp(max=2.0)
+    tolerance = lr * moved + 4 * EPS32 * (want.detach().double().abs() + lr)
+    ratio = float((gap / tolerance).max()) if gap.numel() else 0.0
+    _log(ratio)
+    return ratio <= 1.0

@@ -11,6 +11,7 @@ from opentinker.backend import PolicyTrainer
 from opentinker.backend.shared_prefix import common_prefix_length, plan
 from opentinker.core.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
 from opentinker.core.trajectory import Trajectory
+from tests.rounding import PASS, same_adam_step, same_grad, same_update_metrics, update_bounds
 
 VOCAB = 2000  # token ids drawn below this (the tiny model's vocabulary is the real tokenizer's)
 
@@ -104,14 +105,12 @@ def _gradients(trainer, trajs):
 
 
 def _assert_same(shared, per_sequence, trajs):
+    bounds = update_bounds(per_sequence, trajs)
     (ga, ma), (gb, mb) = _gradients(shared, trajs), _gradients(per_sequence, trajs)
-    assert ga.keys() == gb.keys() and ga
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in gb.values()))
-    assert norm > 0
-    worst = max(float((ga[k] - gb[k]).abs().max()) for k in ga)
-    assert worst <= 1e-5 * float(norm), f"largest gradient difference {worst:.3g} (gradient norm {float(norm):.3g})"
-    for key in ("update/policy_loss", "update/kl", "update/entropy", "update/ratio_mean", "update/clip_fraction"):
-        assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6), key
+    assert ga.keys() == gb.keys() and ga and any(float(g.abs().max()) > 0 for g in gb.values())
+    # the same sums in another order (a prefix once against each record whole): tests/rounding.py
+    assert all(same_grad(ga[k], gb[k]) for k in ga), [k for k in ga if not same_grad(ga[k], gb[k])]
+    assert same_update_metrics(ma, mb, bounds)
     assert ma["update/positions_trained"] == mb["update/positions_trained"] == sum(t.num_sampled for t in trajs)
     assert ma["update/shared_prefix"] == 1.0 and mb["update/shared_prefix"] == 0.0
     return ma, mb
@@ -184,10 +183,11 @@ def test_eager_attention_takes_the_mask_as_additive(tiny):
 def test_an_update_with_the_flag_on_and_off_takes_the_same_step(tiny):
     shared, per_sequence = _pair(tiny, LoraSpec(r=4, alpha=8), AlgorithmSpec())
     trajs = single_turn(seed=9)
+    bounds = update_bounds(per_sequence, trajs)  # the step's gradient bounds how far rounding moves the step
     ma, mb = shared.update(trajs), per_sequence.update(trajs)
-    assert ma["update/grad_norm"] == pytest.approx(mb["update/grad_norm"], rel=1e-5)
+    assert ma["update/grad_norm"] == pytest.approx(mb["update/grad_norm"], rel=PASS)  # a norm of gradients within PASS
     a, b = shared.trainable_state(), per_sequence.trainable_state()
-    assert all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
+    assert all(same_adam_step(a[k], b[k], bounds.grads[k], lr=1e-3) for k in a)
     assert ma["update/positions_computed"] < mb["update/positions_computed"]
 
 
@@ -239,9 +239,11 @@ def test_a_compiled_trainer_takes_the_eager_step(tiny, adapter):
     layers = model.config.num_hidden_layers
     assert sum(hasattr(m, "_compiled_call_impl") and m._compiled_call_impl is not None for m in trainers[1].model.modules()) == 3 * layers
     trajs = single_turn(seed=9)
+    bounds = update_bounds(trainers[0], trajs)
+    # inductor's fused kernels against eager ones: the same sums in other orders (tests/rounding.py)
     (ma, mb) = (t.update(trajs) for t in trainers)
-    assert mb["update/policy_loss"] == pytest.approx(ma["update/policy_loss"], rel=1e-4, abs=1e-6)
-    assert mb["update/grad_norm"] == pytest.approx(ma["update/grad_norm"], rel=1e-4)
+    assert same_update_metrics(mb, ma, bounds)
+    assert mb["update/grad_norm"] == pytest.approx(ma["update/grad_norm"], rel=PASS)
     a, b = (t.trainable_state() for t in trainers)
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert all(same_adam_step(b[k], a[k], bounds.grads[k], lr=1e-3) for k in a)
     assert not all(torch.equal(a[k], state[k]) for k in a)  # the step moved the weights

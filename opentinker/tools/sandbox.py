@@ -42,29 +42,23 @@ SandboxFusion.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import errno
-import fcntl
 import json
 import logging
 import math
 import os
 import posixpath
-import select
 import shutil
 import signal
-import stat
 import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from opentinker.tools.declared import Tool, ToolError
-from opentinker.tools.sandbox_cgroups import CallGroup, CallGroups, owner_parts, launcher
+from opentinker.tools.sandbox_cgroups import CallGroup, CallGroups, launcher
+from opentinker.tools.sandbox_slots import Slots
+from opentinker.tools.sandbox_streams import decode_files, drain, exited_within, feed, memfd
 
 log = logging.getLogger(__name__)
 
@@ -141,71 +135,6 @@ class RunResult:
     memory_peak_mb: float | None = None  # the call's cgroup's peak (None: no cgroup)
 
 
-class _Slots:
-    """Slot files, one `flock` each: a run holds one of its owner's `per_owner` and one of the
-    machine's `machine` for its whole length (and, within this process, one of `per_owner` places
-    of a semaphore first, so that its own callers wait in turn)."""
-
-    def __init__(self, owner: str, per_owner: int, machine: int):
-        self.here = threading.Semaphore(max(1, per_owner))  # this process's callers queue here, in order, not in the spin below
-        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-        self.folder = base / f"opentinker-sandbox-{os.getuid()}"
-        _private_folder(self.folder)
-        self.owner_folder = self.folder / "owner" / "--".join(owner_parts(owner))
-        _private_folder(self.folder / "owner")
-        _private_folder(self.owner_folder)
-        self.per_owner, self.n = max(1, per_owner), max(1, machine)
-
-    def acquire(self, timeout_s: float) -> tuple[int, int]:
-        deadline = time.monotonic() + timeout_s
-        if not self.here.acquire(timeout=timeout_s):
-            raise TimeoutError(f"no sandbox slot free in {timeout_s:.0f} s ({self.per_owner} of this owner running)")
-        mine = None
-        try:
-            mine = _lock(self.owner_folder, self.per_owner, deadline, f"no sandbox slot free in {timeout_s:.0f} s "
-                                                                       f"({self.per_owner} of this owner running)")
-            return mine, _lock(self.folder, self.n, deadline, f"no sandbox slot free in {timeout_s:.0f} s ({self.n} running on this machine)")
-        except BaseException:
-            if mine is not None:
-                os.close(mine)
-            self.here.release()
-            raise
-
-    def release(self, fds: tuple[int, int]) -> None:
-        for fd in fds:
-            os.close(fd)
-        self.here.release()
-
-
-def _private_folder(folder: Path) -> None:
-    try:
-        os.mkdir(folder, 0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise RuntimeError(f"{folder} is not a 0700 folder of uid {os.getuid()}: remove it")
-
-
-def _lock(folder: Path, n: int, deadline: float, why: str) -> int:
-    """An exclusive flock on one of `folder`'s n slot files, waiting until `deadline`."""
-    wait = 0.001
-    while True:
-        for i in range(n):
-            fd = os.open(folder / f"slot-{i}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
-            except OSError as err:
-                os.close(fd)
-                if err.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-        if time.monotonic() > deadline:
-            raise TimeoutError(why)
-        time.sleep(wait)
-        wait = min(wait * 2, 0.02)
-
-
 def _checked_path(name: str) -> str:
     """A file's path inside the working folder: relative (or under /tmp/), no `..`."""
     rel = name[len("/tmp/"):] if name.startswith("/tmp/") else name
@@ -213,42 +142,6 @@ def _checked_path(name: str) -> str:
     if not norm or norm.startswith(("/", "..")) or norm in (".", "main.py") or "\0" in norm:
         raise ValueError(f"file path {name!r}: must be relative to the working folder, without '..' (and not main.py)")
     return norm
-
-
-def _memfd(data: bytes) -> int:
-    fd = os.memfd_create("sandbox-input", 0)  # no MFD_CLOEXEC: bwrap reads it
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _drain(stream, cap: int, into: list, flags: list) -> None:
-    """Read `stream` to its end, keeping its first `cap` bytes."""
-    kept = 0
-    try:
-        while chunk := stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536):
-            if kept < cap:
-                into.append(chunk[: cap - kept])
-            kept += len(chunk)
-    except (OSError, ValueError):
-        pass
-    finally:
-        flags.append(kept > cap)
-
-
-def _feed(stream, data: bytes) -> None:
-    try:
-        if data:
-            stream.write(data)
-    except (BrokenPipeError, OSError, ValueError):
-        pass
-    finally:
-        try:
-            stream.close()
-        except OSError:
-            pass
 
 
 class Sandbox:
@@ -281,7 +174,7 @@ class Sandbox:
                 _SAID.add(why)
                 log.warning(self.fallback)
         self.owner = owner or os.environ.get(OWNER_ENV) or f"process-{os.getpid()}"
-        self._slots = _Slots(self.owner, per_owner, machine)
+        self._slots = Slots(self.owner, per_owner, machine)
 
     fallback = ""  # the one line said where there are no cgroups
 
@@ -356,7 +249,7 @@ class Sandbox:
                     if folder not in made:
                         made.add(folder)
                         extra += ["--dir", folder]
-                fds.append(_memfd(data))
+                fds.append(memfd(data))
                 extra += ["--file", str(fds[-1]), f"/tmp/{name}"]
             cpu_s = max(self.limits.cpu_s, math.ceil(wall)) if wall_s is not None else self.limits.cpu_s
             command = [*self._bwrap_args(extra), *self._limits(memory_mb, cpu_s)]
@@ -408,16 +301,16 @@ class Sandbox:
         if back_w is not None:
             os.close(back_w)
         out, err, flags_out, flags_err, back, back_flags = [], [], [], [], [], []
-        threads = [threading.Thread(target=_drain, args=(proc.stdout, cap, out, flags_out), daemon=True),
-                   threading.Thread(target=_drain, args=(proc.stderr, cap, err, flags_err), daemon=True),
-                   threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)]
+        threads = [threading.Thread(target=drain, args=(proc.stdout, cap, out, flags_out), daemon=True),
+                   threading.Thread(target=drain, args=(proc.stderr, cap, err, flags_err), daemon=True),
+                   threading.Thread(target=feed, args=(proc.stdin, stdin), daemon=True)]
         if back_r is not None:
             reader = os.fdopen(back_r, "rb")
-            threads.append(threading.Thread(target=_drain, args=(reader, 4 * (self.limits.file_size_mb << 20), back, back_flags), daemon=True))
+            threads.append(threading.Thread(target=drain, args=(reader, 4 * (self.limits.file_size_mb << 20), back, back_flags), daemon=True))
         for t in threads:
             t.start()
         try:
-            timed_out = not _exited_within(proc, wall)
+            timed_out = not exited_within(proc, wall)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the group; bwrap's pid 1 dies with it, and its namespace with it
@@ -447,44 +340,8 @@ class Sandbox:
             result.memory_peak_mb = round(group.peak_bytes() / (1 << 20), 1)
         if back_r is not None:
             reader.close()
-            result.files = _decode_files(b"".join(back), self.limits.file_size_mb << 20)
+            result.files = decode_files(b"".join(back), self.limits.file_size_mb << 20)
         return result
-
-
-def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
-    """Wait for `proc` up to `seconds`, woken by its pidfd the moment it exits (Popen.wait(timeout)
-    polls in sleeps of up to 50 ms: that was most of a short run's cost)."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):
-        try:
-            proc.wait(timeout=seconds)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    try:
-        return bool(select.select([fd], [], [], max(0.0, seconds))[0])
-    finally:
-        os.close(fd)
-
-
-def _decode_files(raw: bytes, cap: int) -> dict[str, bytes]:
-    """The driver's JSON (written by the sandboxed side: checked, never trusted)."""
-    try:
-        data = json.loads(raw or b"{}")
-    except ValueError:
-        return {}
-    out = {}
-    if isinstance(data, dict):
-        for name, value in data.items():
-            if isinstance(name, str) and isinstance(value, str):
-                try:
-                    content = base64.b64decode(value, validate=True)
-                except (binascii.Error, ValueError):
-                    continue
-                if len(content) <= cap:
-                    out[name] = content
-    return out
 
 
 def describe(result: RunResult, limit: int) -> str:

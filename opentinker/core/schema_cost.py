@@ -37,6 +37,7 @@ MAX_REFS = 256
 MAX_SUBSCHEMAS = 10_000  # evaluated for one place of the arguments, $refs expanded, every branch counted
 MAX_NESTING = 128  # subschemas inside one another through $refs (jsonschema recurses once per level)
 MAX_STEPS = 50_000  # keywords evaluated in one check (about a second; a sane call needs hundreds)
+PAST_TIME = "checking them against the schema ran past the call's time"
 
 # The keywords of Draft 2020-12 by which jsonschema applies subschemas: the shape of their value
 # (one subschema, a list, a map of them) and whether they apply them to the same value (0) or to a
@@ -193,7 +194,7 @@ class _Budget:
         if self.left < 0:
             raise ArgumentsUnchecked(f"checking them against the schema takes over {self.steps:,} steps (not checked)", "bad_arguments")
         if self.deadline is not None and time.monotonic() > self.deadline:
-            raise ArgumentsUnchecked("checking them against the schema ran past the call's time", "timeout")
+            raise ArgumentsUnchecked(PAST_TIME, "timeout")
 
 
 _budget: ContextVar[_Budget | None] = ContextVar("schema_check_budget", default=None)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import time
 from typing import Any, Callable
 
-from opentinker.core.schema_cost import ArgumentsUnchecked, SchemaRefused, bounded_validator, first_error, schema_text
+from opentinker.core.schema_cost import PAST_TIME, ArgumentsUnchecked, SchemaRefused, bounded_validator, first_error, schema_text
 from opentinker.tools.declared import Tool, ToolCall, ToolError, ToolResult
 from opentinker.tools.formats import ParsedTurn
 
@@ -91,13 +92,16 @@ class ToolBox:
             known = ", ".join(self.tools) or "none"
             return ToolResult(call.name, f"error: there is no tool named {json.dumps(call.name)[:80]} (tools: {known})", "unknown_tool", call.id)
         t0 = time.perf_counter()
-        deadline = time.monotonic() + tool.timeout_s
-        out = bounded(_checked_run, tool.timeout_s, tool, self._validators[tool.name], call.arguments, deadline)
+        deadline, checking = time.monotonic() + tool.timeout_s, threading.Event()
+        checking.set()
+        out = bounded(_checked_run, tool.timeout_s, tool, self._validators[tool.name], call.arguments, deadline, checking)
         seconds = time.perf_counter() - t0
         if out.error is None:
             kind, text = out.value
             return ToolResult(tool.name, self._clip(text), kind, call.id, seconds)
         kind = "timeout" if out.error.startswith("timed out") else "failed"
+        if kind == "timeout" and checking.is_set():  # the time ran out in the check (which stops itself at `deadline`)
+            return ToolResult(tool.name, f"error: arguments: {PAST_TIME} ({tool.timeout_s:g}s, the tool's timeout)", kind, call.id, seconds)
         message = out.error.split(": ", 1)[1] if out.error.startswith("ToolError: ") else out.error
         return ToolResult(tool.name, self._clip(f"error: {message}"), kind, call.id, seconds)
 
@@ -107,10 +111,12 @@ class ToolBox:
         return f"{text[: self.max_result_chars]}\n… ({len(text):,} characters; the rest was cut)"
 
 
-def _checked_run(tool: Tool, validator: Any, arguments: dict[str, Any], deadline: float) -> tuple[str | None, str]:
+def _checked_run(tool: Tool, validator: Any, arguments: dict[str, Any], deadline: float,
+                 checking: threading.Event) -> tuple[str | None, str]:
     """(the failure's kind or None, the text the model reads): the arguments checked against the
     schema, then the call, in one worker, so that both are within the tool's time; a check past
-    `deadline` stops itself (its thread ends: core.schema_cost.first_error)."""
+    `deadline` stops itself (its thread ends: core.schema_cost.first_error). `checking` is
+    cleared as the tool is called, so a timeout says which of the two ran out of time."""
     try:
         problem = first_error(validator, arguments, deadline=deadline)
     except ArgumentsUnchecked as err:
@@ -118,6 +124,7 @@ def _checked_run(tool: Tool, validator: Any, arguments: dict[str, Any], deadline
     if problem is not None:
         where = "/".join(str(p) for p in problem.absolute_path) or "arguments"
         return "bad_arguments", f"error: {where}: {problem.message[:300]}"
+    checking.clear()
     value = tool.run(arguments)
     if not isinstance(value, str):
         raise ToolError(f"the tool returned {type(value).__name__}, not text")

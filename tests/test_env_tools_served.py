@@ -32,6 +32,7 @@ from opentinker.env.server import create_app
 from opentinker.tools.declared import Tool, ToolError
 from tests.served import ServedApp
 from tests.test_tool_calls import ScriptedEngine, _call, _tokenizer
+from tests.test_tool_schemas import doubling_chain
 
 LIMIT = 4 * 1024**2
 COUNT = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -189,9 +190,11 @@ HOSTILE = {
     "too many": [{"type": "function", "function": {"name": f"t{i}", "description": "", "parameters": {}}} for i in range(10_000)],
     "not a dict": [{"type": "function", "function": {"name": "add", "description": "", "parameters": ["n"]}}],
     "not a list": {"add": {}},
+    "exponential": [{"type": "function", "function": {"name": "deep", "description": "", "parameters": doubling_chain(28)}}],
 }
 HOSTILE_REASON = {"bad name": "the name 'rm -rf /' does not match", "too many": "10,000 tools, over the 64 an episode may have",
-                  "not a dict": "the parameters are list, not a JSON Schema object", "not a list": "the tool list is dict, not a list"}
+                  "not a dict": "the parameters are list, not a JSON Schema object", "not a list": "the tool list is dict, not a list",
+                  "exponential": "tool 'deep': its parameters schema expands to more than 10,000 subschemas through $ref"}
 
 
 def _hostile_app():

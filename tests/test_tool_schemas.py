@@ -56,7 +56,7 @@ def recursive_union() -> dict:
 
 SLOW_ENUM = [{"id": i, "tag": f"t{i}"} for i in range(2000)]  # 50 KB: under the size limit
 SLOW = {"type": "object", "properties": {"picks": {"type": "array", "items": {"enum": SLOW_ENUM}}}, "required": ["picks"]}
-SLOW_PICKS = [dict(SLOW_ENUM[-1]) for _ in range(4000)]  # each pick compared with all 2,000 entries: seconds of jsonschema
+SLOW_PICKS = [dict(SLOW_ENUM[-1]) for _ in range(20_000)]  # each compared with all 2,000 entries: minutes of jsonschema
 REACHED: list[dict] = []  # the calls that reached a server's tool
 
 
@@ -97,7 +97,7 @@ def _rss() -> int:
 
 
 def test_the_exponential_schema_is_refused_at_listing_in_one_line_naming_the_tool_and_server(hostile):
-    before = _rss()
+    before, REACHED[:] = _rss(), []
     with pytest.raises(ValueError) as refused:
         McpTools(hostile, LOOPBACK, timeout_s=10).tools()
     message = str(refused.value)
@@ -135,26 +135,30 @@ def _answer(box: ToolBox, name: str, arguments: dict):
     return result
 
 
-def _no_stuck_calls() -> bool:
+def _ended(calls_stuck_before: int) -> bool:
+    """Whether the calls abandoned since have all returned within 30 s (generous: a check left to
+    run on would hold its thread for minutes)."""
     end = time.monotonic() + 30
-    while stuck_calls() and time.monotonic() < end:
+    while stuck_calls() > calls_stuck_before and time.monotonic() < end:
         time.sleep(0.05)
-    return stuck_calls() == 0
+    return stuck_calls() <= calls_stuck_before
 
 
 def test_a_check_slower_than_the_calls_time_is_its_error_in_time_and_the_episode_goes_on(passing):
-    """`slow` passes the listing; checking 4,000 picks against its 2,000-entry enum takes seconds,
-    past the call's 2.5 s: the call is a timeout the model reads, the server never hears of it,
-    the check's thread stops itself, and the next call of the episode is answered."""
+    """`slow` passes the listing; checking 20,000 picks (40,000 steps) against its 2,000-entry enum
+    takes minutes, past the call's 2.5 s: the call is a timeout the model reads, the server never
+    hears of it, the check's thread stops itself (not minutes later), and the next call of the
+    episode is answered."""
     server, box = _box(passing)
     try:
         assert box.tools["slow"].timeout_s == 2.5
         REACHED.clear()
+        stuck = stuck_calls()
         result = _answer(box, "slow", {"picks": SLOW_PICKS})
         assert result.error == "timeout", result.content
         assert result.content == "error: arguments: checking them against the schema ran past the call's time (2.5s, the tool's timeout)"
         assert box.counts == {"tool_calls": 1, "tool_invalid": 0, "tool_errors": 1} and not REACHED
-        assert _no_stuck_calls()  # the check ended with its time: no thread left running it
+        assert _ended(stuck)  # the check stopped at its deadline: no thread left running it
         assert _answer(box, "slow", {"picks": SLOW_PICKS[:3]}).content == "ran" and len(REACHED) == 1
     finally:
         server.close()
@@ -350,3 +354,62 @@ def test_checks_of_many_episodes_at_once_keep_their_own_budgets():
     for t in threads:
         t.join(120)
     assert answers == ["ok"] * 8
+
+
+# --- OpenEnv: an MCP environment's tools and the action schema ------------------------------------
+
+def test_an_openenv_environments_exponential_tool_or_action_schema_costs_the_episode_in_one_line():
+    """An OpenEnv MCP environment listing the attack as a tool, and a server whose /schema is the
+    attack as its action: each episode fails in one line naming the server, nothing expanded."""
+    pytest.importorskip("openenv", reason="pip install 'opentinker[openenv]'")
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.types import Action, Observation, State
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from opentinker.env.openenv_client import OpenEnvGameClass
+    from opentinker.env.openenv_server import create_openenv_app
+    from opentinker.env.remote import RemoteGameError
+
+    class Plain(Action):
+        message: str = ""
+
+    class Seen(Observation):
+        text: str = ""
+
+    class DeepToolEnv(MCPEnvironment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            server = FastMCP("deep")
+            server.add_tool(Declared(name="deep", description="Deep.", parameters=doubling_chain(28)))
+            super().__init__(server)
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> Seen:
+            return Seen(text="ready")
+
+        def _step_impl(self, action, timeout_s=None, **kwargs) -> Seen:
+            return Seen(text="done", reward=1.0, done=True)
+
+        @property
+        def state(self) -> State:
+            return State(step_count=0)
+
+    tools = ServedApp(lambda: create_openenv_app(DeepToolEnv, Plain, Seen))
+    action = ServedApp(lambda: Starlette(routes=[Route("/schema", lambda request: JSONResponse({"action": doubling_chain(28)}))]))
+    before, REACHED[:] = _rss(), []
+    try:
+        game = OpenEnvGameClass(tools.url, timeout_s=5, retries=0, hosts=LOOPBACK)()
+        assert game.reset(__seed__=1) == "ready"
+        with pytest.raises(RemoteGameError) as refused:
+            game.get_tools()
+        game.close()
+        assert str(refused.value) == (f"tools/list {tools.url}: the tool 'deep''s input schema expands to more than 10,000 subschemas "
+                                      "through $ref and its combinators, each branch counted (refused)")
+        with pytest.raises(RemoteGameError, match=rf"^GET {action.url}/schema: the action schema expands to more than 10,000 "):
+            OpenEnvGameClass(action.url, timeout_s=5, retries=0, hosts=LOOPBACK)().reset(__seed__=1)
+    finally:
+        tools.stop()
+        action.stop()
+    assert _rss() - before < RSS_BOUND and not REACHED

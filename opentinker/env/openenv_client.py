@@ -17,7 +17,10 @@ goes on); a server answering VALIDATION_ERROR is the same refusal. Every step's 
 
 What a server sends is bounded as for `opentinker.env.remote`: a WebSocket message over
 OPENTINKER_ENV_MAX_RESPONSE_BYTES is refused as its frame header (or its decompression) passes the
-limit, and `/schema` is read as a counted stream; the episode fails with the numbers.
+limit, and `/schema` is read as a counted stream; the episode fails with the numbers. The action
+schema and the tools' input schemas are checked for what validating against them may cost
+(opentinker.core.schema_cost: size, depth, $refs, combinators) when they are read, and each
+action's check is bounded in steps: a schema that could cost more fails the episode in one line.
 
 Observation to text (the rule): OpenEnv sends an observation without reward, done and metadata;
 its text is its only field when that is a string, else its `text` or `message` field when that is
@@ -47,6 +50,7 @@ from websockets.exceptions import ConnectionClosedError, PayloadTooBig
 
 from opentinker.core.env_hosts import EnvHosts
 from opentinker.core.json_text import JsonTextError, loads_bounded
+from opentinker.core.schema_cost import ArgumentsUnchecked, SchemaRefused, bounded_validator, check_cost, first_error
 from opentinker.core.settings import get_settings
 from opentinker.env.base import SEED_KEY, AbstractGame, GameTool, StepResult, ToolFailure, seed_task
 from opentinker.env.confined_net import confined_client
@@ -143,18 +147,9 @@ def action_rule(schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _validator(schema: dict[str, Any]) -> Any:
-    """A JSON-schema check of the server's own schema: local references only (no fetching), and no
-    regular expressions (a hostile pattern could spin this process; the server checks those)."""
-    from jsonschema import Draft202012Validator, validators
-    from referencing import Registry
-
-    lax = validators.extend(Draft202012Validator, {"pattern": None, "patternProperties": None, "format": None})
-    return lax(schema, registry=Registry())
-
-
 def parse_action(text: str, schema: dict[str, Any], validator: Any) -> dict[str, Any]:
-    """The action for `text` by the module's rule; ValueError (one line, shown to the model) when refused."""
+    """The action for `text` by the module's rule; ValueError (one line, shown to the model) when
+    refused. `validator`: core.schema_cost.bounded_validator of the schema (its check is bounded)."""
     field = action_rule(schema)
     if field is not None:
         action: Any = {field: text}
@@ -167,10 +162,13 @@ def parse_action(text: str, schema: dict[str, Any], validator: Any) -> dict[str,
             raise ValueError(f"the action must be one JSON object: {err}") from None
         if not isinstance(action, dict):
             raise ValueError(f"the action must be one JSON object, not {type(action).__name__}")
-    errors = sorted(validator.iter_errors(action), key=lambda e: list(e.absolute_path))
-    if errors:
-        where = "/".join(map(str, errors[0].absolute_path)) or "the action"
-        raise ValueError(f"{where}: {errors[0].message[:300]}")
+    try:
+        error = first_error(validator, action)
+    except ArgumentsUnchecked as err:
+        raise ValueError(f"the action: {err}") from None
+    if error is not None:
+        where = "/".join(map(str, error.absolute_path)) or "the action"
+        raise ValueError(f"{where}: {error.message[:300]}")
     return action
 
 
@@ -219,8 +217,10 @@ class _Server:
                 if response.is_error:
                     raise RemoteGameError(f"GET {self.url}/schema: HTTP {response.status_code}: {bytes(body[:300]).decode(errors='replace')}")
                 try:
-                    action = json.loads(body)["action"]
-                    self._schema = (action, _validator(action))
+                    action = loads_bounded(bytes(body), max_chars=self.max_response_bytes)["action"]
+                    self._schema = (action, bounded_validator(action))  # its cost bounded (core.schema_cost), nothing fetched
+                except SchemaRefused as err:
+                    raise RemoteGameError(f"GET {self.url}/schema: the action schema {err} (refused)") from None
                 except Exception as err:  # noqa: BLE001 - whatever the server sent, one line
                     raise RemoteGameError(f"GET {self.url}/schema: no usable action schema ({type(err).__name__}: {err})") from None
             return self._schema
@@ -314,6 +314,11 @@ class OpenEnvGame(AbstractGame):
         tools = []
         for t in (answer.get("result") or {}).get("tools") or []:
             schema = t.get("inputSchema") or t.get("input_schema") or {"type": "object", "properties": {}}
+            try:
+                check_cost(schema)
+            except SchemaRefused as err:
+                raise RemoteGameError(f"tools/list {self._server.url}: the tool {str(t.get('name'))[:80]!r}'s input schema {err} "
+                                      "(refused)") from None
             tools.append(GameTool(str(t.get("name")), str(t.get("description") or ""), self._tool(str(t.get("name"))), schema,
                                   timeout_s=2 * self._server.timeout_s + _CLOSE_TIMEOUT_S))
         return tools

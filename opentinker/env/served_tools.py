@@ -13,19 +13,18 @@ This layer may not import opentinker.tools: a ToolError is known by its class na
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from opentinker.core.schema_cost import SchemaRefused, check_cost
 from opentinker.env.base import GameTool, ToolFailure
 from opentinker.env.hosting import plain_json
 
 NAME_RULE = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"  # opentinker.tools.declared.NAME_PATTERN
 MAX_TOOLS = 64
 MAX_DESCRIPTION_CHARS = 2000
-MAX_PARAMETERS_BYTES = 32 * 1024
 MAX_ERROR_CHARS = 2000
 TOOL_MARGIN_S = 1.0  # the job waits this much past a tool's timeout, so the host's own answer arrives first
 _READABLE = ("ToolError", "ToolFailure")
@@ -96,8 +95,10 @@ def _checked(item: Any, index: int, seen: set[str]) -> tuple[str, str, dict[str,
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise ValueError(f"tool {name!r}: the parameters are {type(parameters).__name__}, not a JSON Schema object")
-    if len(json.dumps(parameters)) > MAX_PARAMETERS_BYTES:
-        raise ValueError(f"tool {name!r}: the parameters are over {MAX_PARAMETERS_BYTES:,} bytes")
+    try:
+        check_cost(parameters)  # size, depth, $refs, combinators: what checking a call against it may cost
+    except SchemaRefused as err:
+        raise ValueError(f"tool {name!r}: its parameters schema {err} (refused)") from None
     return name, description[:MAX_DESCRIPTION_CHARS], parameters, item.get("timeout_s")
 
 
@@ -105,7 +106,8 @@ def tools_from_listing(listing: Any, call: Callable[[str, dict[str, Any], float]
     """GameTools of a host's list; `call(name, arguments, timeout_s)` returns the host's answer to one
     call (or raises ToolFailure). Each call waits for the tool's own timeout, at most `max_timeout_s`
     (the job's per-request timeout), plus a margin. ValueError saying what is wrong with a list that
-    is not one: too long, a bad name, parameters that are not an object."""
+    is not one: too long, a bad name, parameters that are not an object or could cost a check
+    unbounded work (opentinker.core.schema_cost)."""
     if listing is None:
         return []
     if not isinstance(listing, list):

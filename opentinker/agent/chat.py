@@ -3,13 +3,23 @@
 Earlier turns are never re-rendered from text: a new observation is rendered by the model's own
 chat template as the difference between "conversation + user message" and "conversation",
 measured once on a placeholder conversation, and appended after the sampled tokens.
+
+Text from outside (a game's prompt, observations and examples, a tool's answer, a tool's schema)
+is text: a `<|im_end|>` in it becomes ordinary tokens, never the control token, so it cannot close
+a turn or forge one. Its control tokens (every added token of the tokenizer, special or not) are
+marked before the template renders it and encoded as plain text after (transformers'
+`mark_control_tokens` / `encode_marked_chat`, what `apply_chat_template(sanitize_control_tokens=True)`
+does in one piece); the template's own control tokens are encoded as they always were.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
+
+from transformers.utils.chat_template_utils import encode_marked_chat, mark_control_tokens
 
 from opentinker.core.trajectory import VisualInput
 from opentinker.env.observation import Observation
@@ -69,18 +79,39 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    @cached_property
+    def _control_tokens(self) -> re.Pattern:
+        """Every added token of the tokenizer but the whitespace ones (templates and text share those), longest first."""
+        tokens = sorted((t for t in self.tokenizer.added_tokens_encoder if t.strip()), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, tokens)) or "(?!)")
+
+    def as_text(self, value: Any) -> Any:
+        """Outside text (a string, or the strings in messages, tools): its control tokens marked to be encoded as text."""
+        return mark_control_tokens(value, self._control_tokens)
+
+    def encode_rendered(self, rendered: str, what: str) -> list[int]:
+        """A render whose outside text went through `as_text`: the template's control tokens as
+        tokens, the outside text's as text. ValueError for text the tokenizer cannot take."""
+        try:
+            rendered.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(f"{what} is not text: a lone surrogate ({rendered[err.start]!r}) in it") from None
+        return encode_marked_chat(self.tokenizer, rendered)
+
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation so far, rendered once, ending with the assistant's generation prompt."""
-        return self.encode(self._render(messages, add_generation_prompt=True))
+        return self.encode_rendered(self._render(self.as_text(messages), add_generation_prompt=True), "the prompt")
+
+    def _closing(self, policy_stopped: bool) -> str:
+        """What closes the assistant turn: the template's tail after the end-of-turn token the policy
+        stopped with, else the whole tail."""
+        return self._after_eos if policy_stopped and self._after_eos is not None else self._after_assistant
 
     def observation_ids(self, observation: str, policy_stopped: bool) -> list[int]:
         """Tokens that close the assistant turn (if the policy did not), add a user message
         with the observation, and open the next assistant turn."""
-        if policy_stopped and self._after_eos is not None:
-            closing = self._after_eos
-        else:
-            closing = self._after_assistant
-        return self.encode(closing + self._user_prefix + observation + self._user_suffix)
+        text = self._closing(policy_stopped) + self._user_prefix + self.as_text(observation) + self._user_suffix
+        return self.encode_rendered(text, "the observation")
 
     def tool_results_ids(self, results: list[ToolResult], policy_stopped: bool) -> list[int]:
         """Tokens that close the assistant turn (if the policy did not), add the turn's tool results
@@ -88,18 +119,19 @@ class ChatFormat:
         results make to a placeholder conversation, so earlier tokens are never re-rendered."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": PLACEHOLDER}]
         closed = self.tools.render(base, None, add_generation_prompt=False)
-        opened = self.tools.render(base + tool_messages(results), None, add_generation_prompt=True)
+        opened = self.tools.render(base + self.as_text(tool_messages(results)), None, add_generation_prompt=True)
         if not opened.startswith(closed):
             raise ValueError("the chat template re-renders earlier turns when tool results follow; it cannot be trained turn by turn")
         closing = self._after_eos if policy_stopped and self._after_eos is not None else closed[closed.index(PLACEHOLDER) + len(PLACEHOLDER):]
-        return self.encode(closing + opened[len(closed):])
+        return self.encode_rendered(closing + opened[len(closed):], "a tool's answer")
 
     # --- chunks: what the agent loop appends (a VLM's format adds images, see vision_chat.py) ---
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Chunk:
         if any(not isinstance(m.get("content"), str) for m in messages):
             raise no_images("the first observation")
         if tools:
-            return Chunk(self.encode(self.tools.render(messages, tools, add_generation_prompt=True)))
+            rendered = self.tools.render(self.as_text(messages), self.as_text(tools), add_generation_prompt=True)
+            return Chunk(self.encode_rendered(rendered, "the prompt"))
         return Chunk(self.prompt_ids(messages))
 
     def encode_observation(self, observation: str | Observation, policy_stopped: bool) -> Chunk:

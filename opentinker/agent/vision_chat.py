@@ -6,7 +6,10 @@ expands every placeholder into the model's image tokens (for Idefics3: the image
 fake tokens, `image_seq_len` image tokens a tile) and makes the tiles' pixel values, once. The
 record keeps both (opentinker.core.trajectory.VisualInput), so sampling and the trainer's
 recompute see the same tokens and the same pixels. Observation deltas are measured as in
-ChatFormat, with the image parts in place.
+ChatFormat, with the image parts in place. Outside text is text here too (ChatFormat.as_text): the
+processor makes each image's expansion and pixels, the expansions replace the template's own
+`<image>` placeholders only (transformers' `get_text_with_replacements` skips marked ones), and
+the whole is encoded as ChatFormat encodes a render, so an `<image>` a game writes is words.
 """
 
 from __future__ import annotations
@@ -38,17 +41,23 @@ class VisionChatFormat(ChatFormat):
         parts = [{"role": m["role"], "content": _parts(m["content"])} for m in messages]
         return self.processor.apply_chat_template(parts, tokenize=False, add_generation_prompt=add_generation_prompt)
 
-    def _encode(self, text: str, images: list[Any]) -> Chunk:
+    def _encode(self, text: str, images: list[Any], what: str) -> Chunk:
+        """`text`: a render whose outside text went through `as_text`, with one `<image>` of the
+        template's for each of `images`."""
         if not images:
-            return Chunk(self.encode(text))
-        out = self.processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
+            return Chunk(self.encode_rendered(text, what))
+        placeholders = [self.processor.image_token * len(images)]
+        out = self.processor(text=placeholders, images=[images], add_special_tokens=False, return_tensors="pt",
+                             return_text_replacement_offsets=True)
+        replacements = [r["replacement"] for r in out["text_replacement_offsets"][0]]
+        (expanded,), _ = self.processor.get_text_with_replacements([text], images_replacements=replacements)
         visual = VisualInput(images=list(images), pixel_values=out["pixel_values"][0], pixel_mask=out["pixel_attention_mask"][0])
-        return Chunk(out["input_ids"][0].tolist(), visual)
+        return Chunk(self.encode_rendered(expanded, what), visual)
 
     def encode_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> Chunk:
         if tools:
             raise ValueError("declared tools are not taken by a vision-language policy yet: play its tools as observations")
-        return self._encode(self._render(messages, add_generation_prompt=True), _images(messages))
+        return self._encode(self._render(self.as_text(messages), add_generation_prompt=True), _images(messages), "the prompt")
 
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode_prompt(messages).ids
@@ -61,8 +70,8 @@ class VisionChatFormat(ChatFormat):
         content = [{"type": "image"}] * len(observation.images) + [{"type": "text", "text": PLACEHOLDER}]
         opened = self._render(base + [{"role": "user", "content": content}], add_generation_prompt=True)
         prefix, suffix = opened[len(closed):].split(PLACEHOLDER)
-        closing = self._after_eos if policy_stopped and self._after_eos is not None else self._after_assistant
-        return self._encode(closing + prefix + observation.text + suffix, observation.images)
+        text = self._closing(policy_stopped) + prefix + self.as_text(observation.text) + suffix
+        return self._encode(text, observation.images, "the observation")
 
 
 def chat_format(tokenizer: Any) -> ChatFormat:

@@ -13,28 +13,28 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Literal, Optional, Union
+from typing import Literal
 
 import psutil
 import pytest
 
 pytest.importorskip("mcp", reason="pip install mcp fastmcp")
-from fastmcp import FastMCP  # noqa: E402
-from fastmcp.tools import Tool as ServedTool  # noqa: E402
-from fastmcp.tools import ToolResult  # noqa: E402
-from mcp.types import TextContent  # noqa: E402
+from fastmcp import FastMCP
+from fastmcp.tools import Tool as ServedTool
+from fastmcp.tools import ToolResult
+from mcp.types import TextContent
 
-from opentinker.agent.guard import call_with_timeout, stuck_calls  # noqa: E402
-from opentinker.core import schema_cost  # noqa: E402
-from opentinker.core.env_hosts import EnvHosts  # noqa: E402
-from opentinker.core.schema_cost import SchemaRefused, check_cost  # noqa: E402
-from opentinker.tools.declared import Tool, ToolCall  # noqa: E402
-from opentinker.tools.formats import ParsedTurn  # noqa: E402
-from opentinker.tools.job_tools import JobTools  # noqa: E402
-from opentinker.tools.mcp import McpTools  # noqa: E402
-from opentinker.tools.toolbox import ToolBox, validator_of  # noqa: E402
-from tests.conftest import tiny_spec  # noqa: E402
-from tests.served import ServedApp  # noqa: E402
+from opentinker.agent.guard import call_with_timeout, stuck_calls
+from opentinker.core import schema_cost
+from opentinker.core.env_hosts import EnvHosts
+from opentinker.core.schema_cost import SchemaRefused, check_cost
+from opentinker.tools.declared import Tool, ToolCall
+from opentinker.tools.formats import ParsedTurn
+from opentinker.tools.job_tools import JobTools
+from opentinker.tools.mcp import McpTools
+from opentinker.tools.toolbox import ToolBox, validator_of
+from tests.conftest import tiny_spec
+from tests.served import ServedApp
 
 LOOPBACK = EnvHosts.parse("127.0.0.0/8")
 RSS_BOUND = 300 * 1024**2  # generous: the attack took gigabytes
@@ -263,7 +263,7 @@ def _pydantic_schemas() -> list[dict]:
     class Address(BaseModel):
         street: str
         city: str
-        zip: Optional[str] = Field(default=None, pattern=r"^\d{5}$")
+        zip: str | None = Field(default=None, pattern=r"^\d{5}$")
 
     class Person(BaseModel):
         name: str
@@ -280,15 +280,15 @@ def _pydantic_schemas() -> list[dict]:
 
     class Node(BaseModel):
         value: str
-        children: list["Node"] = []
+        children: list[Node] = []
 
     class Expr(BaseModel):
         op: Literal["add", "mul", "num"]
-        args: list[Union["Expr", float]] = []
+        args: list[Expr | float] = []
 
     class Call(BaseModel):
         person: Person
-        pet: Union[Cat, Dog] = Field(discriminator="kind")
+        pet: Cat | Dog = Field(discriminator="kind")
         tree: Node
         expr: Expr
         extra: JsonValue = None

@@ -31,12 +31,14 @@ def serve(
         console.print(f"[red]invalid options:[/] {err}")
         raise typer.Exit(2)
     try:
+        cap = get_settings().max_tokens_cap  # OPENTINKER_MAX_TOKENS_CAP
         with console.status(f"loading {checkpoint}"):
-            server = launch(checkpoint, spec, host or get_settings().host, port, name=name)
+            server = launch(checkpoint, spec, host or get_settings().host, port, name=name, max_tokens_cap=cap)
     except (ModelLoadError, RuntimeError, ValueError, OSError) as err:
         console.print(f"cannot serve: {err}", style="red", markup=False)
         raise typer.Exit(1)
-    console.print(f"serving [cyan]{server.model}[/] ({server.engine}) at [bold]{server.url}/v1[/]  (Ctrl-C stops)")
+    console.print(f"serving [cyan]{server.model}[/] ({server.engine}) at [bold]{server.url}/v1[/], completions of at most {cap} tokens "
+                  "(the length of one that gives no max_tokens, context allowing)  (Ctrl-C stops)")
     try:
         while server.alive():
             time.sleep(0.5)

@@ -75,9 +75,12 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, max_new_tokens: int) -> SamplingParams:
+        """The engine's parameters; `max_new_tokens`: the largest of the request's budgets (each row
+        keeps its own, SamplingParams' default of 24 would cut them all there)."""
         greedy = self.temperature == 0
-        return SamplingParams(temperature=1.0 if greedy else self.temperature, top_p=self.top_p, greedy=greedy)
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0 if greedy else self.temperature, top_p=self.top_p,
+                              greedy=greedy)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -235,7 +238,7 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         pictures = [row for row in images for _ in range(req.n)] if images else None
         limits = budgets(expanded, req, param)
         try:
-            return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(), req.seed, adapter, pictures))
+            return await asyncio.wrap_future(engine.generate(expanded, limits, req.sampling(max(limits)), req.seed, adapter, pictures))
         except KeyError:  # unloaded while the request waited
             raise OpenAIError(404, f"The model `{adapter}` does not exist.", param="model", code="model_not_found",
                               kind="NotFoundError") from None

@@ -56,3 +56,36 @@ def test_the_cap_is_the_default_and_the_limit(hf_server):
     response = httpx.post(f"{hf_server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0}, headers={"Authorization": "Bearer k"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
+
+def test_a_job_whose_server_cuts_its_turns_short_says_so_in_its_log(vllm_pool, vllm_tiny_path, tmp_path, caplog):
+    """A job samples through a vLLM server whose own cap on a completion (its generation config's
+    `max_new_tokens`, as `opentinker serve` sets from `max_tokens_cap`) is below the spec's
+    `max_new_tokens`: vLLM cuts every turn there and answers `finish_reason: length`, as if the job
+    had asked for it. The job goes on, and its log says what happened, once."""
+    import json
+    import logging
+
+    import torch
+
+    from opentinker.inference.engine_vllm import VLLMServer, merged_server_args
+    from opentinker.inference.launch import free_port
+    from opentinker.rl import RLJob
+    from tests.conftest import tiny_spec
+
+    vllm_pool.stop()  # room for this server
+    workdir = tmp_path / "server"
+    workdir.mkdir()
+    args, env = merged_server_args(vllm_tiny_path, None, "float32", workdir, vllm_tiny_path)
+    server = VLLMServer(args + ["--override-generation-config", json.dumps({"max_new_tokens": 3})], "127.0.0.1", free_port("127.0.0.1"),
+                        vllm_tiny_path, workdir, num_gpus=int(torch.cuda.is_available()), env=env, api_key="k")
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, optimization={"steps": 1},
+                     rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8})
+    job = RLJob(spec, job_id="cut-short", start_server=lambda *_: server.handle("merged"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="opentinker.backend.server_engine"):
+            result = job.run()
+    finally:
+        job.close()
+    assert result.steps_done == 1 and result.history[0]["rollout/turns_cut_by_server"] > 0
+    warnings = [r.getMessage() for r in caplog.records if "short of the" in r.getMessage()]
+    assert len(warnings) == 1 and "ended a turn at 3 tokens, short of the 8 asked" in warnings[0], warnings

@@ -127,6 +127,7 @@ class ServerRolloutEngine:
         self.stalled_seconds = 0.0  # time the job's requests waited on a paused or sleeping server (a metric)
         self._answered_at = time.monotonic()  # the last request answered (or the first sent after an idle spell)
         self._stalled: ServerStalled | None = None
+        self.turns_cut = 0  # completions the server ended at a budget below the one asked (its cap, its context): a metric
         self._closed = threading.Event()
         threading.Thread(target=self._watch, name="server-stall-watch", daemon=True).start()
 
@@ -168,6 +169,20 @@ class ServerRolloutEngine:
             out.append(Completion(ids, logprobs, "stop" if choice["finish_reason"] == "stop" else "length",
                                   [version] * len(ids) if version is not None else []))
         return out
+
+    def _note_cut(self, completions: list[Completion], budgets: list[int]) -> None:
+        """Turns ended at a length nobody asked for: the server's own cap (vLLM's generation config,
+        another server's max_tokens limit) or context is below the job's budget. Counted, and the
+        first one is a warning in the job's log (the job goes on, training on turns cut short)."""
+        cut = [(len(c.token_ids), b) for c, b in zip(completions, budgets) if c.finish_reason == "length" and len(c.token_ids) < b]
+        if not cut:
+            return
+        with self._names:
+            first, self.turns_cut = not self.turns_cut, self.turns_cut + len(cut)
+        if first:
+            log.warning("the inference server at %s ended a turn at %d tokens, short of the %d asked (rollout.max_new_tokens, or what is "
+                        "left of rollout.max_total_tokens): its own limit on a completion (a max_tokens cap, its context length) is lower, "
+                        "so the job trains on turns cut short (rollout/turns_cut_by_server counts them)", self.server.address, *cut[0])
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """A request to the server (every one this engine makes can be repeated: a completion is
@@ -214,6 +229,7 @@ class ServerRolloutEngine:
         completions = [results[i] for i in range(len(prompts))]
         with self._names:
             self.generated_tokens += sum(len(c.token_ids) for c in completions)
+        self._note_cut(completions, [max(1, b) for b in budgets])
         return completions
 
     @property
@@ -262,8 +278,9 @@ class ServerRolloutEngine:
             return None
 
     def server_metrics(self) -> dict[str, float]:
-        """What the job's metrics say of its server: time stalled under it, transport faults retried."""
-        return {"rollout/server_stalled_seconds": self.stalled_seconds, "rollout/transport_retries": float(self.calls.retried)}
+        """What the job's metrics say of its server: time stalled under it, transport faults retried, turns it cut short."""
+        return {"rollout/server_stalled_seconds": self.stalled_seconds, "rollout/transport_retries": float(self.calls.retried),
+                "rollout/turns_cut_by_server": float(self.turns_cut)}
 
     def end_phase(self) -> None:
         """Nothing to free here: the server manages its own cache."""

@@ -13,8 +13,9 @@
 
 Errors use OpenAI's body, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid
 requests, including a prompt plus `max_tokens` over the context length (code
-`context_length_exceeded`), 404 for a model that is not served. `temperature: 0` is greedy.
-Streaming sends the reply token by token once it is generated (the CPU engine generates a whole
+`context_length_exceeded`), a body that is not JSON we read and a chat history no template should
+be handed (chat_rules.py, before any route runs), 404 for a model that is not served.
+`temperature: 0` is greedy. Streaming sends the reply token by token once it is generated (the CPU engine generates a whole
 batch at once), so streaming clients work unchanged but see no earlier first token.
 """
 
@@ -41,9 +42,10 @@ from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.own_servers import SERVER_KEEP_ALIVE_S
 from opentinker.core.polling import wait_for
 from opentinker.env.observation import MAX_IMAGES, from_data_url
+from opentinker.inference.chat_rules import ROLES, BadChatRequest, CheckedBodies
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 from opentinker.inference.lora_routes import add_lora_routes
-from opentinker.inference.tool_calls import BadToolRequest, message_fields, read_tools, render, reply, stream_deltas, uses_tools
+from opentinker.inference.tool_calls import message_fields, read_tools, render, reply, stream_deltas, uses_tools
 
 _UNSUPPORTED = ("functions", "logit_bias", "response_format", "top_logprobs", "echo", "best_of", "suffix")
 
@@ -92,7 +94,7 @@ class _Sampling(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[dict[str, Any]] | None = None
 
     def content_for(self, takes_images: bool) -> str | list[dict[str, Any]]:
@@ -266,15 +268,15 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         try:
             tooling = read_tools(req.model_extra or {})
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content_for(engine.takes_images),
-                         **message_fields(m.role, m.model_extra or {})} for m in req.messages]
-        except BadToolRequest as err:
+                         **message_fields(i, m.role, m.model_extra or {})} for i, m in enumerate(req.messages)]
+        except BadChatRequest as err:
             raise OpenAIError(400, str(err), param=err.param) from None
         if sum(1 for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image") > MAX_IMAGES:
             raise OpenAIError(400, f"messages: at most {MAX_IMAGES} images a request", param="messages")
         try:  # with tools, calls or results: rendered as training renders them (opentinker.tools.formats)
             chunk = Chunk(engine.chat.encode(render(engine.chat.tools, messages, tooling.tools))) if uses_tools(
                 messages, tooling.tools) else engine.chat_prompt(messages)
-        except BadToolRequest as err:
+        except BadChatRequest as err:
             raise OpenAIError(400, str(err), param=err.param) from None
         except ValueError as err:
             raise OpenAIError(400, f"messages: {err}", param="messages") from None
@@ -334,7 +336,7 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
 
     if engine.adapters is not None:
         add_lora_routes(app, engine, OpenAIError)
-    guarded = BodyLimit(app, max_request_bytes)
+    guarded = BodyLimit(CheckedBodies(app), max_request_bytes)  # JSON we read, histories we render (chat_rules.py), else a 400
     return BearerToken(guarded, lambda: [api_key], open_paths=("/health",)) if api_key else guarded
 
 

@@ -17,15 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from opentinker.inference.chat_rules import BadChatRequest, call_arguments, shown
 from opentinker.tools.formats import ToolFormat
-
-
-class BadToolRequest(ValueError):
-    """A request's tools that cannot be served; `param` names the field (a 400)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -38,47 +31,38 @@ def read_tools(extra: dict[str, Any]) -> ToolRequest:
     """The request's `tools` and `tool_choice` (fields the request model keeps as extras)."""
     tools, choice = extra.get("tools"), extra.get("tool_choice")
     if choice not in (None, "auto", "none"):
-        shown = json.dumps(choice) if not isinstance(choice, str) else repr(choice)
-        raise BadToolRequest(f"tool_choice {shown} is not supported by this server: use 'auto' or 'none'", "tool_choice")
+        raise BadChatRequest(f"tool_choice {shown(choice)} is not supported by this server: use 'auto' or 'none'", "tool_choice")
     if tools is None:
         return ToolRequest(None, False)
     if not isinstance(tools, list) or not tools:
-        raise BadToolRequest("tools: must be a non-empty list of function schemas", "tools")
+        raise BadChatRequest("tools: must be a non-empty list of function schemas", "tools")
     return ToolRequest([_function(t, i) for i, t in enumerate(tools)], choice != "none")
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:
     function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-        raise BadToolRequest(f'tools[{index}]: must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}', "tools")
+        raise BadChatRequest(f'tools[{index}]: must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}', "tools")
     if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-        raise BadToolRequest(f"tools[{index}].function.parameters: must be a JSON Schema object", "tools")
+        raise BadChatRequest(f"tools[{index}].function.parameters: must be a JSON Schema object", "tools")
     out = {"name": function["name"], "description": function.get("description"), "parameters": function.get("parameters")}
     if function.get("strict") is not None:
         out["strict"] = function["strict"]
     return {"type": "function", "function": out}
 
 
-def message_fields(role: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """What a chat message carries besides its role and content: an assistant's `tool_calls`
-    (arguments as objects), a tool result's `tool_call_id` and `name`."""
+def message_fields(index: int, role: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """What chat message `index` carries besides its role and content: an assistant's `tool_calls`
+    (arguments as objects; the history is checked already, chat_rules.check_messages), a tool
+    result's `tool_call_id` and `name`."""
     if role == "tool":
         return {k: extra[k] for k in ("tool_call_id", "name") if extra.get(k) is not None}
     calls = extra.get("tool_calls") if role == "assistant" else None
     if not calls:
         return {}
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
-        raise BadToolRequest('messages: an assistant\'s tool_calls are [{"id", "type": "function", "function": {"name", "arguments"}}]', "messages")
-    out = []
-    for call in calls:
-        function = dict(call["function"])
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                raise BadToolRequest(f"messages: the arguments of tool call {call.get('id')!r} are not JSON", "messages") from None
-        out.append({**call, "type": "function", "function": function})
-    return {"tool_calls": out}
+    return {"tool_calls": [{**call, "type": "function", "function": {**call["function"],
+                                                                     "arguments": call_arguments(call, f"messages[{index}].tool_calls[{j}]")}}
+                           for j, call in enumerate(calls)]}
 
 
 def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> bool:
@@ -89,7 +73,7 @@ def uses_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
 def render(tools_format: ToolFormat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     """The prompt, ending with the assistant's generation prompt, as training renders it."""
     if any(not isinstance(m.get("content"), (str, type(None))) for m in messages):
-        raise BadToolRequest("messages: images are not taken together with tools, tool calls or tool results", "messages")
+        raise BadChatRequest("messages: images are not taken together with tools, tool calls or tool results", "messages")
     return tools_format.render([m | {"content": m.get("content") or ""} for m in messages], tools, add_generation_prompt=True)
 
 

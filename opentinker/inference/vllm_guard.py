@@ -10,6 +10,10 @@ every route vLLM has or adds later.
   that to every local user); no key: no guard (a server its operator opened on purpose).
 - A request body over the stack's limit is refused with 413 while it streams in, before vLLM
   buffers it (OPENTINKER_MAX_REQUEST_BYTES).
+- A request body that is not JSON we read (nested too deep, invalid UTF-8, ...) or a chat history
+  no template should be handed (an unknown role, an assistant's call whose arguments are not a
+  JSON object, or nest 5,000 deep: vLLM answered that one 500, RecursionError) is a 400 with one
+  line naming the message, before vLLM reads it (chat_rules.py, the checks our server makes).
 - A route that raises (a refused `/collective_rpc` call does) answers 500 with one line and keeps
   its connection: vLLM's Starlette closed it, and the client's next request on it failed in transport.
 
@@ -22,13 +26,15 @@ import logging
 import os
 
 from opentinker.core.asgi import BearerToken, BodyLimit, ServerErrors
+from opentinker.inference.chat_rules import CheckedBodies
 
 KEY_VARIABLE = "OPENTINKER_SERVER_KEY"
 
 
 class Guard:
     def __init__(self, app):
-        inner = BodyLimit(ServerErrors(app, logging.getLogger("opentinker.vllm_guard")), int(os.environ["OPENTINKER_MAX_REQUEST_BYTES"]))
+        inner = BodyLimit(ServerErrors(CheckedBodies(app), logging.getLogger("opentinker.vllm_guard")),
+                          int(os.environ["OPENTINKER_MAX_REQUEST_BYTES"]))
         key = os.environ.get(KEY_VARIABLE)  # read at every construction: a second API server process guards too
         self.app = BearerToken(inner, lambda: (key,), open_paths=("/health",)) if key else inner
 

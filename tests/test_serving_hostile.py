@@ -1,0 +1,153 @@
+"""`opentinker serve` with `tools=`, against what a client or a model may send it (issue 69), on both
+engines, through the openai SDK:
+
+- a reply's calls of functions the request never declared are content (and the server's log
+  says so), never `tool_calls`;
+- a history no template should be handed (an assistant's call whose arguments nest 5,000 deep,
+  are not JSON, are huge or are not an object; an unknown role; a body nested past any request's
+  need) is a 400 with one line, never a 500;
+- vLLM's constrained modes (`tool_choice` naming a function or "required", `parallel_tool_calls:
+  false`) answer arguments that validate against the declared schema;
+- a call left unclosed at the end of generation is content, streamed and not.
+
+The model's replies are forced, since the tiny random model writes no calls of its own: on the
+HF server its sampling is replaced by the reply's tokens (the HTTP, rendering, parsing and
+streaming are the server's own); on vLLM its own sampling is held to the reply's text
+(structured outputs, a regular expression), or, for the constrained modes, to nothing but what
+vLLM itself constrains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import Future
+
+import httpx
+import pytest
+
+from tests.conftest import tiny_spec
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+# a schema whose every valid value is short, so that the random model's constrained arguments end within a small budget
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick an operation.", "parameters": {
+    "type": "object", "properties": {"op": {"enum": ["add", "sub"]}, "exact": {"type": "boolean"}}, "required": ["op", "exact"],
+    "additionalProperties": False}}}
+MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2 + 3?"}]
+CALL_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+CALL_RM = '<tool_call>\n{"name": "rm", "arguments": {"path": "/"}}\n</tool_call>'
+UNCLOSED = '<tool_call>\n{"name": "add", "arguments": {"a": 2'
+
+
+def history(arguments) -> list[dict]:
+    """The conversation after an assistant's call of `add` with these arguments, and its result."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+    return MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+
+
+BAD_HISTORIES = {  # what each is, the history, and what the one line says
+    "arguments nested 5,000 deep": (history("[" * 5000 + "]" * 5000), "nested 5000 levels deep, over the limit of 64"),
+    "arguments that are not JSON": (history("{not json"), r"messages\[2\]\.tool_calls\[0\]\.function\.arguments: not JSON"),
+    "arguments of 2 MB": (history(json.dumps({"a": "x" * 2_000_000})), "over the limit of 1048576"),
+    "arguments that are a list": (history("[1, 2]"), "must be a JSON object, not"),
+    "an unknown role": (MESSAGES + [{"role": "wizard", "content": "hi"}], r"messages\[2\]\.role: 'wizard' is not a role"),
+    "a user's tool calls": (MESSAGES[:1] + [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "add"}}]}],
+                            "only an assistant message carries tool calls"),
+    "content that is a number": (MESSAGES + [{"role": "user", "content": 7}], r"messages\[2\]\.content: must be text"),
+}
+
+
+def stream_text(client, **request) -> tuple[str, list, str]:
+    """(the streamed content, the streamed tool-call deltas, the finish reason) of one streamed reply."""
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **request) if c.choices]
+    return ("".join(c.delta.content or "" for c in chunks), [d for c in chunks for d in c.delta.tool_calls or []],
+            chunks[-1].finish_reason)
+
+
+def check_refusals(url: str, client) -> None:
+    """Every bad history is a 400 with its one line, by the SDK and by a raw body no SDK would send."""
+    from openai import BadRequestError
+
+    for what, (messages, says) in BAD_HISTORIES.items():
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(model="policy", messages=messages, tools=[ADD], max_tokens=4)
+        assert refused.value.status_code == 400 and re.search(says, refused.value.message), (what, refused.value.message)
+        assert "\n" not in refused.value.message and len(refused.value.message) < 400, what
+    auth = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    deep = '{"model": "policy", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "user": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    for body, says in ((deep.encode(), "nested 100001 levels deep"), (b'{"messages": "\xff\xfe"}', "not UTF-8")):
+        response = httpx.post(f"{url}/v1/chat/completions", content=body, headers=auth, timeout=60)
+        assert response.status_code == 400 and says in response.json()["error"]["message"], response.text[:300]
+
+
+# --- the HF engine -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_served():
+    """The HF server on the tiny model, whose sampling answers every prompt with `replies[-1]` (set by each test)."""
+    from opentinker.backend.rollout import Completion
+    from opentinker.inference.engine_hf import HFEngine
+    from opentinker.inference.server import create_app, serve_in_thread
+    from opentinker.model.loading import load_base
+
+    model, tokenizer = load_base("tiny-random")
+    engine = HFEngine(model, tokenizer)
+    replies = [CALL_ADD]
+
+    def generate(batch, budgets, params, seed=None, adapter=None, images=None, **_):
+        ids = tokenizer(replies[-1], add_special_tokens=False)["input_ids"]
+        done: Future = Future()
+        done.set_result([Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop") for _ in batch])
+        return done
+
+    engine.generate = generate
+    running = serve_in_thread(create_app(engine, "policy", api_key="k"), "127.0.0.1", 0, model="policy", close=engine.close)
+    yield running, replies
+    running.stop()
+
+
+def test_the_hf_server_refuses_bad_histories_with_400(hf_served):
+    from openai import OpenAI
+
+    running, replies = hf_served
+    client = OpenAI(base_url=f"{running.url}/v1", api_key="k")
+    check_refusals(running.url, client)
+    replies.append("5")
+    fine = client.chat.completions.create(model="policy", messages=history('{"a": 2, "b": 3}'), tools=[ADD], max_tokens=4)
+    assert fine.choices[0].message.content == "5"  # a good history still answers
+
+
+# --- vLLM ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_served(vllm_pool, vllm_tiny_path, tmp_path_factory):
+    """`opentinker serve --engine vllm` (the launch it runs) on a checkpoint of the tiny model."""
+    from opentinker.core.hardware import detect_gpus
+    from opentinker.inference.launch import launch
+    from opentinker.inference.spec import InferenceSpec
+    from tests.vllm_fixtures import lora_checkpoint
+
+    vllm_pool.stop()  # room for this server
+    url = lora_checkpoint(tiny_spec(tmp_path_factory.mktemp("hostile"), model={"name": vllm_tiny_path}), "hostile-serving")
+    server = launch(url, InferenceSpec(model_path=url, engine="vllm", num_gpus=int(detect_gpus() > 0)), "127.0.0.1", name="policy",
+                    api_key="k", max_tokens_cap=128)
+    yield server
+    server.stop()
+
+
+def forced(text: str) -> dict:
+    """The request's extra body that holds the model's own sampling to `text` (vLLM's structured outputs)."""
+    return {"structured_outputs": {"regex": re.sub(r"[\\.^$*+?{}\[\]|()]", lambda m: "\\" + m.group(), text).replace("\n", "\\n")}}
+
+
+def test_vllm_refuses_bad_histories_with_400(vllm_served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vllm_served.url}/v1", api_key="k")
+    check_refusals(vllm_served.url, client)
+    fine = client.chat.completions.create(model="policy", messages=history('{"a": 2, "b": 3}'), tools=[ADD], max_tokens=4)
+    assert fine.choices[0].finish_reason in ("stop", "length")

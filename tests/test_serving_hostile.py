@@ -109,6 +109,28 @@ def hf_served():
     running.stop()
 
 
+def test_the_hf_server_returns_only_declared_calls(hf_served, caplog):
+    from openai import OpenAI
+
+    running, replies = hf_served
+    client = OpenAI(base_url=f"{running.url}/v1", api_key="k")
+    replies.append(CALL_ADD)  # declared: a call
+    answer = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD, PICK], max_tokens=64)
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["add"]
+    for text in (CALL_RM, CALL_ADD + "\n" + CALL_RM):  # a call of anything else, alone or after a declared one
+        replies.append(text)
+        with caplog.at_level(logging.WARNING, logger="opentinker.inference.tool_calls"):
+            answer = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD, PICK], max_tokens=64)
+        choice = answer.choices[0]
+        assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
+        assert "the reply calls 'rm', which the request did not declare (it declared add, pick): returned as content" in caplog.text
+        caplog.clear()
+        assert stream_text(client, model="policy", messages=MESSAGES, tools=[ADD, PICK], max_tokens=64) == (text, [], "stop")
+    replies.append(CALL_ADD + "\n" + CALL_ADD.replace('"a": 2', '"a": 7'))  # parallel_tool_calls false: the first call only
+    answer = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD], max_tokens=64, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["a"] for c in answer.choices[0].message.tool_calls] == [2]
+
+
 def test_the_hf_server_refuses_bad_histories_with_400(hf_served):
     from openai import OpenAI
 
@@ -143,6 +165,19 @@ def forced(text: str) -> dict:
     """The request's extra body that holds the model's own sampling to `text` (vLLM's structured outputs)."""
     return {"structured_outputs": {"regex": re.sub(r"[\\.^$*+?{}\[\]|()]", lambda m: "\\" + m.group(), text).replace("\n", "\\n")}}
 
+
+def test_vllm_returns_only_declared_calls(vllm_served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vllm_served.url}/v1", api_key="k")
+    request = {"model": "policy", "messages": MESSAGES, "tools": [ADD, PICK], "temperature": 0, "max_tokens": 96}
+    answer = client.chat.completions.create(**request, extra_body=forced(CALL_ADD))
+    assert [c.function.name for c in answer.choices[0].message.tool_calls] == ["add"]
+    for text in (CALL_RM, CALL_ADD + "\n" + CALL_RM):
+        choice = client.chat.completions.create(**request, extra_body=forced(text)).choices[0]
+        assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
+    assert "the reply calls 'rm', which the request did not declare (it declared add, pick): returned as content" in \
+        vllm_served.log.read_text()
 
 def test_vllm_refuses_bad_histories_with_400(vllm_served):
     from openai import OpenAI

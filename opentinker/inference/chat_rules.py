@@ -1,5 +1,6 @@
-"""What both servers hold a chat request to, the same on either engine: ours (server.py,
-tool_calls.py) and vLLM's (vllm_guard.py, before vLLM reads a request). It runs inside vLLM's process too, so it imports only the standard library and
+"""What both servers hold a chat request and a reply's tool calls to, the same on either engine: ours
+(server.py, tool_calls.py) and vLLM's (vllm_guard.py before vLLM reads a request, vllm_tools.py on
+its replies). It runs inside vLLM's process too, so it imports only the standard library and
 opentinker.core.json_text.
 
 A request body must be JSON we read (`loads_bounded`: nesting, size, numbers, UTF-8), and a chat
@@ -7,6 +8,10 @@ history one the template can render: known roles, text or content parts, and an 
 as `{"function": {"name", "arguments"}}` whose arguments are a JSON object (as text or as an
 object). Anything else is a 400 naming the message and the reason, before any engine or template
 sees it: a history call whose arguments nest 5,000 deep was a 500 (RecursionError) on both engines.
+
+A reply's `<tool_call>` blocks are tool calls only when every one of them parses, as training
+parses them, and names a function the request declared; otherwise the whole reply is content, the
+model's text as it wrote it, and the server logs one line saying why (`undeclared`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,21 @@ def check_body(raw: bytes) -> None:
     data = read_body(raw)
     if isinstance(data, dict) and "messages" in data:
         check_messages(data["messages"])
+
+
+def declared_names(tools: Any) -> set[str]:
+    """The function names a request's `tools` declare."""
+    return {t["function"]["name"] for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)}
+
+
+def undeclared(names: Iterable[str], declared: set[str]) -> str | None:
+    """Why calls of `names` are not returned as tool calls (None: every one is declared)."""
+    unknown = sorted({n for n in names if n not in declared})
+    if not unknown:
+        return None
+    return (f"the reply calls {', '.join(shown(n) for n in unknown)}, which the request did not declare (it declared "
+            f"{', '.join(sorted(declared)) or 'none'}): returned as content")
 
 
 # --- the ASGI guard ----------------------------------------------------------------------------

@@ -100,8 +100,10 @@ def model_args(checkpoint_url: str, workdir: Path, name: str, adapters: bool, ma
 
 def tool_args(tokenizer, workdir: Path) -> list[str]:
     """vLLM's switches that take OpenAI's `tools=` and answer `tool_calls` in the format the policy
-    was trained in (opentinker.tools.formats): its `hermes` parser (text `<tool_call>` JSON blocks,
-    as training parses them) and, where the model's own template does not render tools, the hermes
+    was trained in (opentinker.tools.formats): the tool parser `opentinker` (vllm_tools.py: vLLM's
+    `hermes` parser of text `<tool_call>` JSON blocks, held to the rules our server keeps: calls
+    parsed as training parses them, of declared functions only, constrained calls' arguments held
+    to their schema) and, where the model's own template does not render tools, the hermes
     default training renders with, as the chat template: a file in the server's work folder (vLLM
     reads `--chat-template` as a path, and a literal only after unescaping it). A tokenizer without
     a chat template offers no tools (vLLM then refuses `tool_choice` plainly)."""
@@ -112,7 +114,7 @@ def tool_args(tokenizer, workdir: Path) -> list[str]:
     except Exception as err:  # noqa: BLE001 - serving goes on, without tools
         log.warning(f"tool calls are not offered: {type(err).__name__}: {err}")
         return []
-    args = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args = ["--enable-auto-tool-choice", "--tool-parser-plugin", "opentinker.inference.vllm_tools", "--tool-call-parser", "opentinker"]
     if tools.chat_template is not None:
         template = workdir / "tool_chat_template.jinja"
         template.write_text(tools.chat_template)

@@ -5,7 +5,7 @@
     POST /v1/chat/completions  messages in, the assistant's reply out (stream=true: server-sent events);
                                a vision-language checkpoint also takes `image_url` parts with data: URLs;
                                `tools` (tool_choice auto/none) are rendered and the reply's calls parsed
-                               as the policy was trained to (tool_calls.py)
+                               as the policy was trained to, of declared functions only (tool_calls.py)
     POST /v1/completions       raw prompt(s) in (text or token ids), continuation(s) out (stream=true:
                                server-sent events); `logprobs: 0` gives each sampled token's logprob,
                                `return_token_ids` / `return_tokens_as_token_ids` the tokens as ids
@@ -283,7 +283,7 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
         prompt = chunk.ids
         completions = await run([prompt], req, "messages", adapter, [[chunk.visual]] if chunk.visual else None)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
-        replies = [reply(engine.chat.tools, text, reason) if tooling.parse else ({"role": "assistant", "content": text}, reason)
+        replies = [reply(engine.chat.tools, text, reason, tooling) if tooling.parse else ({"role": "assistant", "content": text}, reason)
                    for _, text, reason in outs]
         rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name
         use = usage([prompt], req.n, completions)

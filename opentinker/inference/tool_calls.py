@@ -6,37 +6,48 @@ A request's tools are read as vLLM reads them (a function's name, description an
 `strict` when given), and an assistant message's call arguments as objects, so both engines render
 one request to the same prompt. `tool_choice` is "auto" (the default) or "none" (the tools are in
 the prompt, the reply is not parsed); a required or named call is refused: nothing here forces a
-model to call. A reply whose `<tool_call>` blocks parse has `tool_calls`, the text before the first
-call as `content` (or null) and `finish_reason` "tool_calls"; a malformed call stays text.
+model to call; `parallel_tool_calls: false` returns a reply's first call only (as vLLM does). A
+reply has `tool_calls` when every one of its `<tool_call>` blocks parses and names a declared
+function (chat_rules.py): the text before the first call is `content` (or null) and
+`finish_reason` is "tool_calls". Otherwise (a malformed or unclosed call, a call of anything the
+request did not declare) the whole reply is content, and the server logs one line saying why.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from opentinker.inference.chat_rules import BadChatRequest, call_arguments, shown
+from opentinker.inference.chat_rules import BadChatRequest, call_arguments, declared_names, shown, undeclared
 from opentinker.tools.formats import ToolFormat
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ToolRequest:
     tools: list[dict[str, Any]] | None  # as the template takes them
     parse: bool  # whether the reply's calls are read (tool_choice "auto" with tools)
+    single: bool = False  # parallel_tool_calls: false, a reply's first call only
+    names: set[str] = field(default_factory=set)  # the functions declared: the only calls a reply returns
 
 
 def read_tools(extra: dict[str, Any]) -> ToolRequest:
-    """The request's `tools` and `tool_choice` (fields the request model keeps as extras)."""
-    tools, choice = extra.get("tools"), extra.get("tool_choice")
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls` (fields the request model keeps as extras)."""
+    tools, choice, parallel = extra.get("tools"), extra.get("tool_choice"), extra.get("parallel_tool_calls")
     if choice not in (None, "auto", "none"):
         raise BadChatRequest(f"tool_choice {shown(choice)} is not supported by this server: use 'auto' or 'none'", "tool_choice")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadChatRequest("parallel_tool_calls: must be true or false", "parallel_tool_calls")
     if tools is None:
         return ToolRequest(None, False)
     if not isinstance(tools, list) or not tools:
         raise BadChatRequest("tools: must be a non-empty list of function schemas", "tools")
-    return ToolRequest([_function(t, i) for i, t in enumerate(tools)], choice != "none")
+    functions = [_function(t, i) for i, t in enumerate(tools)]
+    return ToolRequest(functions, choice != "none", parallel is False, declared_names(functions))
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:
@@ -77,13 +88,19 @@ def render(tools_format: ToolFormat, messages: list[dict[str, Any]], tools: list
     return tools_format.render([m | {"content": m.get("content") or ""} for m in messages], tools, add_generation_prompt=True)
 
 
-def reply(tools_format: ToolFormat, text: str, reason: str) -> tuple[dict[str, Any], str]:
-    """(the assistant message, finish_reason) of one completion: its calls where any parse."""
+def reply(tools_format: ToolFormat, text: str, reason: str, tooling: ToolRequest) -> tuple[dict[str, Any], str]:
+    """(the assistant message, finish_reason) of one completion: its calls where every one parses
+    and is declared, else its text (and a log line saying why)."""
     turn = tools_format.parse(text)
-    if not turn.calls:
+    if not turn.attempted:
+        return {"role": "assistant", "content": text}, reason
+    why = "; ".join(turn.errors) if turn.errors else undeclared([c.name for c in turn.calls], tooling.names)
+    if why:
+        log.warning("a reply's tool calls were not returned as calls: %s", why[:500])
         return {"role": "assistant", "content": text}, reason
     calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in turn.calls]
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+             for c in (turn.calls[:1] if tooling.single else turn.calls)]
     return {"role": "assistant", "content": turn.content or None, "tool_calls": calls}, "tool_calls"
 
 

@@ -142,6 +142,18 @@ def test_the_hf_server_refuses_bad_histories_with_400(hf_served):
     assert fine.choices[0].message.content == "5"  # a good history still answers
 
 
+def test_the_hf_server_returns_unclosed_and_unreadable_calls_as_content(hf_served):
+    from openai import OpenAI
+
+    running, replies = hf_served
+    client = OpenAI(base_url=f"{running.url}/v1", api_key="k")
+    for text in (UNCLOSED, "<tool_call>" + "[" * 600, '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>"):
+        replies.append(text)
+        answer = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD], max_tokens=64)
+        assert answer.choices[0].message.content == text and not answer.choices[0].message.tool_calls
+        assert stream_text(client, model="policy", messages=MESSAGES, tools=[ADD], max_tokens=64) == (text, [], "stop")
+
+
 # --- vLLM ----------------------------------------------------------------------------------------
 
 
@@ -176,8 +188,13 @@ def test_vllm_returns_only_declared_calls(vllm_served):
     for text in (CALL_RM, CALL_ADD + "\n" + CALL_RM):
         choice = client.chat.completions.create(**request, extra_body=forced(text)).choices[0]
         assert choice.message.content == text and not choice.message.tool_calls and choice.finish_reason == "stop"
+        assert stream_text(client, **request, extra_body=forced(text)) == (text, [], "stop")
     assert "the reply calls 'rm', which the request did not declare (it declared add, pick): returned as content" in \
         vllm_served.log.read_text()
+    content, calls, reason = stream_text(client, **request, extra_body=forced("Sure.\n" + CALL_ADD))
+    assert content == "Sure." and reason == "tool_calls"
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in calls] == [(0, "add", {"a": 2, "b": 3})]
+
 
 def test_vllm_refuses_bad_histories_with_400(vllm_served):
     from openai import OpenAI
@@ -186,3 +203,13 @@ def test_vllm_refuses_bad_histories_with_400(vllm_served):
     check_refusals(vllm_served.url, client)
     fine = client.chat.completions.create(model="policy", messages=history('{"a": 2, "b": 3}'), tools=[ADD], max_tokens=4)
     assert fine.choices[0].finish_reason in ("stop", "length")
+
+
+def test_vllm_returns_unclosed_calls_as_content(vllm_served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vllm_served.url}/v1", api_key="k")
+    request = {"model": "policy", "messages": MESSAGES, "tools": [ADD], "temperature": 0, "max_tokens": 96, "extra_body": forced(UNCLOSED)}
+    answer = client.chat.completions.create(**request)
+    assert answer.choices[0].message.content == UNCLOSED and not answer.choices[0].message.tool_calls
+    assert stream_text(client, **request) == (UNCLOSED, [], "stop")

@@ -6,6 +6,9 @@ held to the rules both engines keep (chat_rules.py):
   (opentinker.tools.formats, bounded) and names a function the request declared; otherwise it is
   content, the model's text as written, and vLLM's log has one line saying why (vLLM's own parser
   returned calls of functions nobody declared);
+- streamed, the text before the first call goes out as it comes, and from the first `<tool_call>`
+  on the reply waits for the end of generation: then its calls, each whole in one delta, or its
+  text (vLLM's parser streamed an unclosed call's first pieces as a call, or nothing);
 
 It imports vLLM, the standard library and the two project modules that import nothing else
 (opentinker.tools.formats, opentinker.inference.chat_rules).
@@ -17,9 +20,12 @@ import json
 import logging
 from typing import Any
 
-from vllm.entrypoints.generate.base.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
+from vllm.entrypoints.generate.base.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, ExtractedToolCallInformation,
+                                                     FunctionCall, ToolCall)
+from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from vllm.tool_parsers.utils import partial_tag_overlap
 
 from opentinker.inference.chat_rules import undeclared
 from opentinker.tools.formats import CALL_OPEN, ParsedTurn, ToolFormat
@@ -36,6 +42,13 @@ def _hermes(tokenizer: Any) -> ToolFormat:
 
 @ToolParserManager.register_module("opentinker")
 class ServedToolCalls(Hermes2ProToolParser):
+    # vLLM hands this parser each delta alone and asks `finish_streaming` at the end of generation
+    engine_based_streaming = True
+
+    def __init__(self, tokenizer: Any, tools: Any = None):
+        super().__init__(tokenizer, tools)
+        self._text, self._sent, self._request = "", 0, None  # a stream's reply so far, how much went out as content
+
     def _turn(self, text: str, request: Any) -> ParsedTurn | None:
         """The reply's calls, or None where it is content (logged when it held calls that are not returned)."""
         if request.tool_choice == "none" or CALL_OPEN not in text:
@@ -54,3 +67,33 @@ class ServedToolCalls(Hermes2ProToolParser):
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         calls = [ToolCall(function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False))) for c in turn.calls]
         return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=turn.content or None)
+
+    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str, previous_token_ids: Any,
+                                     current_token_ids: Any, delta_token_ids: Any, request: Any) -> DeltaMessage | None:
+        self._text += delta_text
+        self._request = request
+        start = self._text.find(CALL_OPEN)
+        if request.tool_choice == "none":
+            return self._content(len(self._text))
+        if start == -1:  # a tag's first characters wait for the next delta
+            return self._content(len(self._text) - partial_tag_overlap(self._text, CALL_OPEN))
+        return self._content(start)
+
+    def _content(self, upto: int, final: bool = False) -> DeltaMessage | None:
+        """The text up to `upto` not sent yet; trailing whitespace waits (a call after it drops it, as parsing strips it)."""
+        piece = self._text[self._sent:upto]
+        piece = piece if final else piece.rstrip()
+        if not piece:
+            return None
+        self._sent += len(piece)
+        return DeltaMessage(content=piece)
+
+    def finish_streaming(self) -> DeltaMessage | None:
+        turn = self._turn(self._text, self._request) if self._request is not None else None
+        if turn is None:
+            return self._content(len(self._text), final=True)  # the reply is text: what was held goes out as it is
+        self._sent = len(self._text)
+        return DeltaMessage(tool_calls=[
+            DeltaToolCall(index=k, id=make_tool_call_id(), type="function",
+                          function=DeltaFunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
+            for k, c in enumerate(turn.calls)])

@@ -205,6 +205,36 @@ def test_vllm_refuses_bad_histories_with_400(vllm_served):
     assert fine.choices[0].finish_reason in ("stop", "length")
 
 
+def test_vllm_constrained_calls_answer_arguments_of_the_declared_schema(vllm_served):
+    """Nothing forces the text here: vLLM's constraint alone holds the call's name and, now, its
+    arguments (they were any JSON: `null`, `"/"`, `[0]`). Named, and one call asked for, a reply is
+    one call. "required" lets the random model call again and again until its budget cuts the last
+    call short, which makes the reply content: every call it closed is read from that text."""
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{vllm_served.url}/v1", api_key="k")
+    base = {"model": "policy", "messages": MESSAGES, "temperature": 0, "max_tokens": 128}
+    modes = {"named": {"tools": [ADD, PICK], "tool_choice": {"type": "function", "function": {"name": "pick"}}},
+             "required, one call": {"tools": [PICK], "tool_choice": "required", "parallel_tool_calls": False},
+             "required": {"tools": [PICK], "tool_choice": "required"}}
+    for mode, request in modes.items():
+        choice = client.chat.completions.create(**base, **request).choices[0]
+        if mode != "required":
+            assert len(choice.message.tool_calls or []) == 1 and choice.finish_reason in ("stop", "tool_calls"), (mode, choice)
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+            streamed = stream_text(client, **base, **request)[1]
+            assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed] == calls, mode
+        else:
+            closed = [json.loads(b) for b in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", choice.message.content or "", re.S)]
+            calls = [(c["name"], c["arguments"]) for c in closed] if not choice.message.tool_calls else [
+                (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert calls, (mode, choice)
+        for name, arguments in calls:
+            assert name == "pick", mode
+            jsonschema.validate(arguments, PICK["function"]["parameters"])
+
+
 def test_vllm_returns_unclosed_calls_as_content(vllm_served):
     from openai import OpenAI
 

@@ -9,8 +9,13 @@ held to the rules both engines keep (chat_rules.py):
 - streamed, the text before the first call goes out as it comes, and from the first `<tool_call>`
   on the reply waits for the end of generation: then its calls, each whole in one delta, or its
   text (vLLM's parser streamed an unclosed call's first pieces as a call, or nothing);
+- where vLLM constrains a call (`tool_choice` "required" or naming a function,
+  `parallel_tool_calls: false`), the arguments are held to the function's schema too, as
+  `--tool-strict-level parameter` would hold them: vLLM's default constrains such a call's name
+  but leaves its arguments any JSON (`null`, `"/"`, `[0]` came back). `tool_choice: auto` is left
+  unconstrained: the policy samples as it was trained.
 
-It imports vLLM, the standard library and the two project modules that import nothing else
+It imports vLLM (with its pydantic and xgrammar), the standard library and the two project modules that import nothing else
 (opentinker.tools.formats, opentinker.inference.chat_rules).
 """
 
@@ -20,17 +25,23 @@ import json
 import logging
 from typing import Any
 
+from pydantic import BaseModel
 from vllm.entrypoints.generate.base.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, ExtractedToolCallInformation,
                                                      FunctionCall, ToolCall)
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
 from vllm.tool_parsers.utils import partial_tag_overlap
+from xgrammar.structural_tag import JSONSchemaFormat
 
 from opentinker.inference.chat_rules import undeclared
 from opentinker.tools.formats import CALL_OPEN, ParsedTurn, ToolFormat
 
 log = logging.getLogger("vllm.opentinker.tool_calls")  # under vLLM's logger, whose handler writes the server's log
+# consecutive whitespace characters in constrained arguments: one, as training writes a call's JSON (json.dumps, ", " and ": ");
+# unbounded, the tiny model's arguments were whitespace until its budget ran out
+MAX_WHITESPACE = 1
 _FORMATS: dict[int, ToolFormat] = {}  # one per tokenizer (the server has one): its construction renders a template
 
 
@@ -38,6 +49,18 @@ def _hermes(tokenizer: Any) -> ToolFormat:
     if id(tokenizer) not in _FORMATS:
         _FORMATS[id(tokenizer)] = ToolFormat(tokenizer, "hermes")
     return _FORMATS[id(tokenizer)]
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Every JSON schema format in a structural tag: at most MAX_WHITESPACE whitespace characters in a row."""
+    if isinstance(node, JSONSchemaFormat) and node.max_whitespace_cnt is None:
+        node.max_whitespace_cnt = MAX_WHITESPACE
+    if isinstance(node, BaseModel):
+        for name in type(node).model_fields:
+            _bound_whitespace(getattr(node, name))
+    elif isinstance(node, (list, tuple)):
+        for item in node:
+            _bound_whitespace(item)
 
 
 @ToolParserManager.register_module("opentinker")
@@ -48,6 +71,15 @@ class ServedToolCalls(Hermes2ProToolParser):
     def __init__(self, tokenizer: Any, tools: Any = None):
         super().__init__(tokenizer, tools)
         self._text, self._sent, self._request = "", 0, None  # a stream's reply so far, how much went out as content
+
+    def get_structural_tag(self, request: Any, *, reasoning: bool = False, strict_level: ToolStrictLevel = ToolStrictLevel.AUTO):
+        """Asked only where vLLM constrains the call's envelope: its arguments too, to their schema
+        and with runs of whitespace bounded (xgrammar allows any: the tiny model's constrained
+        arguments were whitespace until the budget ran out, and never closed)."""
+        tag = super().get_structural_tag(request, reasoning=reasoning, strict_level=max(strict_level, ToolStrictLevel.PARAMETER))
+        if tag is not None:
+            _bound_whitespace(tag.format)
+        return tag
 
     def _turn(self, text: str, request: Any) -> ParsedTurn | None:
         """The reply's calls, or None where it is content (logged when it held calls that are not returned)."""

@@ -243,3 +243,48 @@ def test_vllm_returns_unclosed_calls_as_content(vllm_served):
     answer = client.chat.completions.create(**request)
     assert answer.choices[0].message.content == UNCLOSED and not answer.choices[0].message.tool_calls
     assert stream_text(client, **request) == (UNCLOSED, [], "stop")
+
+
+# --- a served answer, read by the client ---------------------------------------------------------
+
+
+def test_run_inference_reads_a_servers_answers_bounded(tmp_path):
+    """`run_inference` against a server whose answer nests 100,000 deep (a broken or hostile one):
+    every episode fails with one line saying so, counted, and the run says every request failed;
+    no RecursionError."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from envs.toy import UppercaseGame
+    from opentinker.env import GameEnvironment
+    from opentinker.env.environment import save_dataset
+    from opentinker.inference import InferenceError, run_inference
+
+    class Nested(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._answer(b'{"object": "list", "data": [{"id": "policy"}]}')
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._answer(b'{"choices": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Nested)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spec = tiny_spec(tmp_path)
+    save_dataset(GameEnvironment(UppercaseGame, config=spec).validation_tasks(2), tmp_path / "val.jsonl")
+    try:
+        with pytest.raises(InferenceError, match="the answer is not JSON this client reads: nested 100001 levels deep"):
+            run_inference(vllm_server_url=f"http://127.0.0.1:{server.server_port}", data_path=str(tmp_path / "val.jsonl"),
+                          game_class=UppercaseGame, output_path=str(tmp_path / "out"), config=spec, log_to_mlflow=False)
+    finally:
+        server.shutdown()

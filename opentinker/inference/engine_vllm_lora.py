@@ -20,7 +20,6 @@ Which engine Tinker samplers use is `tinker_sampling_engine` (opentinker.core.se
 
 from __future__ import annotations
 
-import json
 import secrets
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from opentinker.backend.device import Placement, cpu
+from opentinker.core.json_text import loads_bounded
 from opentinker.core.own_servers import OwnServer, ServerGone, own_client
 from opentinker.backend.sequences import Completion, end_of_sequence_ids
 from opentinker.inference.engine_hf import gathered
@@ -134,7 +134,8 @@ class VLLMAdapterEngine:
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLED)
         if pickled:
             raise ValueError(f"{path}: holds {pickled[0]}, which vLLM would unpickle; an adapter is safetensors and JSON only")
-        rank = json.loads((folder / "adapter_config.json").read_text()).get("r")
+        config = loads_bounded((folder / "adapter_config.json").read_text())  # the adapter's own file: JsonTextError is a ValueError
+        rank = config.get("r") if isinstance(config, dict) else None
         if self.max_rank is not None and isinstance(rank, int) and rank > self.max_rank:
             raise ValueError(f"adapter {name!r}: rank {rank} is above the {self.max_rank} this vLLM server takes (its --max-lora-rank, "
                              "fixed at its start: buffers for every adapter slot at that rank)")

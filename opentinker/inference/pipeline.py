@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from opentinker.core.credentials import token_for
+from opentinker.core.json_text import JsonTextError, loads_bounded
 from opentinker.env.base import AbstractGame, StepResult
 from opentinker.env.hosting import checked_observation, start_episode
 from opentinker.env.messages import initial_messages, user_content
@@ -103,7 +104,8 @@ class ChatServer:
             raise InferenceError(f"inference server {self.base} unreachable ({type(err).__name__}: {err})") from None
         if response.is_error:
             raise InferenceError(f"GET {self.base}/models: HTTP {response.status_code}: {_error_text(response)}")
-        models = response.json().get("data") or []
+        body = _answer(response)
+        models = (body.get("data") if isinstance(body, dict) else None) or []
         if not models:
             raise InferenceError(f"{self.base}/models lists no model")
         adapters = [m for m in models if m.get("parent")]
@@ -113,21 +115,30 @@ class ChatServer:
         response = self._http.post("/chat/completions", json={"model": self.model, "messages": messages, **sampling})
         if response.is_error:
             raise InferenceError(f"HTTP {response.status_code}: {_error_text(response)}")
-        return response.json()
+        return _answer(response)
 
     def close(self) -> None:
         self._http.close()
 
 
+def _answer(response: httpx.Response) -> Any:
+    """A server's JSON answer, read bounded: an answer nested past any reply's need (a broken or
+    hostile server's) is an InferenceError, that episode's failure, not a RecursionError."""
+    try:
+        return loads_bounded(response.content, max_chars=max(len(response.content), 1))
+    except JsonTextError as err:
+        raise InferenceError(f"{response.request.method} {response.request.url}: the answer is not JSON this client reads: {err}") from None
+
+
 def _error_text(response: httpx.Response) -> str:
     try:
-        body = response.json()
-        error = body.get("error") if isinstance(body, dict) else None
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        return str(body.get("detail", body) if isinstance(body, dict) else body)
-    except ValueError:
+        body = loads_bounded(response.content, max_chars=max(len(response.content), 1))
+    except JsonTextError:
         return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])[:500]
+    return str(body.get("detail", body) if isinstance(body, dict) else body)[:500]
 
 
 @dataclass(frozen=True)

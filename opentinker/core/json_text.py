@@ -3,13 +3,15 @@
 `json.loads` has three ways to fail besides `JSONDecodeError`: nesting deeper than the
 interpreter's recursion limit raises `RecursionError` (about 500 `[` do it), an integer of more
 than 4,300 digits raises a plain `ValueError`, and a large text costs its size in memory before
-any of that. `loads_bounded` refuses all three up front with one error type, so a caller catches
-`JsonTextError` (a `ValueError`) and nothing else.
+any of that. And it reads what JSON does not have: `NaN`, `Infinity` and `1e999` (as floats no
+later check expects). `loads_bounded` refuses all of these with one error type, so a caller
+catches `JsonTextError` (a `ValueError`) and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -22,6 +24,17 @@ _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
 
 class JsonTextError(ValueError):
     """The text is not JSON we read: malformed, too deep, too large, or a number out of range."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise JsonTextError(f"the number {text[:40]} is out of range (JSON has no infinity)")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise JsonTextError(f"{name} is not a JSON number")
 
 
 def nesting_depth(text: str) -> int:
@@ -50,7 +63,9 @@ def loads_bounded(text: str | bytes, *, max_depth: int = MAX_DEPTH, max_chars: i
     if depth > max_depth:
         raise JsonTextError(f"nested {depth} levels deep, over the limit of {max_depth}")
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except JsonTextError:
+        raise
     except json.JSONDecodeError as err:
         raise JsonTextError(f"{err.msg} at character {err.pos}") from None
     except (ValueError, RecursionError, MemoryError) as err:  # a 5,000-digit integer; recursion our scan missed

@@ -26,7 +26,6 @@ and error lines, never an exception.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,18 +253,4 @@ def _add_call(turn: ParsedTurn, body: str, index: int) -> None:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not isinstance(arguments, dict):
         turn.errors.append(f'tool call {index + 1} must be an object {{"name": "...", "arguments": {{...}}}}')
         return
-    if not _finite(arguments):
-        turn.errors.append(f"tool call {index + 1}: a number in its arguments is NaN or infinite (1e999 is); JSON has neither")
-        return
     turn.calls.append(ToolCall(name=data["name"], arguments=arguments, id=f"call_{index}"))
-
-
-def _finite(value: Any) -> bool:
-    """No NaN or infinity anywhere in parsed JSON (json reads `NaN`, `Infinity` and `1e999` as floats)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_finite(v) for v in value)
-    return True

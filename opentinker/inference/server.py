@@ -273,9 +273,10 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             raise OpenAIError(400, str(err), param=err.param) from None
         if sum(1 for m in messages if not isinstance(m["content"], str) for p in m["content"] if p["type"] == "image") > MAX_IMAGES:
             raise OpenAIError(400, f"messages: at most {MAX_IMAGES} images a request", param="messages")
-        try:  # with tools, calls or results: rendered as training renders them (opentinker.tools.formats)
-            chunk = Chunk(engine.chat.encode(render(engine.chat.tools, messages, tooling.tools))) if uses_tools(
-                messages, tooling.tools) else engine.chat_prompt(messages)
+        try:  # with tools, calls or results: rendered as training renders them (opentinker.tools.formats), text as text
+            chat = engine.chat
+            chunk = Chunk(chat.encode_rendered(render(chat.tools, chat.as_text(messages), chat.as_text(tooling.tools)), "messages")) \
+                if uses_tools(messages, tooling.tools) else engine.chat_prompt(messages)
         except BadChatRequest as err:
             raise OpenAIError(400, str(err), param=err.param) from None
         except ValueError as err:

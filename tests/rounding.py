@@ -43,10 +43,23 @@ def order_gap(n: int) -> float:
     return LAMBDA * math.sqrt(n) * EPS32
 
 
-LAYERS, PER_LAYER, WIDTH = 2, 9, 128  # the tiny model: its layers, reductions per layer's forward, widest reduction
+PER_LAYER = 9  # reductions in a decoder layer's forward (see above)
+
+
+def pass_gap(layers: int, width: int, vocab: int = VOCAB) -> float:
+    """The relative gap of a pass of a model of `layers` layers whose reductions run over at most
+    `width` terms: two stages over the vocabulary, and 9 per layer in the forward and twice that in
+    the backward (the inputs' and the weights' gradients), λ·√n·eps each."""
+    return LAMBDA * (2 * math.sqrt(vocab) + 3 * PER_LAYER * layers * math.sqrt(width)) * EPS32
+
+
+LAYERS, WIDTH = 2, 128  # the tiny model
 FORWARD_STAGES = LAYERS * PER_LAYER
-PASS_STAGES = 3 * FORWARD_STAGES  # the backward reduces twice per forward stage (inputs' and weights' gradients)
-PASS = LAMBDA * (2 * math.sqrt(VOCAB) + PASS_STAGES * math.sqrt(WIDTH)) * EPS32  # 7.5e-4
+PASS_STAGES = 3 * FORWARD_STAGES
+PASS = pass_gap(LAYERS, WIDTH)  # 7.5e-4
+# |log p| of the tiny model's tokens: log V ± 2·max|logit|, and a logit is at most the RMS-normed
+# hidden state (norm √64 = 8) times a head row (64 weights of std 0.02: norm ≤ 0.25), ≤ 2
+TINY_LOGPROB = math.log(VOCAB) + 2 * 2.0
 BF16_ULP = 2.0 ** -7
 BF16_FORWARD = (FORWARD_STAGES + 1) * BF16_ULP  # 0.15
 BF16_PASS = (PASS_STAGES + 2) * BF16_ULP  # 0.44

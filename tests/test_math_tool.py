@@ -17,6 +17,7 @@ from opentinker.env import GameEnvironment
 from opentinker.env.environment import import_game
 from opentinker.core.spec import load_spec
 from opentinker.tools.declared import ToolError, ToolResult
+from tests.rounding import same_logprobs
 
 TASK = {"question": "What is 17 * 23 + 5?", "answer": 396}
 
@@ -406,7 +407,7 @@ def test_tool_call_record_is_token_exact_and_its_logprobs_recompute(tiny):
     (recomputed,) = trainer.logprobs([traj])
     sampled = [lp for lp, m in zip(traj.sampling_logprobs, traj.loss_mask) if m]
     assert len(sampled) == len(recomputed) == traj.num_sampled
-    assert max(abs(a - b) for a, b in zip(sampled, recomputed)) < 1e-4
+    assert same_logprobs(sampled, recomputed)  # decoding against one pass: other orders (tests/rounding.py)
 
 
 def test_tool_latency_is_heavy_tailed_seeded_and_waits_only_on_calls():

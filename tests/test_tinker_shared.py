@@ -12,6 +12,8 @@ import pytest
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
+from tests.rounding import logprob_gap, same_logprobs, same_metric  # noqa: E402
+
 BASE = "tiny-random"
 
 
@@ -64,8 +66,9 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
     finally:
         base.gather_s, base.joint_updates = window, False
     assert base.stats.passes == passes + 1 and base.stats.shared >= 1  # both tenants' rows went through one pass
-    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
-    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(got), lps(want)))
+    # sharing a pass or alone: the same sums in other orders (tests/rounding.py); the loss moves by Σ|w| = 11 times the gap
+    assert same_metric(got.metrics["loss:sum"], want.metrics["loss:sum"], 11.0, logprob_gap(np.concatenate(lps(want))))
+    assert all(same_logprobs(a, b) for a, b in zip(lps(got), lps(want)))
     assert bobs.metrics["loss:sum"] != 0.0
     # the rest of a client's life as on a base of its own: a step, a sampler, a checkpoint, a resume
     alice.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -91,8 +94,8 @@ def test_two_tenants_train_on_one_base_and_each_gets_its_own_results(shared):
         assert f.read() == b"{}"  # the process's generators are both tenants' streams: not in alice's files
     resumed = clients["alice"].create_training_client_from_state_with_optimizer(path).result()
     after, again = (c.forward(ALICE, "cross_entropy").result() for c in (alice, resumed))
-    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(lps(after), lps(again)))
-    assert not np.allclose(lps(after)[0], lps(want)[0], atol=1e-4)  # the step changed alice's adapter
+    assert all(same_logprobs(a, b) for a, b in zip(lps(after), lps(again)))
+    assert not same_logprobs(lps(after)[0], lps(want)[0])  # the step changed alice's adapter, by more than rounding
 
 
 def test_a_session_that_ends_takes_only_its_own_adapters_off_the_base(shared):

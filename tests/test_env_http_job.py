@@ -10,6 +10,7 @@ import time
 import httpx
 
 from tests.conftest import tiny_spec
+from tests.rounding import TINY_LOGPROB, logprob_gap, same_metric
 from tests.stack_fixtures import free_ports
 
 
@@ -61,7 +62,9 @@ def test_served_environment_trains_like_the_import_path_and_survives_a_dead_serv
         same = _train(served, "served", 3)
         for a, b in zip(reference, same):
             assert a["rollout/reward_mean"] == b["rollout/reward_mean"]
-            assert abs(a["update/policy_loss"] - b["update/policy_loss"]) < 1e-6
+            # the same episodes, their logprobs from decode batches formed at other moments: the loss moves
+            # by at most |A|·r ≤ 2 times the logprobs' gap (tests/rounding.py)
+            assert same_metric(a["update/policy_loss"], b["update/policy_loss"], 2.0, logprob_gap(TINY_LOGPROB))
 
         def kill_and_revive(step: int) -> None:  # down while step 1's episodes play, up again for step 2's
             nonlocal server

@@ -373,3 +373,200 @@ def test_a_transcript_file_too_large_is_refused_before_it_is_downloaded(tmp_path
     with pytest.raises(ValueError, match=r"step-000001\.json is \d+ bytes, more than the console shows"):
         views.transcripts(Listed(), "acme-j", "step-000001.json")
     assert downloaded == [] and views.transcripts(Listed(), "acme-j", "../../etc/passwd") == []
+
+
+# --- bounded under load ----------------------------------------------------------------------------
+def test_read_bounds_queue_in_order_and_refuse_past_the_line():
+    """A session's reads past its slots wait in line and get them in order; a request past its
+    line is refused at once, and a read that waited its time is refused then; another session is
+    not held up; a read waits in the shared line of reads until its request's time is up."""
+    import asyncio
+    import threading
+
+    from opentinker.control.console.bounds import Busy, ReadBounds
+
+    async def scenario() -> list[str]:
+        bounds = ReadBounds(per_session=1, reads=2, in_flight=3, wait_s=30)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def read(session: str, name: str) -> None:
+            async with bounds.request(session), bounds.reading():
+                order.append(name)
+                await release.wait()
+
+        first = asyncio.create_task(read("a", "a1"))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(read("a", f"a{i}")) for i in (2, 3)]
+        while bounds.inside("a") < 3:
+            await asyncio.sleep(0)
+        with pytest.raises(Busy, match="3 console requests in flight"):
+            async with bounds.request("a"):
+                pass
+        other = asyncio.create_task(read("b", "b1"))
+        while "b1" not in order:
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(first, other, *queued)
+
+        short = ReadBounds(per_session=1, reads=1, in_flight=2, wait_s=0.05)
+        async with short.request("a"), short.reading():  # the session's one read slot, then its line's wait: 429
+            with pytest.raises(Busy, match="this session's reads") as refused:
+                async with short.request("a"), short.reading():
+                    pass
+        assert refused.value.retry_after_s > 0 and short.inside("a") == 0
+        blocked = threading.Event()
+        reading = asyncio.ensure_future(short.run(blocked.wait))  # holds the one shared read slot
+        while not short.reads.taken:
+            await asyncio.sleep(0)
+        async with short.request("b"):
+            with pytest.raises(Busy, match="busy with other sessions"):
+                await short.run(len, "x")
+        blocked.set()
+        assert await reading is True and short.reads.taken == 0 and not short.reads.waiting
+        return order
+
+    order = asyncio.run(scenario())
+    assert order == ["a1", "b1", "a2", "a3"]
+
+
+def test_health_answers_while_every_thread_of_the_gateways_pool_is_taken(gateway):
+    """`/v1/health` runs on the event loop: with every thread of the pool the API's routes share
+    taken (as a flood of slow reads takes them), it still answers."""
+    import threading
+
+    import anyio
+
+    client, _, key = gateway
+    blocked = threading.Event()
+    total = client.portal.call(lambda: _tokens())
+    held = [client.portal.start_task_soon(anyio.to_thread.run_sync, blocked.wait) for _ in range(total)]
+    answers: dict[str, int] = {}
+    try:
+        asking = threading.Thread(target=lambda: answers.update(health=client.get("/v1/health").status_code), daemon=True)
+        asking.start()
+        asking.join(timeout=60)  # not a timing: a health that waits for a thread never answers
+        assert answers == {"health": 200}
+    finally:
+        blocked.set()
+        for future in held:
+            future.result(timeout=60)
+    assert client.get("/v1/whoami", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+async def _tokens() -> int:
+    import anyio
+
+    return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+
+@pytest.fixture(scope="module")
+def two_tenants(stack_env, tmp_path_factory):
+    """Two tenants of the test stack, each with a job parked (waiting for its environment: it never runs)."""
+    from opentinker.client import SchedulerClient
+    from tests.stack_fixtures import deployed_tenants
+
+    settings, _ = stack_env
+    keys = deployed_tenants(settings, "loadco", "loadrival")
+    tmp = tmp_path_factory.mktemp("console-load")
+    parked = {k: v for k, v in _spec(tmp, 2).items() if k != "env"}
+    jobs = [SchedulerClient(url=settings.gateway_url, api_key=key).submit_job(config=parked, num_gpus=0)["job_id"] for key in keys]
+    return settings, keys, jobs
+
+
+def _cookie(client, key) -> str:
+    from opentinker.control.console.session import COOKIE
+
+    _signed_in(client, key)
+    value = client.cookies[COOKIE]
+    client.cookies.clear()
+    return f"{COOKIE}={value}"
+
+
+def test_one_sessions_flood_waits_in_its_line_while_others_and_health_answer(two_tenants):
+    """More reads from one session than its bound: they wait in its line, one past the line is 429
+    with Retry-After; meanwhile another session's read, the tenant API and /v1/health answer.
+    (The session's two slots are held here as two slow reads would hold them.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from opentinker.control.console.bounds import ReadBounds
+    from opentinker.control.console.session import Sessions
+    from opentinker.control.gateway.app import create_app
+    from opentinker.control.gateway.tenants import TenantStore
+
+    settings, (key, _), (job, _) = two_tenants
+    bounds = ReadBounds(per_session=2, reads=3, in_flight=3, wait_s=600)
+    with TestClient(create_app(settings, console_bounds=bounds), base_url="http://127.0.0.1") as client, \
+            ThreadPoolExecutor(2) as pool:
+        flooding, other = _cookie(client, key), _cookie(client, key)
+        nonce = Sessions(settings, TenantStore(settings.state_dir / "tenants.json")).read(flooding.partition("=")[2]).nonce
+        release = client.portal.call(_event)
+
+        async def slow_read() -> None:
+            async with bounds.request(nonce), bounds.reading():
+                await release.wait()
+
+        held = [client.portal.start_task_soon(slow_read) for _ in range(2)]
+        try:
+            _until(lambda: bounds.inside(nonce) == 2)
+            queued = pool.submit(client.get, f"/console/api/jobs/{job}", headers={"Cookie": flooding})
+            _until(lambda: bounds.inside(nonce) == 3)
+            refused = client.get("/console/api/jobs", headers={"Cookie": flooding})
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) > 0 and "busy" in refused.json()["detail"]
+            page = client.get(f"/console/jobs/{job}", headers={"Cookie": flooding})
+            assert page.status_code == 429 and page.headers["retry-after"] and "busy" in page.text
+            theirs = client.get("/console/api/jobs", headers={"Cookie": other})
+            assert theirs.status_code == 200 and job in [r["job_id"] for r in theirs.json()["jobs"]]
+            assert client.get("/v1/health").json() == {"ok": True}
+            assert client.get(f"/v1/jobs/{job}", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            assert not queued.done() and bounds.inside(nonce) == 3  # still in its line
+        finally:
+            client.portal.call(_set, release)
+            for future in held:
+                future.result(timeout=60)
+        answered = queued.result(timeout=120)
+        assert answered.status_code == 200 and answered.json()["job"]["job_id"] == job
+        _until(lambda: bounds.inside(nonce) == 0)
+        assert client.get("/console/api/jobs", headers={"Cookie": flooding}).status_code == 200
+
+
+async def _event():
+    import asyncio
+
+    return asyncio.Event()
+
+
+async def _set(event) -> None:
+    event.set()
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    """Waits for a state the server reaches (not a timing: fails only if it never does)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the server never got there"
+        time.sleep(0.01)
+
+
+def test_kept_answers_are_never_another_tenants(two_tenants):
+    """The console keeps answers a moment per tenant: right after one tenant's list, search, job
+    JSON and job page were read (and kept), the other tenant asking the same URLs gets its own."""
+    settings, (key, rival_key), (job, rival_job) = two_tenants
+    with httpx.Client(base_url=settings.gateway_url, timeout=120) as mine, httpx.Client(base_url=settings.gateway_url, timeout=120) as theirs:
+        for client, k in ((mine, key), (theirs, rival_key)):
+            _signed_in(client, k)
+        for url in ("/console/api/jobs", f"/console/api/jobs?q={job}"):
+            assert job in mine.get(url).text, url
+            other = theirs.get(url)  # the same URL at once: the first answer is kept, but only for its tenant
+            assert other.status_code == 200 and job not in other.text, url
+        assert mine.get(f"/console/api/jobs/{job}").json()["job"]["job_id"] == job
+        assert theirs.get(f"/console/api/jobs/{job}").json() == {"detail": "no such job"}
+        assert mine.get(f"/console/api/jobs/{job}/logs?offset=0").json()["job_id"] == job
+        assert theirs.get(f"/console/api/jobs/{job}/logs?offset=0").json() == {"detail": "no such job"}
+        assert "optimization:" in mine.get(f"/console/jobs/{job}").text  # its spec
+        page = theirs.get(f"/console/jobs/{job}")
+        assert page.status_code == 404 and "There is no job" in page.text and "optimization:" not in page.text
+        assert [r["job_id"] for r in theirs.get("/console/api/jobs").json()["jobs"]] == [rival_job]
+        assert [r["job_id"] for r in mine.get("/console/api/jobs").json()["jobs"]] == [job]

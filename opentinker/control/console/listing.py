@@ -5,9 +5,9 @@ each job's history; with a long history that takes seconds. This reads one page 
 newest first) with Prefect's own filters (state type, flow for the kind, the job's tag for a
 search), counts by state with `count_flow_runs` (all queries at once on the async client), and
 takes the page's last reward and accuracy from one MLflow search per experiment (the latest
-values a run already carries, no history), while the counts are still coming. Answers are kept
-`CACHE_S` seconds per view; a job that ended a while ago never changes, so its step, reward and
-accuracy are kept once read and MLflow is asked only about the page's live jobs.
+values a run already carries, no history), while the counts are still coming. A job that ended a
+while ago never changes, so its step, reward and accuracy are kept once read and MLflow is asked
+only about the page's live jobs. (The routes keep whole answers a moment: recent.py.)
 
 Rows are newest first by when a job started, or was submitted if it has not started: a job parked
 until its environment is known (Client link, `fit()`) is Scheduled ten years ahead, and Prefect
@@ -22,8 +22,8 @@ their slots) is finished on the page, which may then hold fewer than 50 rows.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 from opentinker.control.scheduler import SLOTS_HELD_TAG, TINKER_TAG, job_state
@@ -32,7 +32,6 @@ from opentinker.tracking.runs import JOB_TAG
 
 PAGE = 50
 MAX_PAGE = 10_000
-CACHE_S = float(os.environ.get("OPENTINKER_CONSOLE_CACHE_S", "2"))
 STATES = ("QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED")
 KINDS = {"rl": ("rl-train", "self-play"), "sft": ("sft",), "inference": ("serve-model",), "tinker": ("tinker-session",),
          "evaluation": ("evaluate-promote",)}
@@ -43,7 +42,6 @@ _CANDIDATES = {"QUEUED": ("SCHEDULED", "PENDING", "PAUSED", "RUNNING"), "RUNNING
 ENDED = ("COMPLETED", "FAILED", "CANCELLED")
 SETTLED_S = 30.0  # an ended job's last metrics are in MLflow this long after its flow run ended
 PROGRESS = ("step", "total_steps", "reward", "accuracy")
-_cache: dict[tuple, tuple[float, Any]] = {}
 _flow_names: dict[Any, str] = {}
 _settled: dict[tuple[str, int], dict[str, Any]] = {}  # (job id, created ms) -> its PROGRESS, for jobs long ended
 
@@ -166,16 +164,17 @@ async def _flow_name(client: Any, flow_id: Any) -> str | None:
     return _flow_names[flow_id]
 
 
-async def jobs_page(settings: Any, tenant: str | None, state: str | None = None, kind: str | None = None,
-                    q: str | None = None, page: int = 0, cache: bool = True) -> dict[str, Any]:
-    """{"jobs": rows, "counts": {state: n}, "page", "more"} for the tenant (None: every tenant)."""
-    state = state if state in STATES else None
-    kind = kind if kind in KINDS else None
+def query(state: str | None = None, kind: str | None = None, q: str | None = None, page: int = 0) -> tuple:
+    """(state, kind, q, page) as the page reads them: unknown values dropped, the page clamped."""
     q = (q or "").strip()[:200] or None
-    page = max(0, min(page, MAX_PAGE))
-    key = (tenant, state, kind, q, page)
-    if cache and CACHE_S > 0 and (hit := _cache.get(key)) and time.monotonic() - hit[0] < CACHE_S:
-        return hit[1]
+    return state if state in STATES else None, kind if kind in KINDS else None, q, max(0, min(page, MAX_PAGE))
+
+
+async def jobs_page(settings: Any, tenant: str | None, state: str | None = None, kind: str | None = None,
+                    q: str | None = None, page: int = 0, threads: Executor | None = None) -> dict[str, Any]:
+    """{"jobs": rows, "counts": {state: n}, "page", "more"} for the tenant (None: every tenant);
+    MLflow's blocking reads run on `threads` (the console's own, in the gateway)."""
+    state, kind, q, page = query(state, kind, q, page)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.sorting import FlowRunSort
 
@@ -195,9 +194,6 @@ async def jobs_page(settings: Any, tenant: str | None, state: str | None = None,
                 continue
             seen.add(r["job_id"])
             rows.append(r)
-        counts, _ = await asyncio.gather(counting, asyncio.to_thread(_progress, settings, rows))
-    out = {"jobs": rows, "counts": counts, "page": page, "more": len(runs) == PAGE}
-    if len(_cache) > 512:
-        _cache.clear()
-    _cache[key] = (time.monotonic(), out)
-    return out
+        progress = asyncio.get_running_loop().run_in_executor(threads, _progress, settings, rows)
+        counts, _ = await asyncio.gather(counting, progress)
+    return {"jobs": rows, "counts": counts, "page": page, "more": len(runs) == PAGE}

@@ -7,6 +7,11 @@ Pages are server-rendered (Jinja2, autoescape on) with one script, `static/conso
 the JSON routes and writes with textContent. Every answer carries a Content-Security-Policy with no
 inline script; every POST must come from the console's own origin and carry the session's CSRF
 token (403 otherwise). Another tenant's job reads as a job that does not exist (404).
+
+Every page and JSON read of a session is bounded (bounds.py: a few at once per session, a few for
+all sessions together, on the console's own threads; past that it waits briefly in line, then 429
+with Retry-After) and answers are kept a second or two per tenant (recent.py), so that many tabs
+polling at once cannot slow the tenant API or `/v1/health`, which never wait on the console.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from opentinker.control.console import listing, views
+from opentinker.control.console.bounds import Busy, ReadBounds
+from opentinker.control.console.recent import CACHE_S, LIVE_S, Recent, job_keep, logs_keep
 from opentinker.control.console.session import COOKIE, LIFETIME_S, Session, Sessions
 from opentinker.control.gateway.jobs import JobConflict, JobNotFound
 from opentinker.control.gateway.tenants import TenantStore
@@ -54,10 +61,13 @@ def _valid_id(job_id: str) -> bool:
     return 0 < len(job_id) <= 256 and not control_problem(job_id)
 
 
-def console_router(settings: Any, store: TenantStore) -> APIRouter:
+def console_router(settings: Any, store: TenantStore, bounds: ReadBounds | None = None) -> APIRouter:
     router = APIRouter(prefix="/console", include_in_schema=False)
     sessions = Sessions(settings, store)
     env = _templates()
+    bounds = bounds or ReadBounds()
+    recent = Recent()
+    static_files = {name: path.read_bytes() for name, path in STATIC.items()}
 
     def secured(response: Response) -> Response:
         response.headers.update(HEADERS)
@@ -91,14 +101,37 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
     def signin_redirect() -> Response:
         return secured(RedirectResponse("/console/signin", status_code=303))
 
+    def sign_in_json() -> Response:
+        return secured(JSONResponse({"detail": "sign in"}, status_code=401))
+
+    def busy(err: Busy, session: Session | None = None, html: bool = False) -> Response:
+        message = f"the console is busy: {err}; retry in {err.retry_after_s} s"
+        response = (render("error.html", session, status=429, message=message) if html else
+                    secured(JSONResponse({"detail": message}, status_code=429)))
+        response.headers["Retry-After"] = str(err.retry_after_s)
+        return response
+
+    async def rendered(name: str, session: Session, **context: Any) -> Response:
+        """A page rendered in the console's line of renders."""
+        async with bounds.rendering():
+            return render(name, session, **context)
+
+    async def answered(data: Any) -> Response:
+        async with bounds.rendering():
+            return secured(JSONResponse(data))
+
+    async def kept(session: Session, key: tuple, ttl_s: Any, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` on the console's threads, or its answer for this tenant from `ttl_s` ago."""
+        return await recent.get(session.tenant, key, ttl_s, lambda: bounds.run(fn, *args))
+
     # --- sign-in ----------------------------------------------------------------------------
     @router.get("")
     @router.get("/")
-    def home(request: Request) -> Response:
+    async def home(request: Request) -> Response:
         return secured(RedirectResponse("/console/jobs" if current(request) else "/console/signin", status_code=303))
 
     @router.get("/signin")
-    def signin_page(request: Request) -> Response:
+    async def signin_page(request: Request) -> Response:
         return render("signin.html", None, error=None)
 
     @router.post("/signin")
@@ -134,74 +167,92 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
 
     # --- static files (the script, the style, uPlot): fixed names only -------------------------
     @router.get("/static/{name}")
-    def static(name: str) -> Response:
-        path = STATIC.get(name)
-        if path is None:
+    async def static(name: str) -> Response:
+        if name not in static_files:
             return secured(Response("not found", status_code=404, media_type="text/plain"))
-        response = FileResponse(path, media_type=TYPES.get(path.suffix, "application/octet-stream"))
+        response = Response(static_files[name], media_type=TYPES.get(STATIC[name].suffix, "application/octet-stream"))
         secured(response).headers["Cache-Control"] = "max-age=300"
         return response
 
     # --- jobs -------------------------------------------------------------------------------
+    async def jobs_data(session: Session, *query: Any) -> dict[str, Any]:
+        query = listing.query(*query)
+
+        async def read() -> dict[str, Any]:
+            async with bounds.reading():
+                return await listing.jobs_page(settings, session.tenant, *query, threads=bounds.threads)
+
+        return await recent.get(session.tenant, ("jobs", *query), CACHE_S, read)
+
     @router.get("/jobs")
     async def jobs_list(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:
         session = current(request)
         if session is None:
             return signin_redirect()
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page)
-        return render("jobs.html", session, data=data, states=listing.STATES, kinds=list(listing.KINDS), state=state, kind=kind, q=q,
-                      page_no=data["page"])
+        try:
+            async with bounds.request(session.nonce):
+                data = await jobs_data(session, state, kind, q, page)
+                return await rendered("jobs.html", session, data=data, states=listing.STATES, kinds=list(listing.KINDS),
+                                      state=state, kind=kind, q=q, page_no=data["page"])
+        except Busy as err:
+            return busy(err, session, html=True)
 
     @router.get("/api/jobs")
     async def jobs_json(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:
         session = current(request)
         if session is None:
-            return secured(JSONResponse({"detail": "sign in"}, status_code=401))
-        data = await listing.jobs_page(settings, session.tenant, state or None, kind or None, q or None, page)
-        return secured(JSONResponse(data))
+            return sign_in_json()
+        try:
+            async with bounds.request(session.nonce):
+                return await answered(await jobs_data(session, state, kind, q, page))
+        except Busy as err:
+            return busy(err)
 
     @router.get("/jobs/{job_id}")
-    def job_page(request: Request, job_id: str) -> Response:
+    async def job_page(request: Request, job_id: str) -> Response:
         session = current(request)
         if session is None:
             return signin_redirect()
         if not _valid_id(job_id):
             return not_found(session, job_id[:100])
-        jobs = jobs_of(session)
         try:
-            status = views.job_summary(jobs, job_id)
-            ckpts = views.checkpoints(jobs, job_id)
-            files = views.transcript_files(jobs, job_id)
+            async with bounds.request(session.nonce):
+                data = await kept(session, ("page", job_id), job_keep(CACHE_S), views.job_page, settings, jobs_of(session), job_id)
+                return await rendered("job.html", session, job=data["job"], spec=data["spec"], checkpoints=data["checkpoints"],
+                                      transcripts=data["transcripts"])
+        except Busy as err:
+            return busy(err, session, html=True)
         except JobNotFound:
             return not_found(session, job_id)
-        return render("job.html", session, job=status, spec=views.spec_text(settings, session.tenant, job_id), checkpoints=ckpts,
-                    transcripts=files)
 
     @router.get("/api/jobs/{job_id}")
-    def job_json(request: Request, job_id: str) -> Response:
+    async def job_json(request: Request, job_id: str) -> Response:
         session = current(request)
         if session is None:
-            return secured(JSONResponse({"detail": "sign in"}, status_code=401))
-        jobs = jobs_of(session)
+            return sign_in_json()
         try:
             if not _valid_id(job_id):
                 raise JobNotFound(job_id)
-            status = views.job_summary(jobs, job_id)
-            data = views.job_curves(jobs, job_id, status)
+            async with bounds.request(session.nonce):
+                return await answered(await kept(session, ("poll", job_id), job_keep(LIVE_S), views.job_poll, jobs_of(session), job_id))
+        except Busy as err:
+            return busy(err)
         except JobNotFound:
             return secured(JSONResponse({"detail": "no such job"}, status_code=404))
-        keep = ("job_id", "tenant", "state", "reason", "step", "total_steps", "reward", "accuracy", "started", "ended", "failure")
-        return secured(JSONResponse({"job": {k: status.get(k) for k in keep}, **data}))
 
     @router.get("/api/jobs/{job_id}/logs")
-    def job_logs(request: Request, job_id: str, offset: int = 0) -> Response:
+    async def job_logs(request: Request, job_id: str, offset: int = 0) -> Response:
         session = current(request)
         if session is None:
-            return secured(JSONResponse({"detail": "sign in"}, status_code=401))
+            return sign_in_json()
+        offset = max(0, min(offset, 10**9))
         try:
             if not _valid_id(job_id):
                 raise JobNotFound(job_id)
-            return secured(JSONResponse(jobs_of(session).logs(job_id, max(0, min(offset, 10**9)), 200)))
+            async with bounds.request(session.nonce):
+                return await answered(await kept(session, ("logs", job_id, offset), logs_keep, jobs_of(session).logs, job_id, offset, 200))
+        except Busy as err:
+            return busy(err)
         except JobNotFound:
             return secured(JSONResponse({"detail": "no such job"}, status_code=404))
 
@@ -209,7 +260,7 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
     async def cancel(request: Request, job_id: str) -> Response:
         session = current(request)
         if session is None:
-            return secured(JSONResponse({"detail": "sign in"}, status_code=401))
+            return sign_in_json()
         fields = await form(request)
         try:
             same_origin(request)
@@ -217,9 +268,13 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
                 raise Refused(403, "missing or wrong CSRF token")
             if not _valid_id(job_id):
                 raise JobNotFound(job_id)
-            await asyncio.to_thread(jobs_of(session).cancel, job_id)
+            async with bounds.request(session.nonce):
+                await bounds.run(jobs_of(session).cancel, job_id)
+            recent.forget(session.tenant)  # the job's page shows its new state at once
         except Refused as err:
             return render("error.html", session, status=err.status, message=str(err))
+        except Busy as err:
+            return busy(err, session, html=True)
         except JobNotFound:
             return not_found(session, job_id[:256])
         except JobConflict as err:
@@ -227,24 +282,31 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         return secured(RedirectResponse(f"/console/jobs/{quote(job_id, safe='')}", status_code=303))
 
     @router.get("/jobs/{job_id}/transcripts")
-    def transcripts(request: Request, job_id: str, file: str = "") -> Response:
+    async def transcripts(request: Request, job_id: str, file: str = "") -> Response:
         session = current(request)
         if session is None:
             return signin_redirect()
         jobs = jobs_of(session)
-        try:
-            if not _valid_id(job_id):
-                raise JobNotFound(job_id)
+
+        def read() -> tuple[list[str], str | None, list[dict[str, Any]]]:
             if not jobs.owns(job_id):
                 raise JobNotFound(job_id)
             files = views.transcript_files(jobs, job_id)
             chosen = file if file in files else (files[0] if files else None)
-            episodes = views.transcripts(jobs, job_id, chosen) if chosen else []
+            return files, chosen, views.transcripts(jobs, job_id, chosen) if chosen else []
+
+        try:
+            if not _valid_id(job_id):
+                raise JobNotFound(job_id)
+            async with bounds.request(session.nonce):
+                files, chosen, episodes = await bounds.run(read)  # a file of up to 8 MiB: not kept
+                return await rendered("transcripts.html", session, job_id=job_id, files=files, chosen=chosen, episodes=episodes)
+        except Busy as err:
+            return busy(err, session, html=True)
         except JobNotFound:
             return not_found(session, job_id[:256])
         except ValueError as err:
             return render("error.html", session, status=413, message=str(err))
-        return render("transcripts.html", session, job_id=job_id, files=files, chosen=chosen, episodes=episodes)
 
     # --- Tinker sessions, inference jobs, the operator's view --------------------------------
     @router.get("/tinker")
@@ -252,11 +314,9 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
         session = current(request)
         if session is None:
             return signin_redirect()
-        sessions_page = await listing.jobs_page(settings, session.tenant, kind="tinker")
-        served = await listing.jobs_page(settings, session.tenant, kind="inference")
         jobs = jobs_of(session)
 
-        def urls() -> list[dict[str, Any]]:
+        def served_urls(served: dict[str, Any]) -> list[dict[str, Any]]:
             out = []
             for r in served["jobs"]:
                 try:
@@ -266,17 +326,29 @@ def console_router(settings: Any, store: TenantStore) -> APIRouter:
                     continue
             return out
 
-        inference = await asyncio.to_thread(urls)
-        runs = await asyncio.to_thread(views.tinker_overview, jobs) if session.tenant else {"training_runs": []}
-        return render("tinker.html", session, sessions_rows=sessions_page["jobs"], inference=inference, **runs)
+        async def read() -> dict[str, Any]:
+            sessions_page = await jobs_data(session, None, "tinker")
+            inference = await bounds.run(served_urls, await jobs_data(session, None, "inference"))
+            runs = await bounds.run(views.tinker_overview, jobs) if session.tenant else {"training_runs": []}
+            return {"sessions_rows": sessions_page["jobs"], "inference": inference, **runs}
+
+        try:
+            async with bounds.request(session.nonce):
+                return await rendered("tinker.html", session, **await recent.get(session.tenant, ("tinker",), CACHE_S, read))
+        except Busy as err:
+            return busy(err, session, html=True)
 
     @router.get("/operator")
-    def operator(request: Request) -> Response:
+    async def operator(request: Request) -> Response:
         session = current(request)
         if session is None:
             return signin_redirect()
         if not session.operator:
             return render("notfound.html", session, status=404, what="page")
-        return render("operator.html", session, **views.operator_overview(settings))
+        try:
+            async with bounds.request(session.nonce):
+                return await rendered("operator.html", session, **await kept(session, ("operator",), CACHE_S, views.operator_overview, settings))
+        except Busy as err:
+            return busy(err, session, html=True)
 
     return router

@@ -31,6 +31,7 @@ MAX_TRANSCRIPT_BYTES = 8 * 2**20
 MAX_EPISODES = 256  # of one file shown
 MAX_TOKEN_CHARS = 200_000  # of one episode's tokens shown
 HIDDEN = ("job_token", "api_key")  # secrets a status carries for clients: never on a page
+POLLED = ("job_id", "tenant", "state", "reason", "step", "total_steps", "reward", "accuracy", "started", "ended", "failure")
 
 
 def view(settings: Any, tenant: str | None) -> TenantJobs:
@@ -77,6 +78,18 @@ def job_curves(jobs: TenantJobs, job_id: str, status: dict[str, Any]) -> dict[st
         (out["times"] if title.startswith("time: ") else out["curves"]).append(
             {"title": title.removeprefix("time: "), "key": key, "points": points})
     return out
+
+
+def job_poll(jobs: TenantJobs, job_id: str) -> dict[str, Any]:
+    """What a job's page polls every 2 s: its state and progress, and its curves."""
+    status = job_summary(jobs, job_id)
+    return {"job": {k: status.get(k) for k in POLLED}, **job_curves(jobs, job_id, status)}
+
+
+def job_page(settings: Any, jobs: TenantJobs, job_id: str) -> dict[str, Any]:
+    """What a job's page shows when it opens (JobNotFound for another tenant's)."""
+    return {"job": job_summary(jobs, job_id), "checkpoints": checkpoints(jobs, job_id), "transcripts": transcript_files(jobs, job_id),
+            "spec": spec_text(settings, jobs.tenant, job_id)}
 
 
 def spec_text(settings: Any, tenant: str | None, job_id: str) -> str:

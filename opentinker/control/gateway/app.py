@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.background import BackgroundTask
 
+from opentinker.control.console.bounds import ReadBounds
 from opentinker.control.console.routes import console_router
 from opentinker.control.gateway.jobs import CheckpointNotFound, JobConflict, JobNotFound, TenantJobs, TooManyJobs
 from opentinker.control.gateway.link import LinkHub, valid_calls
@@ -91,7 +92,8 @@ class InferenceRequest(BaseModel):
     ttl_s: float | None = Field(None, gt=0, description="stop serving after this many seconds (default: until cancelled)")
 
 
-def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
+def create_app(settings: Settings | None = None, tinker_sessions: Any = None, console_bounds: ReadBounds | None = None):
+    """The gateway; `console_bounds` sets how much of it the console may take (its defaults when None)."""
     settings = settings or get_settings()
     store = TenantStore(settings.state_dir / "tenants.json")
     hub = LinkHub()
@@ -131,7 +133,8 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
             raise HTTPException(429, str(err)) from None
 
     @app.get("/v1/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
+        """On the event loop: it never waits for a thread of the pool the routes below share."""
         return {"ok": True}
 
     @app.get("/v1/whoami")
@@ -232,6 +235,6 @@ def create_app(settings: Settings | None = None, tinker_sessions: Any = None):
     from opentinker.control.gateway.tinker_api import add_tinker_routes
     from opentinker.control.gateway.tinker_sessions import PrefectSessions
 
-    app.include_router(console_router(settings, store))
+    app.include_router(console_router(settings, store, console_bounds))
     refused_body = add_tinker_routes(app, settings, store, tinker_sessions or PrefectSessions(settings))
     return ServerErrors(BodyLimit(app, settings.max_request_bytes, on_refused=refused_body), log)

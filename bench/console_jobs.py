@@ -38,10 +38,11 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def history(settings, jobs: int, tmp: Path, with_mlflow: int) -> None:
+def history(settings, jobs: int, tmp: Path, with_mlflow: int, running: int = 0) -> None:
     """`jobs` ended flow runs of the tenant, the newest `with_mlflow` of them with an MLflow run of
     five steps (MLflow takes ~1 s a run on the loaded 2-core machine; the plain list reads the
-    newest 200 flow runs' MLflow runs, so its cost is the same beyond 200)."""
+    newest 200 flow runs' MLflow runs, so its cost is the same beyond 200); the newest `running`
+    of them Running instead (live jobs, whose pages change: no process runs them)."""
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
     from opentinker.control.scheduler import deployment_name, prefect_client
@@ -58,7 +59,7 @@ def history(settings, jobs: int, tmp: Path, with_mlflow: int) -> None:
     t0 = time.monotonic()
     import asyncio
 
-    asyncio.run(_flow_runs(settings, deployment, spec, jobs))
+    asyncio.run(_flow_runs(settings, deployment, spec, jobs, running))
     print(f"  {jobs} flow runs made ({time.monotonic() - t0:.0f} s)", flush=True)
     for i in range(max(0, jobs - with_mlflow), jobs):
         job_id = f"{TENANT}-job{i:05d}"
@@ -70,7 +71,7 @@ def history(settings, jobs: int, tmp: Path, with_mlflow: int) -> None:
     print(f"  {min(jobs, with_mlflow)} MLflow runs made ({time.monotonic() - t0:.0f} s)", flush=True)
 
 
-async def _flow_runs(settings, deployment, spec: dict, jobs: int) -> None:
+async def _flow_runs(settings, deployment, spec: dict, jobs: int, running: int = 0) -> None:
     """The flow runs, written with Prefect's own server models into the stack's database in one
     transaction (through its API, one run at a time, they take ~1.5 s each on this loaded machine:
     the figure measured is the reading, not the making)."""
@@ -86,7 +87,8 @@ async def _flow_runs(settings, deployment, spec: dict, jobs: int) -> None:
         async with db.session_context(begin_transaction=True) as session:
             for i in range(jobs):
                 job_id = f"{TENANT}-job{i:05d}"
-                state = (schemas.states.Failed(message="a step failed") if i % 20 == 7 else
+                state = (schemas.states.Running() if i >= jobs - running else
+                         schemas.states.Failed(message="a step failed") if i % 20 == 7 else
                          schemas.states.Cancelled(message="cancelled") if i % 20 == 13 else schemas.states.Completed())
                 await models.flow_runs.create_flow_run(session=session, flow_run=schemas.core.FlowRun(
                     flow_id=deployment.flow_id, deployment_id=deployment.id, name=f"bench-{i}", tags=job_tags(TENANT, job_id),
@@ -122,7 +124,8 @@ def main() -> int:
     args = parser.parse_args()
     import httpx
 
-    from opentinker.control.console.listing import CACHE_S, SETTLED_S
+    from opentinker.control.console.listing import SETTLED_S
+    from opentinker.control.console.recent import CACHE_S
 
     from opentinker.control.gateway.tenants import TenantStore
     from opentinker.control.stack import Stack

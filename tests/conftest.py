@@ -10,7 +10,7 @@ import torch
 
 # One embedded stack per test session (`stack`, `stack_env`), shared by every module;
 # one local S3 server (`s3_server`, `s3_url`).
-pytest_plugins = ["tests.stack_fixtures", "tests.s3_fixtures", "tests.vllm_fixtures"]
+pytest_plugins = ["tests.stack_fixtures", "tests.s3_fixtures", "tests.vllm_fixtures", "tests.system_packages"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TINKER_TELEMETRY", "0")  # the tinker SDK in tests sends no telemetry (its drain at exit waits on a stopped gateway)

@@ -2,7 +2,6 @@
 sandboxed python tool reach every episode's prompt and answer its calls; a server that cannot be
 listed fails the job's start in one line; the gateway refuses an MCP URL the env.url rule refuses."""
 
-import shutil
 
 import pytest
 
@@ -52,7 +51,7 @@ def test_an_mcp_server_that_cannot_be_listed_fails_the_start_in_one_line():
         JobTools(_sources({"mcp": "http://169.254.169.254/mcp"}), EnvHosts.parse("127.0.0.0/8"))
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None, reason="the python tool needs bubblewrap (Debian package bubblewrap)")
+@pytest.mark.usefixtures("bubblewrap")
 def test_the_python_tool_from_the_spec_runs_in_the_sandbox(tiny):
     tools = JobTools(_sources({"python": {"wall_s": 3, "memory_mb": 128}}), EnvHosts.parse("127.0.0.0/8"))
     (python,) = tools.tools

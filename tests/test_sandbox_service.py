@@ -6,18 +6,14 @@ out, a language it does not run; 401 without the key or with a wrong one; 413 fo
 from __future__ import annotations
 
 import base64
-import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from opentinker.tools.sandbox import BWRAP, Sandbox, SandboxLimits
+from opentinker.tools.sandbox import Sandbox, SandboxLimits
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not (shutil.which("bwrap") or os.access(BWRAP, os.X_OK)),
-                                 reason="bubblewrap is not installed (Debian package: bubblewrap)")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("bubblewrap")]
 sandbox_fusion = pytest.importorskip("sandbox_fusion")
 
 

@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from opentinker.tools.sandbox import BWRAP, Sandbox, SandboxLimits, python_tool
+from opentinker.tools.sandbox import Sandbox, SandboxLimits, python_tool
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not (shutil.which("bwrap") or os.access(BWRAP, os.X_OK)),
-                                 reason="bubblewrap is not installed (Debian package: bubblewrap)")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("bubblewrap")]
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = f"otk-secret-{secrets.token_hex(8)}"

@@ -11,19 +11,15 @@ cpu); the fallback's are run everywhere.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from opentinker.tools.sandbox import BWRAP, Sandbox, SandboxLimits, fallback_bound_mb, python_tool
+from opentinker.tools.sandbox import Sandbox, SandboxLimits, fallback_bound_mb, python_tool
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not (shutil.which("bwrap") or os.access(BWRAP, os.X_OK)),
-                                 reason="bubblewrap is not installed (Debian package: bubblewrap)")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("bubblewrap")]
 
 LIMIT_MB = 128
 ATTACK_MB = 1024  # what each program tries to hold

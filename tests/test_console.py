@@ -5,14 +5,12 @@ transcript, cancel, sign out, and tenant strings that stay text."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 
 import httpx
 import pytest
 
-from tests.cdp import Browser, chromium
+from tests.cdp import Browser
 from tests.conftest import tiny_spec
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -155,20 +153,8 @@ def _spec(tmp_path, steps, every=2, **overrides):
     return tiny_spec(tmp_path, optimization={"steps": steps}, checkpoint={"every": every}, **overrides).model_dump(mode="json")
 
 
-def _browser_or_skip() -> None:
-    """Chromium, or a skip only where `make install` cannot install it: as root with apt-get,
-    infra/system-packages.sh installs Debian's `chromium`, so there its absence is a failure."""
-    if chromium() is not None:
-        return
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        pytest.fail("Chromium is missing on a machine that can install it (root, apt-get): "
-                    "`bash infra/system-packages.sh` (which `make install` runs) installs Debian's `chromium`")
-    pytest.skip("needs Chromium for the browser tests: `sudo apt-get install chromium` (what infra/system-packages.sh does as root)")
-
-
 @pytest.fixture(scope="module")
-def console(stack_env, tmp_path_factory):
-    _browser_or_skip()
+def console(stack_env, tmp_path_factory, chromium):
     from opentinker.client import SchedulerClient
     from opentinker.control.console.session import operator_key
     from tests.stack_fixtures import deployed_tenants
@@ -379,7 +365,8 @@ def test_a_transcript_file_too_large_is_refused_before_it_is_downloaded(tmp_path
 def test_read_bounds_queue_in_order_and_refuse_past_the_line():
     """A session's reads past its slots wait in line and get them in order; a request past its
     line is refused at once, and a read that waited its time is refused then; another session is
-    not held up; a read waits in the shared line of reads until its request's time is up."""
+    not held up; a read waits in the shared line of reads until its request's time is up; past
+    the console's pace a request whose turn would come too late is refused."""
     import asyncio
     import threading
 
@@ -409,21 +396,30 @@ def test_read_bounds_queue_in_order_and_refuse_past_the_line():
         release.set()
         await asyncio.gather(first, other, *queued)
 
-        short = ReadBounds(per_session=1, reads=1, in_flight=2, wait_s=0.05)
+        short = ReadBounds(per_session=1, reads=1, in_flight=2, rest=0, wait_s=0.05)
         async with short.request("a"), short.reading():  # the session's one read slot, then its line's wait: 429
             with pytest.raises(Busy, match="this session's reads") as refused:
                 async with short.request("a"), short.reading():
                     pass
         assert refused.value.retry_after_s > 0 and short.inside("a") == 0
-        blocked = threading.Event()
-        reading = asyncio.ensure_future(short.run(blocked.wait))  # holds the one shared read slot
-        while not short.reads.taken:
-            await asyncio.sleep(0)
-        async with short.request("b"):
-            with pytest.raises(Busy, match="busy with other sessions"):
-                await short.run(len, "x")
-        blocked.set()
+        started, blocked = threading.Event(), threading.Event()
+        reading = asyncio.ensure_future(short.run(lambda: started.set() or blocked.wait(60)))  # holds the one shared read slot
+        try:
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            async with short.request("b"):
+                with pytest.raises(Busy, match="busy with other sessions"):
+                    await short.run(len, "x")
+        finally:
+            blocked.set()
         assert await reading is True and short.reads.taken == 0 and not short.reads.waiting
+        paced = ReadBounds(per_s=1, wait_s=0.05)  # one request a second, all sessions: the next one's turn is too far
+        async with paced.request("a"):
+            pass
+        with pytest.raises(Busy, match="busy with other sessions"):
+            async with paced.request("b"):
+                pass
+        assert paced.inside("b") == 0
         return order
 
     order = asyncio.run(scenario())
@@ -497,7 +493,7 @@ def test_one_sessions_flood_waits_in_its_line_while_others_and_health_answer(two
     from opentinker.control.gateway.tenants import TenantStore
 
     settings, (key, _), (job, _) = two_tenants
-    bounds = ReadBounds(per_session=2, reads=3, in_flight=3, wait_s=600)
+    bounds = ReadBounds(per_session=2, reads=3, in_flight=3, rest=0, wait_s=600)
     with TestClient(create_app(settings, console_bounds=bounds), base_url="http://127.0.0.1") as client, \
             ThreadPoolExecutor(2) as pool:
         flooding, other = _cookie(client, key), _cookie(client, key)

@@ -7,12 +7,17 @@ API answered about 200× slower and health in 40-80 s (bench/console_load.py). S
 
 - a session may have `in_flight` console requests; one more is answered 429 with Retry-After at
   once (the page's script tries again at its next poll; a person reloads);
+- the console starts at most `per_s` requests a second, all sessions together, in turn (a page
+  load is 2-3 of them, an open tab polls about one a second): a request served from what was
+  kept still costs the event loop a few milliseconds, and 200 loads at once asked for 180 a
+  second, which left `/v1/health` 400 ms behind (p95);
 - a read that asks Prefect or MLflow (an answer not kept in recent.py) takes one of its
   session's `per_session` read slots, then a place in the console's line of `reads` (all sessions
   together), and runs on the console's own `reads` threads, never on the pool the API uses; an
-  answer already kept, or being read for someone else, takes neither. One read at a time (the
-  default) is what keeps the API within 2× its time alone under 200 page loads: two let it reach
-  2.7× (bench/console_load.py);
+  answer already kept, or being read for someone else, takes neither. After each read the line
+  rests `rest` × as long as the read took. One read at a time, resting as long (the defaults), is
+  what keeps the API within 2× its time alone under 200 page loads: two reads at a time, without
+  rests, let it reach 2.7× (bench/console_load.py);
 - rendering a page or JSON (CPU on the event loop) waits in a line of `renders`, so that a burst
   of answers does not hold up `/v1/health` behind it;
 - every wait is first come, first served, and a request that has waited `wait_s` in all is
@@ -43,6 +48,24 @@ class Busy(Exception):
     def __init__(self, message: str, retry_after_s: int):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class Pace:
+    """At most `per_s` starts a second, spaced evenly, first come first served."""
+
+    def __init__(self, per_s: float):
+        self.gap_s, self.next_s = 1.0 / per_s, 0.0
+
+    async def take(self, timeout_s: float) -> bool:
+        """True at this caller's turn; False at once if that turn is more than `timeout_s` away."""
+        now = time.monotonic()
+        start = max(now, self.next_s)
+        if start - now > timeout_s:
+            return False
+        self.next_s = start + self.gap_s
+        if start > now:
+            await asyncio.sleep(start - now)
+        return True
 
 
 class Slots:
@@ -89,8 +112,10 @@ class ReadBounds:
     """Per-session admission and read slots, shared lines for reads and renders, and the console's
     own threads."""
 
-    def __init__(self, per_session: int = 1, reads: int = 1, renders: int = 2, in_flight: int = 16, wait_s: float = 10.0):
-        self.per_session, self.in_flight, self.wait_s = per_session, in_flight, wait_s
+    def __init__(self, per_session: int = 1, reads: int = 1, renders: int = 2, in_flight: int = 16, per_s: float = 50,
+                 rest: float = 1.0, wait_s: float = 10.0):
+        self.per_session, self.in_flight, self.rest, self.wait_s = per_session, in_flight, rest, wait_s
+        self.pace = Pace(per_s)
         self.reads, self.renders = Slots(reads), Slots(renders)
         self.threads = ThreadPoolExecutor(max_workers=reads, thread_name_prefix="console")
         self._sessions: dict[str, Slots] = {}  # each session's read slots
@@ -109,6 +134,8 @@ class ReadBounds:
         self._sessions.setdefault(session, Slots(self.per_session))
         token = _request.set((session, time.monotonic() + self.wait_s))
         try:
+            if not await self.pace.take(self.wait_s):
+                raise Busy("the console is busy with other sessions", 2)
             yield
         finally:
             _request.reset(token)
@@ -122,8 +149,8 @@ class ReadBounds:
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[None]:
-        """A slot of the request's session and a place in the shared line of reads, for the block
-        (a read of Prefect or MLflow); Busy once the request has waited its time."""
+        """A slot of the request's session and a place in the shared line of reads, for the block;
+        Busy once the request has waited its time."""
         session, left = self._left()
         own = self._sessions.get(session) if session is not None else None
         if own is not None and not await own.take(left):
@@ -131,10 +158,14 @@ class ReadBounds:
         try:
             if not await self.reads.take(self._left()[1]):
                 raise Busy("the console is busy with other sessions", 2)
+            began = time.monotonic()
             try:
                 yield
-            finally:
-                self.reads.give()
+            finally:  # the line rests `rest` × as long as the read took: Prefect and MLflow are the API's too
+                if (rest_s := (time.monotonic() - began) * self.rest) > 0:
+                    asyncio.get_running_loop().call_later(rest_s, self.reads.give)
+                else:
+                    self.reads.give()
         finally:
             if own is not None:
                 own.give()
@@ -150,6 +181,7 @@ class ReadBounds:
             self.renders.give()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the console's threads, holding a place as `reading` does."""
-        async with self.reading():
-            return await asyncio.get_running_loop().run_in_executor(self.threads, fn, *args)
+        """`fn(*args)` (a read of Prefect or MLflow) on the console's threads, holding a place as
+        `reading` does: its parsing too stays off the gateway's event loop."""
+        async with self.reading():  # in this context, as asyncio.to_thread runs it (Prefect's settings live there)
+            return await asyncio.get_running_loop().run_in_executor(self.threads, contextvars.copy_context().run, fn, *args)

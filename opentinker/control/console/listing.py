@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import Executor
 from typing import Any
 
 from opentinker.control.scheduler import SLOTS_HELD_TAG, TINKER_TAG, job_state
@@ -170,10 +169,15 @@ def query(state: str | None = None, kind: str | None = None, q: str | None = Non
     return state if state in STATES else None, kind if kind in KINDS else None, q, max(0, min(page, MAX_PAGE))
 
 
+def read_jobs_page(settings: Any, tenant: str | None, *query: Any) -> dict[str, Any]:
+    """`jobs_page` on an event loop of its own, for a thread of its own: the gateway's console reads
+    on its own thread, so that parsing Prefect's answers never holds up the gateway's loop."""
+    return asyncio.run(jobs_page(settings, tenant, *query))
+
+
 async def jobs_page(settings: Any, tenant: str | None, state: str | None = None, kind: str | None = None,
-                    q: str | None = None, page: int = 0, threads: Executor | None = None) -> dict[str, Any]:
-    """{"jobs": rows, "counts": {state: n}, "page", "more"} for the tenant (None: every tenant);
-    MLflow's blocking reads run on `threads` (the console's own, in the gateway)."""
+                    q: str | None = None, page: int = 0) -> dict[str, Any]:
+    """{"jobs": rows, "counts": {state: n}, "page", "more"} for the tenant (None: every tenant)."""
     state, kind, q, page = query(state, kind, q, page)
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.sorting import FlowRunSort
@@ -194,6 +198,5 @@ async def jobs_page(settings: Any, tenant: str | None, state: str | None = None,
                 continue
             seen.add(r["job_id"])
             rows.append(r)
-        progress = asyncio.get_running_loop().run_in_executor(threads, _progress, settings, rows)
-        counts, _ = await asyncio.gather(counting, progress)
+        counts, _ = await asyncio.gather(counting, asyncio.to_thread(_progress, settings, rows))
     return {"jobs": rows, "counts": counts, "page": page, "more": len(runs) == PAGE}

@@ -177,12 +177,8 @@ def console_router(settings: Any, store: TenantStore, bounds: ReadBounds | None 
     # --- jobs -------------------------------------------------------------------------------
     async def jobs_data(session: Session, *query: Any) -> dict[str, Any]:
         query = listing.query(*query)
-
-        async def read() -> dict[str, Any]:
-            async with bounds.reading():
-                return await listing.jobs_page(settings, session.tenant, *query, threads=bounds.threads)
-
-        return await recent.get(session.tenant, ("jobs", *query), CACHE_S, read)
+        return await recent.get(session.tenant, ("jobs", *query), CACHE_S,
+                                lambda: bounds.run(listing.read_jobs_page, settings, session.tenant, *query))
 
     @router.get("/jobs")
     async def jobs_list(request: Request, state: str = "", kind: str = "", q: str = "", page: int = 0) -> Response:

@@ -159,7 +159,8 @@ def bounds_in_use() -> dict | None:
         return None
     b = ReadBounds()
     b.threads.shutdown()
-    return {"per_session": b.per_session, "in_flight": b.in_flight, "wait_s": b.wait_s, "reads": b.reads.size, "renders": b.renders.size}
+    return {"per_session": b.per_session, "in_flight": b.in_flight, "wait_s": b.wait_s, "reads": b.reads.size, "renders": b.renders.size,
+            "per_s": round(1 / b.pace.gap_s, 3), "rest": b.rest}
 
 
 def markdown(r: dict, before: dict | None) -> str:

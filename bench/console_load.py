@@ -194,7 +194,8 @@ def markdown(r: dict, before: dict | None) -> str:
           "milliseconds, median / p95.", "",
           *rows, "",
           f"After (commit {r['commit']}; the console's bounds: " + (", ".join(f"{k} {v}" for k, v in bounds.items()) if bounds else "none")
-          + f"): {loads(r)}." + (f" Before (commit {before['commit']}, {before.get('note') or 'the same bench'}): {loads(before)}." if before else ""),
+          + f"): {loads(r)}." + (f" Before (commit {before['commit']}, {before.get('note') or 'the same bench'}; load average "
+                                f"{before['load_average']} at its start): {loads(before)}." if before else ""),
           "",
           f"Goals: `/v1/health` p95 under {goals['health_p95_ms']} ms — **{'met' if goals['health_met'] else 'not met'}** "
           f"({r['under_load']['health']['p95_ms']:.0f} ms); the tenant API within {goals['api_ratio']:g}× its time alone (median) — "

@@ -426,6 +426,47 @@ def test_read_bounds_queue_in_order_and_refuse_past_the_line():
     assert order == ["a1", "b1", "a2", "a3"]
 
 
+def test_kept_answers_are_read_once_and_the_one_before_is_given_while_read_again():
+    """Five asking at once make one read; another tenant makes its own; once an answer is no longer
+    fresh, the first to ask reads it again while the others get the one before at once; a
+    failure is never kept."""
+    import asyncio
+
+    from opentinker.control.console.recent import Recent
+
+    async def scenario() -> None:
+        recent, reads = Recent(), []
+
+        async def read(n: int, gate: asyncio.Event | None = None) -> int:
+            reads.append(n)
+            if gate is not None:
+                await gate.wait()
+            if n < 0:
+                raise LookupError("no such job")
+            return n
+
+        gate = asyncio.Event()
+        many = [asyncio.ensure_future(recent.get("acme", ("k",), 0.01, lambda: read(1, gate))) for _ in range(5)]
+        await asyncio.sleep(0)
+        gate.set()
+        assert await asyncio.gather(*many) == [1] * 5 and reads == [1]
+        assert await recent.get("rival", ("k",), 60, lambda: read(2)) == 2 and reads == [1, 2]
+        await asyncio.sleep(0.05)  # acme's answer is no longer fresh (kept 0.01 s)
+        again = asyncio.Event()
+        first = asyncio.ensure_future(recent.get("acme", ("k",), 0.01, lambda: read(3, again)))
+        while len(reads) < 3:
+            await asyncio.sleep(0)
+        assert await recent.get("acme", ("k",), 0.01, lambda: read(4)) == 1 and reads == [1, 2, 3]
+        again.set()
+        assert await first == 3
+        for _ in range(2):
+            with pytest.raises(LookupError):
+                await recent.get("acme", ("gone",), 60, lambda: read(-1))
+        assert reads == [1, 2, 3, -1, -1]
+
+    asyncio.run(scenario())
+
+
 def test_health_answers_while_every_thread_of_the_gateways_pool_is_taken(gateway):
     """`/v1/health` runs on the event loop: with every thread of the pool the API's routes share
     taken (as a flood of slow reads takes them), it still answers."""

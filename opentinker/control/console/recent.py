@@ -4,8 +4,10 @@ Many tabs poll the same jobs list and the same job every 2-3 s; each read asks P
 a dozen questions. An answer is kept `ttl_s` seconds under a key that starts with the tenant it
 was read for (None: the operator, whom no tenant name can equal), so one tenant's rows are never
 answered to another. While a key is being read, everyone else asking for it waits for that read
-instead of making their own. Only answers are kept: a failure (no such job) is read again. A job
-that ended a while ago no longer changes: what was read of it is kept `SETTLED_KEEP_S`.
+instead of making their own, or, when there is an answer before it not over `STALE_S` old, gets
+that one at once: under load a page shows what it showed a few seconds ago rather than wait or
+fail. Only answers are kept: a failure (no such job) is read again. A job that ended a while ago
+no longer changes: what was read of it is kept `SETTLED_KEEP_S`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from opentinker.control.console.listing import SETTLED_S  # an ended job's metri
 CACHE_S = float(os.environ.get("OPENTINKER_CONSOLE_CACHE_S", "2"))  # lists and pages
 LIVE_S = min(CACHE_S, 1.0)  # a job's curves and logs, polled every 2-3 s
 SETTLED_KEEP_S = 30.0 if CACHE_S > 0 else 0.0  # what was read of such a job (a re-submitted id shows within this)
+STALE_S = 30.0  # an answer being read again is given in its place until it is this old
 MAX_KEPT = 256  # answers (a job's curves can be large): the oldest go first
 
 Keep = float | Callable[[Any], float]  # seconds, or seconds for the answer read
@@ -50,15 +53,19 @@ def logs_keep(answer: dict[str, Any]) -> float:
 class Recent:
     def __init__(self, max_kept: int = MAX_KEPT):
         self.max_kept = max_kept
-        self._kept: dict[tuple, tuple[float, Any]] = {}  # key -> (until, answer)
+        self._kept: dict[tuple, tuple[float, float, Any]] = {}  # key -> (fresh until, usable until, answer)
         self._reading: dict[tuple, asyncio.Future] = {}
 
     async def get(self, tenant: str | None, key: tuple, ttl_s: Keep, read: Callable[[], Awaitable[Any]]) -> Any:
-        """The tenant's answer for `key`, kept from the last `ttl_s` seconds or read by `read()`."""
-        full = (tenant, *key)
-        if (kept := self._kept.get(full)) and time.monotonic() < kept[0]:
-            return kept[1]
+        """The tenant's answer for `key`: kept from the last `ttl_s` seconds, else read by `read()`;
+        while it is being read again, the one before it (at most STALE_S old) at once."""
+        full, now = (tenant, *key), time.monotonic()
+        kept = self._kept.get(full)
+        if kept and now < kept[0]:
+            return kept[2]
         if (pending := self._reading.get(full)) is not None:
+            if kept and now < kept[1]:
+                return kept[2]
             return await asyncio.shield(pending)
         pending = self._reading[full] = asyncio.ensure_future(read())
         pending.add_done_callback(lambda done: self._done(full, done, ttl_s))
@@ -70,16 +77,17 @@ class Recent:
         if done.cancelled() or done.exception() is not None:
             return
         if (seconds := ttl_s(done.result()) if callable(ttl_s) else ttl_s) > 0:
-            self._keep(key, time.monotonic() + seconds, done.result())
+            now = time.monotonic()
+            self._keep(key, now + seconds, now + max(seconds, STALE_S), done.result())
 
-    def _keep(self, key: tuple, until: float, answer: Any) -> None:
+    def _keep(self, key: tuple, fresh: float, usable: float, answer: Any) -> None:
         self._kept.pop(key, None)
         if len(self._kept) >= self.max_kept:
             now = time.monotonic()
-            self._kept = {k: v for k, v in self._kept.items() if v[0] > now}
+            self._kept = {k: v for k, v in self._kept.items() if v[1] > now}
             while len(self._kept) >= self.max_kept:
                 del self._kept[next(iter(self._kept))]  # the oldest kept
-        self._kept[key] = (until, answer)
+        self._kept[key] = (fresh, usable, answer)
 
     def forget(self, tenant: str | None) -> None:
         """Drops the tenant's kept answers (after it changed something: a cancel)."""

@@ -3,21 +3,20 @@
 The gateway is one asyncio process shared with the tenant API and `/v1/health`, and every console
 read calls Prefect and MLflow, which the API calls too. Unbounded, 200 page loads at once took
 every thread of the pool the API's routes run in and queued behind each other at Prefect: the
-API answered about 200× slower and health in 40-80 s (bench/console_load.py). So:
+API answered 175× slower and health in 29 s at p95 (bench/console_load.py, its before). So:
 
 - a session may have `in_flight` console requests; one more is answered 429 with Retry-After at
   once (the page's script tries again at its next poll; a person reloads);
 - the console starts at most `per_s` requests a second, all sessions together, in turn (a page
   load is 2-3 of them, an open tab polls about one a second): a request served from what was
-  kept still costs the event loop a few milliseconds, and 200 loads at once asked for 180 a
-  second, which left `/v1/health` 400 ms behind (p95);
+  kept still costs the event loop a few milliseconds, and 200 loads at once would keep it busy;
 - a read that asks Prefect or MLflow (an answer not kept in recent.py) takes one of its
   session's `per_session` read slots, then a place in the console's line of `reads` (all sessions
   together), and runs on the console's own `reads` threads, never on the pool the API uses; an
   answer already kept, or being read for someone else, takes neither. After each read the line
-  rests `rest` × as long as the read took. One read at a time, resting as long (the defaults), is
-  what keeps the API within 2× its time alone under 200 page loads: two reads at a time, without
-  rests, let it reach 2.7× (bench/console_load.py);
+  rests `rest` × as long as the read took, since Prefect and MLflow answer the API too: one read
+  at a time, resting as long (the defaults), keeps the API within 2× its time alone under 200
+  page loads (bench/console_load.py);
 - rendering a page or JSON (CPU on the event loop) waits in a line of `renders`, so that a burst
   of answers does not hold up `/v1/health` behind it;
 - every wait is first come, first served, and a request that has waited `wait_s` in all is

@@ -231,8 +231,8 @@ def main() -> int:
     os.environ.update(settings_env(settings) | prefect_env(settings) | mlflow_env(settings))
     stack = Stack(settings)
     print("starting a local stack ...", flush=True)
-    stack.up(timeout=240)
     try:
+        stack.up(timeout=240)  # inside: a start that fails (Ray's, on a busy machine) still stops what it started
         deploy(settings)
         key = TenantStore(settings.state_dir / "tenants.json").create(TENANT)
         print(f"making {args.jobs} jobs of history ...", flush=True)

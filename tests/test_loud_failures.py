@@ -175,8 +175,8 @@ def test_texts_too_long_for_the_episode_are_cut_counted_and_never_tokenized_whol
     model, tok = tiny
     chat = chat_format(tok)
     encoded: list[int] = []
-    encode = chat.encode
-    chat.encode = lambda text: encoded.append(len(text)) or encode(text)
+    encode = chat.encode_rendered
+    chat.encode_rendered = lambda text, what: encoded.append(len(text)) or encode(text, what)
     engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
     limits = EpisodeLimits(max_turns=4, max_total_tokens=512)
     try:

@@ -256,15 +256,8 @@ def test_browser_opens_a_transcript_and_scripts_in_it_stay_text(console):
     assert b.dialogs == [], b.dialogs
 
 
-def test_browser_shows_tinker_sessions_and_the_docs_pictures_are_taken(console, tmp_path):
-    """The tenant's Tinker session and its checkpoint's tinker:// path on the Tinker page; then the
-    docs' own script (docs/console_screenshots.py) takes every page the docs show, here."""
-    import importlib.util
-    import re
-    from pathlib import Path
-
-    from PIL import Image
-
+def test_browser_shows_tinker_sessions(console):
+    """The tenant's Tinker session and its checkpoint's tinker:// path on the Tinker page."""
     tinker = pytest.importorskip("tinker")
     b, base, key = console["browser"], console["base"], console["key"]
     mp = pytest.MonkeyPatch()
@@ -283,7 +276,20 @@ def test_browser_shows_tinker_sessions_and_the_docs_pictures_are_taken(console, 
         mp.undo()
     b.navigate(f"{base}/jobs")
     b.submit("form.signout")
+    b.pump()
+    assert b.dialogs == [], b.dialogs
 
+
+@pytest.mark.slow  # every page shot at the docs' size (~20 s); each page is opened and checked by the default tests above and below
+def test_browser_takes_the_docs_pictures(console, tmp_path):
+    """The docs' own script (docs/console_screenshots.py) takes every page the docs show, here."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    from PIL import Image
+
+    b, base, key = console["browser"], console["base"], console["key"]
     root = Path(__file__).resolve().parents[1]
     loaded = importlib.util.spec_from_file_location("console_screenshots", root / "docs" / "console_screenshots.py")
     script = importlib.util.module_from_spec(loaded)

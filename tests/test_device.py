@@ -45,6 +45,49 @@ def test_trained_weights_stay_float32_and_logprobs_agree_within_the_stated_toler
     assert all(s["exp_avg"].dtype == torch.float32 for s in job.policy.trainer.optimizer.state.values())
 
 
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the casts dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._to_copy
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bfloat16_lora_takes_its_input_as_autocast_casts_it_the_same_numbers_with_fewer_copies(tmp_path):
+    """peft would cast each adapted projection's bfloat16 input to the adapter's float32 and
+    autocast straight back: an exact round trip, so leaving it out must change no logprob and no
+    gradient bit, and saves two casts per adapted projection and pass."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from opentinker.rl import RLJob
+
+    job = RLJob(tiny_spec(tmp_path, model={"name": "tiny-random", "dtype": "bfloat16"}, optimization={"steps": 1}), job_id="lora-casts")
+    job.rollout(0)
+    trainer = job.policy.trainer
+    trajs = [t for t in job.sampler.batch(0).trajectories if not t.failed and t.num_sampled]
+    layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def scored() -> tuple[list, list, int]:
+        casts = _Casts()
+        with casts:
+            trainer.compute_gradients(trajs)
+        grads = [p.grad.clone() for p in trainer.params]
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return trainer.logprobs(trajs), grads, casts.count
+
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
+    lp, grads, casts = scored()
+    for m in layers:
+        m.cast_input_dtype_enabled = True  # peft's own way
+    lp_peft, grads_peft, casts_peft = scored()
+    assert lp == lp_peft and all(torch.equal(a, b) for a, b in zip(grads, grads_peft))
+    assert casts_peft - casts >= 2 * len(layers)
+
+
 class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts casts whose input is one of `weights` (by identity)."""
 
@@ -84,7 +127,10 @@ def test_decoding_casts_each_trained_weight_once_whatever_the_number_of_tokens(s
     for new_tokens in (2, 8):
         casts = _WeightCasts(weights)
         engine.stream.on_thread(casts.__enter__).result()  # dispatch modes are per thread: the engine's
-        out = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=new_tokens))
+        # one request (one generator): its rows join together, so the stretch is one however slow
+        # the caller (four requests, a loaded machine can finish the first before the last is queued)
+        out = engine.generate([[1, 2, 3, 4]] * 2 + [[5, 6, 7]] * 2, SamplingParams(max_new_tokens=new_tokens),
+                              generators=[torch.Generator().manual_seed(new_tokens)] * 4)
         engine.stream.on_thread(lambda: casts.__exit__(None, None, None)).result()
         assert all(len(c.token_ids) == new_tokens for c in out)
         counts[new_tokens] = casts.count

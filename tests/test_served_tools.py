@@ -4,17 +4,14 @@ SmolLM2's tokenizer, whose template ignores tools, the hermes default) and parse
 `<tool_call>` blocks. The tiny random model cannot be relied on to call, so its reply is fixed: on
 the HF server its sampling is replaced by the call's tokens (the server's HTTP, rendering and
 parsing are real); on vLLM its own sampling is constrained to the call's text (structured outputs,
-a regex)."""
+a regex: that test is in test_serving_hostile.py, on the vLLM server its module starts once)."""
 
 from __future__ import annotations
 
 import json
 from concurrent.futures import Future
 
-import httpx
 import pytest
-
-from tests.conftest import tiny_spec
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
@@ -98,59 +95,3 @@ def test_the_hf_server_answers_tool_calls_in_the_trained_format(hf_served):
             client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD], tool_choice=choice)
     with pytest.raises(BadRequestError, match=r"tools\[0\]: must be"):
         client.chat.completions.create(model="policy", messages=MESSAGES, tools=[{"type": "function", "function": {}}])
-
-
-def test_vllm_serves_tool_calls_in_the_trained_format(vllm_pool, vllm_tiny_path, tmp_path):
-    """`opentinker serve` on vLLM: the hermes parser, and the hermes default as the chat template
-    (SmolLM2's own ignores tools): the prompt vLLM renders with tools is training's, token for token."""
-    from openai import OpenAI
-
-    from opentinker.core.hardware import detect_gpus
-    from opentinker.inference.launch import launch
-    from opentinker.inference.spec import InferenceSpec
-    from opentinker.model.loading import load_tokenizer
-    from opentinker.tools.formats import ToolFormat
-    from tests.vllm_fixtures import lora_checkpoint
-
-    vllm_pool.stop()  # room for this server
-    url = lora_checkpoint(tiny_spec(tmp_path, model={"name": vllm_tiny_path}), "tools-by-vllm")
-    tokenizer = load_tokenizer(vllm_tiny_path)
-    tools = ToolFormat(tokenizer)
-    assert tools.name == "hermes"
-    gpus = int(detect_gpus() > 0)
-    server = launch(url, InferenceSpec(model_path=url, engine="vllm", num_gpus=gpus), "127.0.0.1", name="policy", api_key="k",
-                    max_tokens_cap=96)
-    try:
-        auth = {"Authorization": "Bearer k"}
-
-        def tokenized(messages) -> list[int]:
-            body = {"model": "policy", "messages": messages, "tools": [ADD], "add_generation_prompt": True}
-            response = httpx.post(f"{server.url}/tokenize", json=body, headers=auth, timeout=60)
-            assert response.status_code == 200, response.text
-            return response.json()["tokens"]
-
-        def ids(text: str) -> list[int]:
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-        expected = tools.render(MESSAGES, [ADD], add_generation_prompt=True)
-        assert "<tools>\n" + json.dumps(ADD) + "\n</tools>" in expected and tokenized(MESSAGES) == ids(expected)
-
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="k")
-        regex = CALL.replace("{", "\\{").replace("}", "\\}").replace("\n", "\\n")  # the model's own sampling, held to the call's text
-        forced = {"structured_outputs": {"regex": regex}}
-        response = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD], temperature=0, max_tokens=96,
-                                                  extra_body=forced)
-        check_call(response)
-        assert response.usage.prompt_tokens == len(ids(expected))
-
-        call = response.choices[0].message.tool_calls[0]
-        sdk_follow_up = MESSAGES + [response.choices[0].message.model_dump(exclude_none=True),
-                                    {"role": "tool", "tool_call_id": call.id, "content": "5"}]
-        rendered = tools.render(follow_up(call.id), [ADD], add_generation_prompt=True)
-        assert "<tool_response>\n5\n</tool_response>" in rendered and tokenized(sdk_follow_up) == ids(rendered)
-        again = client.chat.completions.create(model="policy", messages=sdk_follow_up, tools=[ADD], temperature=0, max_tokens=96,
-                                               extra_body=forced)
-        check_call(again)
-        assert again.usage.prompt_tokens == len(ids(rendered))
-    finally:
-        server.stop()

@@ -173,6 +173,50 @@ def vllm_served(vllm_pool, vllm_tiny_path, tmp_path_factory):
     server.stop()
 
 
+def test_vllm_serves_tool_calls_in_the_trained_format(vllm_served, vllm_tiny_path):
+    """`opentinker serve` on vLLM: the hermes parser, and the hermes default as the chat template
+    (SmolLM2's own ignores tools): the prompt vLLM renders with tools is training's, token for token."""
+    from openai import OpenAI
+
+    from opentinker.model.loading import load_tokenizer
+    from opentinker.tools.formats import ToolFormat
+    from tests.test_served_tools import check_call, follow_up
+
+    server = vllm_served
+    tokenizer = load_tokenizer(vllm_tiny_path)
+    tools = ToolFormat(tokenizer)
+    assert tools.name == "hermes"
+    auth = {"Authorization": "Bearer k"}
+
+    def tokenized(messages) -> list[int]:
+        body = {"model": "policy", "messages": messages, "tools": [ADD], "add_generation_prompt": True}
+        response = httpx.post(f"{server.url}/tokenize", json=body, headers=auth, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    expected = tools.render(MESSAGES, [ADD], add_generation_prompt=True)
+    assert "<tools>\n" + json.dumps(ADD) + "\n</tools>" in expected and tokenized(MESSAGES) == ids(expected)
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="k")
+    response = client.chat.completions.create(model="policy", messages=MESSAGES, tools=[ADD], temperature=0, max_tokens=96,
+                                              extra_body=forced(CALL_ADD))  # the model's own sampling, held to the call's text
+    check_call(response)
+    assert response.usage.prompt_tokens == len(ids(expected))
+
+    call = response.choices[0].message.tool_calls[0]
+    sdk_follow_up = MESSAGES + [response.choices[0].message.model_dump(exclude_none=True),
+                                {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    rendered = tools.render(follow_up(call.id), [ADD], add_generation_prompt=True)
+    assert "<tool_response>\n5\n</tool_response>" in rendered and tokenized(sdk_follow_up) == ids(rendered)
+    again = client.chat.completions.create(model="policy", messages=sdk_follow_up, tools=[ADD], temperature=0, max_tokens=96,
+                                           extra_body=forced(CALL_ADD))
+    check_call(again)
+    assert again.usage.prompt_tokens == len(ids(rendered))
+
+
 def forced(text: str) -> dict:
     """The request's extra body that holds the model's own sampling to `text` (vLLM's structured outputs)."""
     return {"structured_outputs": {"regex": re.sub(r"[\\.^$*+?{}\[\]|()]", lambda m: "\\" + m.group(), text).replace("\n", "\\n")}}

@@ -103,6 +103,7 @@ bench: install  ## all benchmarks; each writes bench/results/<name>.{json,md}
 	$(PY) bench/vllm_engine.py --steps 3 --adapter full
 	$(PY) bench/keep_alive.py --rounds 16
 	$(PY) bench/sandbox_cost.py --n 50 --rounds 8
+	$(PY) bench/cpu_precision.py --repeats 4
 	$(PY) bench/mcp_call.py --calls 200
 	$(PY) bench/learning_tools.py --task code --steps 40 --every 5 --eval-n 64 --warm-start 300
 	$(PY) bench/learning_tools.py --task mcp --steps 30 --every 5 --eval-n 64 --warm-start 300

@@ -23,7 +23,7 @@ import torch
 from opentinker.algo.primitive_losses import LOSSES, loss_config, primitive_loss
 from opentinker.backend.device import Placement, cpu
 from opentinker.core.spec import LoraSpec
-from opentinker.model.adapters import adapter_files, wrap_model
+from opentinker.model.adapters import adapter_files, autocast_lora_inputs, wrap_model
 from opentinker.model.vision import hidden_states
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -339,6 +339,7 @@ class PrimitiveModel(LoraTrainer):
             torch.manual_seed(shape.seed)
         base = base.to(dtype=self.placement.weights_dtype(trained=False))
         self.model = wrap_model(base, lora).to(self.placement.device)
+        autocast_lora_inputs(self.model, self.placement.compute_dtype)
         for p in self.model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()

@@ -23,7 +23,7 @@ from opentinker.backend.regional_compile import compile_regions
 from opentinker.core.spec import AlgorithmSpec, FullSpec, LoraSpec, OptimizationSpec
 from opentinker.core.spec_limits import SHARED_PASS_TOKENS
 from opentinker.core.trajectory import Trajectory
-from opentinker.model.adapters import wrap_model
+from opentinker.model.adapters import autocast_lora_inputs, wrap_model
 from opentinker.model.vision import hidden_states, pixel_batch
 
 
@@ -96,6 +96,7 @@ class PolicyTrainer:
             if self.is_lora:  # the frozen base in the compute precision; peft keeps the adapter in float32
                 model = model.to(dtype=self.placement.weights_dtype(trained=False))
             self.model = wrap_model(model, adapter).to(self.placement.device)
+            autocast_lora_inputs(self.model, self.placement.compute_dtype)
             if optim.compile:
                 compile_regions(self.model)
         for p in self.model.parameters():  # what trains is float32 (a VLM's vision tower may have come in the compute precision)

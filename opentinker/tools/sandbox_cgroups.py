@@ -169,13 +169,13 @@ class CallGroups:
         group = CallGroup(folders)
         try:
             for folder in folders.values():
-                for attempt in range(3):  # another process may remove an empty owner folder meanwhile
+                for attempt in range(10):  # another call may remove the owner's folder, empty for a moment, meanwhile
                     try:
                         folder.parent.mkdir(parents=True, exist_ok=True)
                         folder.mkdir()
                         break
-                    except FileNotFoundError:
-                        if attempt == 2:
+                    except (FileNotFoundError, FileExistsError):  # gone under mkdir, or between its EEXIST and its check
+                        if attempt == 9 or folder.exists():
                             raise
             memory = folders["memory"]
             _write(memory / "memory.limit_in_bytes", str(memory_bytes))

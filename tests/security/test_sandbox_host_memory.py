@@ -219,3 +219,35 @@ def test_without_cgroups_one_owner_still_leaves_another_a_slot():
     for t in burning:
         t.join()
     assert (short.status, short.stdout) == ("Finished", "1\n"), short
+
+
+
+@needs_cgroups
+def test_a_calls_cgroups_are_made_while_another_call_removes_the_owners_empty_folder():
+    """A call's end removes its owner's folder once it is empty, so another call of the owner may
+    find it gone under its mkdir, or gone between mkdir's `File exists` and its check (the bench's
+    service load once failed so). Here a thread removes the owner's empty folders as fast as it can
+    while 300 calls' cgroups are made: every one is made."""
+    import os
+
+    from opentinker.tools.sandbox_cgroups import owner_parts
+
+    owner, stop = "tenant-race/job-9", threading.Event()
+    folders = [base.joinpath(*owner_parts(owner)) for base in GROUPS.bases.values()]
+
+    def remover() -> None:
+        while not stop.is_set():
+            for folder in (*folders, *(f.parent for f in folders)):
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=remover, daemon=True)
+    thread.start()
+    try:
+        for _ in range(300):
+            GROUPS.make(owner, 64 << 20, 4 << 20, 8).remove()
+    finally:
+        stop.set()
+        thread.join()

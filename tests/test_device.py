@@ -57,18 +57,32 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_bfloat16_lora_takes_its_input_as_autocast_casts_it_the_same_numbers_with_fewer_copies(tmp_path):
+def test_a_bfloat16_lora_takes_its_input_as_autocast_casts_it_the_same_numbers_with_fewer_copies(tiny):
     """peft would cast each adapted projection's bfloat16 input to the adapter's float32 and
     autocast straight back: an exact round trip, so leaving it out must change no logprob and no
     gradient bit, and saves two casts per adapted projection and pass."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from opentinker.rl import RLJob
+    from opentinker.backend import PolicyTrainer
+    from opentinker.backend.device import Placement
+    from opentinker.core.spec import AlgorithmSpec, LoraSpec, OptimizationSpec
+    from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
+    from opentinker.backend import HFRolloutEngine, SamplingParams
+    from envs.toy import UppercaseGame
+    from tests.test_trainer import _with_signal
 
-    job = RLJob(tiny_spec(tmp_path, model={"name": "tiny-random", "dtype": "bfloat16"}, optimization={"steps": 1}), job_id="lora-casts")
-    job.rollout(0)
-    trainer = job.policy.trainer
-    trajs = [t for t in job.sampler.batch(0).trajectories if not t.failed and t.num_sampled]
+    model, tok = tiny
+    where = Placement(torch.device("cpu"), torch.bfloat16)
+    trainer = PolicyTrainer(model, tok, LoraSpec(r=4), AlgorithmSpec(), OptimizationSpec(lr=1e-3, micro_batch_size=4), placement=where)
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(trainer.model, tok, placement=where)  # sampled in the trainer's precision, as a job does
+    try:
+        trajs = _with_signal(run_episodes(engine, ChatFormat(tok), [UppercaseGame() for _ in range(8)],
+                                          [{"prompt": f"Say something about item {i // 4}."} for i in range(8)],
+                                          SamplingParams(max_new_tokens=4), EpisodeLimits(), [i // 4 for i in range(8)]))
+    finally:
+        engine.close()
+    assert not any(t.failed for t in trajs)
     layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
 
     def scored() -> tuple[list, list, int]:

@@ -141,6 +141,25 @@ def test_an_engine_whose_thread_dies_fails_its_requests_instead_of_leaving_them_
         engine.close()
 
 
+def test_a_prefill_that_raises_fails_the_rows_it_was_admitting_instead_of_leaving_them_waiting(tiny):
+    """Rows taken from the queue into a prefill that raises (a token id past the vocabulary) are in
+    neither the queue nor the batch: they fail with the step's error, and the engine goes on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from opentinker.backend import HFRolloutEngine, SamplingParams
+
+    model, tok = tiny
+    engine = HFRolloutEngine(model, tok, prefix_cache_tokens=0)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            bad = pool.submit(engine.generate, [[1, 2, 10**6]], SamplingParams(max_new_tokens=2))
+            with pytest.raises(IndexError):
+                bad.result(timeout=60)  # before the fix: never
+        assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
+    finally:
+        engine.close()
+
+
 def test_environment_calls_past_their_deadline_are_capped_and_counted(monkeypatch):
     from opentinker.agent import guard
 

@@ -255,7 +255,11 @@ class StreamEngine:
             if self.batch.rows:
                 self._decode()
             if admitted:
-                self._admit(admitted)
+                try:
+                    self._admit(admitted)
+                except BaseException:
+                    self.held = admitted + self.held  # taken from the queue, not in the batch yet: they fail with the rest
+                    raise
         finally:
             if was_training:
                 self.model.train()

@@ -169,14 +169,7 @@ class CallGroups:
         group = CallGroup(folders)
         try:
             for folder in folders.values():
-                for attempt in range(10):  # another call may remove the owner's folder, empty for a moment, meanwhile
-                    try:
-                        folder.parent.mkdir(parents=True, exist_ok=True)
-                        folder.mkdir()
-                        break
-                    except (FileNotFoundError, FileExistsError):  # gone under mkdir, or between its EEXIST and its check
-                        if attempt == 9 or folder.exists():
-                            raise
+                _make_under_removals(folder)
             memory = folders["memory"]
             _write(memory / "memory.limit_in_bytes", str(memory_bytes))
             if (memory / "memory.memsw.limit_in_bytes").exists():
@@ -189,6 +182,21 @@ class CallGroups:
             group.remove()
             raise
         return group
+
+
+def _make_under_removals(folder: Path, within_s: float = 5.0) -> None:
+    """mkdir `folder` and its parents while other calls' ends remove the owner's folders whenever
+    they are empty: gone under our mkdir, or between its `File exists` and its check, we try again
+    (our own folder, once made, keeps its parents from being removed)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            folder.mkdir()
+            return
+        except (FileNotFoundError, FileExistsError):
+            if folder.exists() or time.monotonic() > deadline:
+                raise
 
 
 def _sweep(base: Path) -> None:

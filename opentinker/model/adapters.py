@@ -41,7 +41,9 @@ def autocast_lora_inputs(model, compute_dtype) -> None:
     import torch
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    for module in model.modules() if compute_dtype != torch.float32 else ():
+    if compute_dtype == torch.float32:
+        return
+    for module in model.modules():
         if isinstance(module, BaseTunerLayer):
             module.cast_input_dtype_enabled = False
 

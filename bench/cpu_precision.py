@@ -75,6 +75,7 @@ def rollouts(spec, batches: int) -> list:
         out.append(job.sampler.batch(step).trajectories)
         job.policy.trainer.version += 1  # the next batch may start: no update runs on this job
         job._sync()
+    job.close()  # its producer would go on sampling the next steps' groups beside the updates timed below
     return out
 
 

@@ -9,6 +9,8 @@ before the first and after the last. Each way in a process of its own, the same 
   merged into its weights in place after every update (rollout.weight_sync merged, the CPU's default);
 - `vllm-bf16`: the same, the server sampling in bfloat16 (the trainer in float32, the loss weighing
   each token by decoupled PPO's capped pi_trainer / pi_sampler);
+- `vllm-bf16-trainer`: the same with the trainer in bfloat16 too (`model.dtype: auto` on a CPU with
+  Intel AMX, where the demo runs so; the trainer's frozen base bfloat16, its adapter float32);
 - `vllm-lora` (with `--ways`): the server taking the adapter by name.
 
 `--adapter full` runs the same ways as a full fine-tune (lr 1e-5): its weights, all 540 MB of them,
@@ -19,7 +21,7 @@ generated tokens, the weight sync and the update, the evaluations' seconds, and 
 the job's process and of its server's processes. Ratios against `hf`: rollout tokens per second (the
 step's generated tokens over the trainer's wait for them), evaluation seconds, step seconds.
 
-    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm,vllm-bf16] [--adapter lora|full]
+    python bench/vllm_engine.py [--steps 3] [--ways hf,vllm,vllm-bf16,vllm-bf16-trainer] [--adapter lora|full]
 writes bench/results/vllm_engine.{json,md} (vllm_engine_full.{json,md} for a full fine-tune)
 """
 
@@ -81,7 +83,9 @@ print("RESULT " + json.dumps({"start_s": built, **started, "steps": steps, "eval
 
 WAYS = {"hf": {"engine": "local", "sampler_dtype": "auto"}, "vllm": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "float32"},
         "vllm-bf16": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "bfloat16"},
+        "vllm-bf16-trainer": {"engine": "vllm", "weight_sync": "merged", "sampler_dtype": "bfloat16"},
         "vllm-lora": {"engine": "vllm", "weight_sync": "lora", "sampler_dtype": "float32"}}
+TRAINER_DTYPE = {"vllm-bf16-trainer": "bfloat16"}  # the others' trainer: float32 on every CPU (the baseline's)
 
 
 def spec_data(way: str, steps: int, tmp: str, adapter: str) -> dict:
@@ -89,6 +93,7 @@ def spec_data(way: str, steps: int, tmp: str, adapter: str) -> dict:
 
     data = load_spec(ROOT / "examples" / "math_grpo.yaml").model_dump(mode="json")
     data["rollout"] |= WAYS[way]
+    data["model"]["dtype"] = TRAINER_DTYPE.get(way, "float32")
     if adapter == "full":
         data["adapter"] = {"kind": "full"}
         data["optimization"]["lr"] = 1e-5
@@ -115,7 +120,7 @@ def run_way(way: str, steps: int, tmp: str, adapter: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--ways", default="hf,vllm,vllm-bf16")
+    parser.add_argument("--ways", default="hf,vllm,vllm-bf16,vllm-bf16-trainer")
     parser.add_argument("--adapter", choices=("lora", "full"), default="lora")
     parser.add_argument("--out", default=None, help="default: bench/results/vllm_engine (vllm_engine_full for --adapter full)")
     args = parser.parse_args()
@@ -153,7 +158,7 @@ def main() -> int:
     out.with_suffix(".md").write_text(
         f"# The demo's rollouts and evaluations{what}: vLLM against the HF engine (same run, {machine})\n\n"
         f"examples/math_grpo.yaml (SmolLM2-135M-Instruct, {trained}, GRPO, 8 x 4 episodes of up to 24 tokens a step, 64 greedy "
-        f"held-out problems), {args.steps} steps a way, each in a process of its own, the trainer in float32 (vllm-bf16: its server samples in bfloat16). Start: the job's start, the server's "
+        f"held-out problems), {args.steps} steps a way, each in a process of its own, the trainer in float32 (vllm-bf16: its server samples in bfloat16; vllm-bf16-trainer: the trainer in bfloat16 as well). Start: the job's start, the server's "
         f"start-up included (vLLM eager on the CPU); rollout: the trainer's wait for a step's episodes; sync: the update's weights "
         f"reaching the engine; memory: peak RSS of the job's process and of its server's processes.\n\n"
         f"| way | start (s) | server start-up (s) | rollout tokens/s | rollout (s) | sync (s) | update (s) | step (s) | evaluation (s) | "

@@ -18,6 +18,7 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")  # the tinker SDK in tests sends 
 # test writes a secret file into a developer's state folder.
 os.environ.setdefault("OPENTINKER_SECRET", "opentinker-test-secret")
 os.environ.setdefault("OPENTINKER_VLLM_CPU_KV_CACHE_GIB", "1")  # a vLLM server's key/value cache: the tests' need a fraction of it
+os.environ.setdefault("OPENTINKER_CPU_AUTO_DTYPE", "float32")  # `model.dtype: auto` on the CPU: the same numbers on every CPU CI draws (bfloat16 where it has AMX otherwise)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 EXIT_GRACE_S = 60  # after the summary: a process still alive this long is stuck on a thread (CI once hung ~40 min here)

@@ -12,12 +12,44 @@ from tests.conftest import tiny_spec
 def test_placement_follows_the_gpus_asked_for_and_the_dtype():
     from opentinker.backend.device import placement
 
-    assert placement(0, "auto") == placement(0, "float32")
+    assert placement(0, "auto") == placement(0, "float32")  # the suite fixes `auto` on the CPU at float32 (conftest)
     assert placement(0, "auto").device.type == "cpu" and placement(0, "auto").compute_dtype == torch.float32
     assert placement(0, "bfloat16").compute_dtype == torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"^resources.num_gpus: the job asks for 1 GPU\(s\); this process sees 0"):
             placement(1, "auto")
+
+
+@pytest.mark.parametrize("forced, amx, expected", [("", True, torch.bfloat16), ("", False, torch.float32),
+                                                    ("float32", True, torch.float32), ("bfloat16", False, torch.bfloat16)])
+def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_it(monkeypatch, caplog, forced, amx, expected):
+    from opentinker.backend import device
+
+    monkeypatch.setenv(device.CPU_AUTO_ENV, forced)
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: amx)
+    device.cpu_auto_dtype.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger=device.__name__):
+            where = device.placement(0, "auto")
+            device.placement(0, "auto")
+        assert where.compute_dtype == expected and where.weights_dtype(trained=True) == torch.float32
+        assert where.weights_dtype(trained=False) == expected
+        lines = [r.getMessage() for r in caplog.records if r.name == device.__name__]
+        reason = f"{device.CPU_AUTO_ENV} is set" if forced else ("Intel AMX" if amx else "no Intel AMX")
+        assert len(lines) == 1 and lines[0].startswith(f"model.dtype auto on the CPU: {str(expected)[6:]} (") and reason in lines[0]
+        monkeypatch.setenv(device.CPU_AUTO_ENV, "float16")
+        device.cpu_auto_dtype.cache_clear()
+        with pytest.raises(ValueError, match=rf"^{device.CPU_AUTO_ENV}='float16': float32 or bfloat16"):
+            device.placement(0, "auto")
+    finally:
+        device.cpu_auto_dtype.cache_clear()
+
+
+def test_this_cpus_amx_is_what_torch_reports():
+    from opentinker.backend.device import cpu_has_amx
+
+    flags = open("/proc/cpuinfo").read().split()
+    assert cpu_has_amx() == ("amx_tile" in flags and "amx_bf16" in flags)
 
 
 def _recompute_gap(job) -> float:

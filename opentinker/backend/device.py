@@ -2,8 +2,11 @@
 
 A job's process uses the device Ray assigned it: CUDA device 0 of what it sees (Ray sets
 CUDA_VISIBLE_DEVICES to the job's own GPUs) when the job holds GPUs, the CPU otherwise.
-`model.dtype` is the compute precision: `auto` is bfloat16 on a GPU that supports it and float32
-on the CPU. Weights that are trained stay float32 (with the optimizer state), frozen weights (a
+`model.dtype` is the compute precision: `auto` is bfloat16 on a GPU that supports it and on a CPU
+with Intel AMX (oneDNN multiplies bfloat16 matrices there about 7x as fast as float32 ones,
+bench/results/cpu_precision.md), float32 on other CPUs; the operator may fix what `auto` means on
+the CPU with OPENTINKER_CPU_AUTO_DTYPE (the test suite fixes float32, so that its numbers do not
+depend on which CPU runs it). Weights that are trained stay float32 (with the optimizer state), frozen weights (a
 LoRA's base) are stored in the compute precision, and every forward pass runs under autocast in
 it; log-probabilities and the loss are computed in float32 from the logits either way.
 
@@ -14,13 +17,18 @@ the logits, about 1e-2 (tested on CPU for bfloat16 as well).
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+CPU_AUTO_ENV = "OPENTINKER_CPU_AUTO_DTYPE"
 
 def check_gpus(num_gpus: float) -> None:
     """ValueError in one line when the job asks for more GPUs than torch sees here (it would
@@ -52,8 +60,31 @@ class Placement:
 def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return cpu_auto_dtype()
+
+
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles and oneDNN's bfloat16 kernels (Sapphire Rapids and later Xeons)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(amx() and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def cpu_auto_dtype() -> torch.dtype:
+    """What `model.dtype: auto` computes in on this CPU; the process's log says which and why, once."""
+    forced = os.environ.get(CPU_AUTO_ENV, "")
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{CPU_AUTO_ENV}={forced!r}: float32 or bfloat16 (or unset: bfloat16 where the CPU has AMX)")
+        log.info("model.dtype auto on the CPU: %s (%s is set)", forced, CPU_AUTO_ENV)
+        return getattr(torch, forced)
+    if cpu_has_amx():
+        log.info("model.dtype auto on the CPU: bfloat16 (this CPU has Intel AMX; frozen weights bfloat16, "
+                 "what trains and its optimizer float32)")
         return torch.bfloat16
+    log.info("model.dtype auto on the CPU: float32 (no Intel AMX here, where bfloat16 is not measured faster)")
     return torch.float32
 
 

@@ -72,7 +72,8 @@ def on_step(report):
     m = report.metrics
     steps.append({"step": report.step, "rollout_s": m["rollout/seconds"], "tokens": m["rollout/generated_tokens"],
                   "sync_s": m.get("rollout/sync_seconds", 0.0), "update_s": m.get("update/seconds", 0.0),
-                  "step_s": m["step/seconds"] - m.get("eval/seconds", 0.0), "reward": m["rollout/reward_mean"]})
+                  "step_s": m["step/seconds"] - m.get("eval/seconds", 0.0), "reward": m["rollout/reward_mean"],
+                  "sampler_gap": m.get("update/sampler_logprob_gap"), "behaviour_weight": m.get("update/behaviour_weight_mean")})
 def on_eval(ev):
     evals.append({"step": ev.step, "seconds": ev.metrics["eval/seconds"], "accuracy": ev.metrics.get("eval/accuracy")})
 job.run(on_step=on_step, on_eval=on_eval)
@@ -117,6 +118,12 @@ def run_way(way: str, steps: int, tmp: str, adapter: str) -> dict:
     return result
 
 
+def _gap(result: dict) -> str:
+    """Mean |log pi_trainer - log pi_sampler| over the trained tokens (a float32 pair: none, the same numbers)."""
+    gaps = [s["sampler_gap"] for s in result["steps"] if s.get("sampler_gap") is not None]
+    return f"{statistics.fmean(gaps):.4f}" if gaps else "-"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -152,7 +159,7 @@ def main() -> int:
         f"| {way} | {r['start_s']:.0f} | {r.get('server_s', 0):.0f} | {r['rollout_tokens_per_s']:.0f} | "
         f"{statistics.fmean(s['rollout_s'] for s in r['steps']):.1f} | {statistics.fmean(s['sync_s'] for s in r['steps']):.2f} | "
         f"{statistics.fmean(s['update_s'] for s in r['steps']):.1f} | {r['step_s']:.1f} | {r['eval_s']:.1f} | "
-        f"{r['peak_job_gb']:.2f} | {r['peak_server_gb']:.2f} |" for way, r in results.items())
+        f"{r['peak_job_gb']:.2f} | {r['peak_server_gb']:.2f} | {_gap(r)} |" for way, r in results.items())
     lines = "; ".join(f"{way}/hf: rollout tokens/s **{q['rollout_tokens_per_s']:.2f}x**, evaluation time **{q['eval_seconds']:.2f}x**, "
                       f"step time {q['step_seconds']:.2f}x" for way, q in ratios.items())
     out.with_suffix(".md").write_text(
@@ -160,9 +167,10 @@ def main() -> int:
         f"examples/math_grpo.yaml (SmolLM2-135M-Instruct, {trained}, GRPO, 8 x 4 episodes of up to 24 tokens a step, 64 greedy "
         f"held-out problems), {args.steps} steps a way, each in a process of its own, the trainer in float32 (vllm-bf16: its server samples in bfloat16; vllm-bf16-trainer: the trainer in bfloat16 as well). Start: the job's start, the server's "
         f"start-up included (vLLM eager on the CPU); rollout: the trainer's wait for a step's episodes; sync: the update's weights "
-        f"reaching the engine; memory: peak RSS of the job's process and of its server's processes.\n\n"
+        f"reaching the engine; memory: peak RSS of the job's process and of its server's processes; trainer-sampler gap: mean "
+        f"|log pi_trainer - log pi_sampler| over the trained tokens (`update/sampler_logprob_gap`, where the update corrects for it).\n\n"
         f"| way | start (s) | server start-up (s) | rollout tokens/s | rollout (s) | sync (s) | update (s) | step (s) | evaluation (s) | "
-        f"job peak (GB) | server peak (GB) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n{rows}\n\n{lines}.\n")
+        f"job peak (GB) | server peak (GB) | trainer-sampler gap |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n{rows}\n\n{lines}.\n")
     print(lines)
     return 0
 

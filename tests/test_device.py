@@ -27,7 +27,7 @@ def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_
 
     monkeypatch.setenv(device.CPU_AUTO_ENV, forced)
     monkeypatch.setattr(device, "cpu_has_amx", lambda: amx)
-    device.cpu_auto_dtype.cache_clear()
+    device.cpu_auto_choice.cache_clear()
     try:
         with caplog.at_level("INFO", logger=device.__name__):
             where = device.placement(0, "auto")
@@ -37,12 +37,14 @@ def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_
         lines = [r.getMessage() for r in caplog.records if r.name == device.__name__]
         reason = f"{device.CPU_AUTO_ENV} is set" if forced else ("Intel AMX" if amx else "no Intel AMX")
         assert len(lines) == 1 and lines[0].startswith(f"model.dtype auto on the CPU: {str(expected)[6:]} (") and reason in lines[0]
+        assert device.precision_line("auto", where) == lines[0]  # the job's log line (orchestration.actors)
+        assert device.precision_line("float32", device.placement(0, "float32")) == "model.dtype float32 on the CPU"
         monkeypatch.setenv(device.CPU_AUTO_ENV, "float16")
-        device.cpu_auto_dtype.cache_clear()
+        device.cpu_auto_choice.cache_clear()
         with pytest.raises(ValueError, match=rf"^{device.CPU_AUTO_ENV}='float16': float32 or bfloat16"):
             device.placement(0, "auto")
     finally:
-        device.cpu_auto_dtype.cache_clear()
+        device.cpu_auto_choice.cache_clear()
 
 
 def test_this_cpus_amx_is_what_torch_reports():

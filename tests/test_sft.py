@@ -73,6 +73,7 @@ def test_bad_specs_name_the_field(tmp_path):
     assert "adapter.rank: unknown key" in _spec_error({**base, "adapter": {"kind": "lora", "rank": 8}})
     assert "data: Field required" in _spec_error({k: v for k, v in base.items() if k != "data"})
     assert _spec_error({**base, "model": {"name": "no-such-model"}}).startswith("model.name: unknown model")
+    assert "model.dtype: float16 autocast trains on a GPU" in _spec_error({**base, "model": {"name": "tiny-random", "dtype": "float16"}})
     assert "credentials do not belong in a URL" in _spec_error({**base, "data": {"path": "s3://key:secret@bucket/d.jsonl"}})
 
 
@@ -288,3 +289,18 @@ def test_an_sft_job_runs_through_the_gateway_in_the_tenants_namespace(stack_env,
     with fsspec.open(f"{final['checkpoint']}/state.json") as f:
         result = json.load(f)["result"]
     assert result["shared_base"] and result["after"]["eval/loss"] < result["before"]["eval/loss"]
+
+
+def test_a_bfloat16_sft_keeps_the_trainers_precision_rule(tmp_path, data):
+    """`model.dtype: bfloat16` (what `auto` is on a CPU with AMX): the frozen base in bfloat16, the
+    adapter and its AdamW state float32, the passes under bfloat16 autocast (TRL's bf16), and it learns."""
+    job = SFTJob(parse_sft_spec(_sft(tmp_path, data, model={"dtype": "bfloat16"}, training={"epochs": 1})), job_id="sft-bf16")
+    frozen = {p.dtype for p in job.model.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in job.model.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    result = job.run()
+    assert result["after"]["train_set/loss"] < result["before"]["train_set/loss"] - 0.05, result
+    from opentinker.storage.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(result["checkpoint"])
+    assert loaded.weights and {w.dtype for w in loaded.weights.values()} == {torch.float32}

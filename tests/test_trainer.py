@@ -64,7 +64,7 @@ def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tin
     trainer.model.train()
     rewards = torch.tensor([t.reward for t in trajs])
     adv = compute_advantages("grpo", rewards, torch.tensor([t.group_id for t in trajs]))
-    total, tokens, sensitivity, lps = torch.zeros(()), 0, 0.0, []
+    total, tokens, sensitivity, lps, sampler_gap = torch.zeros(()), 0, 0.0, [], 0.0
     for t, a, p in zip(trajs, adv, prox):
         ids = torch.tensor([t.token_ids])
         logits = trainer.model(input_ids=ids).logits[0, :-1].float() / trainer.temperature
@@ -77,6 +77,7 @@ def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tin
         tokens += len(at)
         sensitivity += 3 * float((w * ratio * a.abs()).sum())  # through lp, and p in the ratio and the weight
         lps += lp.tolist()
+        sampler_gap += float((p - behaviour).abs().sum())
     (total / tokens).backward()
     # one packed pass against a pass per record: the same sums in other orders (tests/rounding.py);
     # lp and p err by up to lp_gap each, so the loss by its sensitivity times that, and the gradient,
@@ -84,6 +85,7 @@ def test_the_off_policy_update_takes_the_proximal_logprobs_from_its_own_pass(tin
     lp_gap = logprob_gap(lps)
     assert same_metric(metrics["update/policy_loss"], float(total.detach() / tokens), sensitivity / tokens, lp_gap)
     assert 0 < metrics["update/behaviour_weight_capped"] < 1  # the cap was reached by some tokens, not all
+    assert abs(metrics["update/sampler_logprob_gap"] - sampler_gap / tokens) <= lp_gap  # mean |pi_prox - pi_behaviour|, p off by lp_gap
     for name, grad in got.items():
         want = dict(trainer.model.named_parameters())[name].grad
         assert same_grad(grad, want, rel=PASS + 3 * lp_gap), name

@@ -62,7 +62,7 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return getattr(torch, dtype)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return cpu_auto_dtype()
+    return cpu_auto_choice()[0]
 
 
 def cpu_has_amx() -> bool:
@@ -72,20 +72,29 @@ def cpu_has_amx() -> bool:
 
 
 @functools.cache
-def cpu_auto_dtype() -> torch.dtype:
-    """What `model.dtype: auto` computes in on this CPU; the process's log says which and why, once."""
+def cpu_auto_choice() -> tuple[torch.dtype, str]:
+    """What `model.dtype: auto` computes in on this CPU, and why (logged once a process)."""
     forced = os.environ.get(CPU_AUTO_ENV, "")
     if forced:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_AUTO_ENV}={forced!r}: float32 or bfloat16 (or unset: bfloat16 where the CPU has AMX)")
-        log.info("model.dtype auto on the CPU: %s (%s is set)", forced, CPU_AUTO_ENV)
-        return getattr(torch, forced)
-    if cpu_has_amx():
-        log.info("model.dtype auto on the CPU: bfloat16 (this CPU has Intel AMX; frozen weights bfloat16, "
-                 "what trains and its optimizer float32)")
-        return torch.bfloat16
-    log.info("model.dtype auto on the CPU: float32 (no Intel AMX here, where bfloat16 is not measured faster)")
-    return torch.float32
+        choice = getattr(torch, forced), f"{CPU_AUTO_ENV} is set"
+    elif cpu_has_amx():
+        choice = torch.bfloat16, "this CPU has Intel AMX; frozen weights bfloat16, what trains and its optimizer float32"
+    else:
+        choice = torch.float32, "no Intel AMX here, where bfloat16 is not measured faster"
+    log.info("model.dtype auto on the CPU: %s (%s)", str(choice[0]).removeprefix("torch."), choice[1])
+    return choice
+
+
+def precision_line(dtype: str, where: Placement) -> str:
+    """How a job's passes compute, one line for its log: the precision and, where `auto` chose it, why."""
+    chosen = str(where.compute_dtype).removeprefix("torch.")
+    if dtype != "auto":
+        return f"model.dtype {dtype} on the {where.device.type.upper()}"
+    if where.device.type == "cpu":
+        return f"model.dtype auto on the CPU: {chosen} ({cpu_auto_choice()[1]})"
+    return f"model.dtype auto on the GPU: {chosen}"
 
 
 def sampling_dtype(sampler_dtype: str, where: Placement) -> torch.dtype:

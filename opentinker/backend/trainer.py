@@ -242,7 +242,8 @@ class PolicyTrainer:
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint", "weight", "capped"), 0.0)
+        sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint", "weight", "capped",
+                              "sampler_gap"), 0.0)
         shared = self.shares_prefixes()
         joint = self.joint if self.joint is not None and not shared else None
         try:
@@ -270,8 +271,9 @@ class PolicyTrainer:
             "update/positions_computed": sums["computed"],
             "update/positions_trained": sums["tokens"],
             "update/shared_prefix": float(shared),
-        } | ({"update/behaviour_weight_mean": sums["weight"] / n_tokens, "update/behaviour_weight_capped": sums["capped"] / n_tokens}
-             if self.off_policy else {})
+        } | ({"update/behaviour_weight_mean": sums["weight"] / n_tokens, "update/behaviour_weight_capped": sums["capped"] / n_tokens,
+              # mean |log pi_trainer - log pi_sampler| of the trained tokens: how far the sampler's numbers are from ours
+              "update/sampler_logprob_gap": sums["sampler_gap"] / n_tokens} if self.off_policy else {})
 
     def _micro_batches(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
         """Consecutive (start, end) runs of at most `micro_batch_size` records and, with a pass
@@ -353,7 +355,8 @@ class PolicyTrainer:
         return out.loss, {"tokens": tokens, "pg_loss": float(out.pg_loss), "kl": float(out.kl),
                           "clip_fraction": float(out.clip_fraction) * tokens, "ratio": float(out.ratio_mean) * tokens,
                           "entropy": float(entropy.sum()), "weight": float(out.weight_mean) * tokens,
-                          "capped": float(out.capped_fraction) * tokens}
+                          "capped": float(out.capped_fraction) * tokens,
+                          "sampler_gap": float(((old - batch.old_logprobs).abs() * batch.loss_mask).sum()) if self.off_policy else 0.0}
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -40,12 +40,10 @@ class Settings(BaseSettings):
     worker). None: `bind_host` unless that is a wildcard, then this machine's address toward `host`."""
 
     gateway_bind_host: str | None = None
-    """Interface the gateway listens on, the one public door (e.g. 0.0.0.0) while the others stay
-    private. None: the same as the private services."""
+    """Interface the gateway, the one public door, listens on (e.g. 0.0.0.0). None: the private services' one."""
 
     gateway_public_url: str | None = None
-    """The gateway as tenants reach it (the `server_url` jobs are given), e.g. behind TLS.
-    None: http://host:gateway_port."""
+    """The gateway as tenants reach it (jobs' `server_url`), e.g. behind TLS. None: http://host:gateway_port."""
 
     prefect_port: int = 4200
     """Port of the Prefect API and UI (Prefect's own default)."""
@@ -133,8 +131,7 @@ class Settings(BaseSettings):
     """Largest request body the gateway, inference and environment servers accept (413 beyond)."""
 
     max_tokens_cap: int = Field(2048, gt=0)
-    """Inference servers generate at most this many tokens per completion (also the default
-    when a request gives no max_tokens)."""
+    """Most tokens an inference server generates a completion (the default when a request gives no max_tokens)."""
 
     tenant_max_queued: int = Field(20, ge=0)
     """Jobs a tenant may have waiting at once; one more is refused (429)."""
@@ -202,6 +199,9 @@ class Settings(BaseSettings):
     vllm_python: str | None = None
     """The Python of vLLM's own environment (it pins a fastapi Prefect cannot share); default:
     `.venv-vllm/bin/python` beside this one (`make install`), else /opt/vllm/bin/python (GPU image)."""
+
+    cpu_auto_dtype: Literal["float32", "bfloat16"] | None = None
+    """`model.dtype: auto` on a CPU, in every process of the stack (None: bf16 with AMX; backend/device.py)."""
 
     vllm_cpu_kv_cache_gib: int = Field(2, ge=1)
     """On a CPU, the memory (GiB) a vLLM server keeps for its key/value cache (VLLM_CPU_KVCACHE_SPACE;

@@ -15,12 +15,15 @@ Trajectories travel actor to actor through Ray's object store, never through Pre
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from opentinker.core.spec import JobSpec
 from opentinker.tools.sandbox import OWNER_ENV
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,12 +101,14 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     if spec.resources.colocate and not streams_apart(spec):
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated", owner)).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
+        log.info(f"job {job_id}: {ray.get(job.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
         return JobActors(job=job, engine_choice=choice)
     spec = with_pinned_init_from(spec, job_id, tenant)  # the sampler and its server know no tenant: one base for both sides
     policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy", owner)).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
+    log.info(f"job {job_id}: {ray.get(policy.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
     return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
 
 

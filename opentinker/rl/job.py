@@ -63,6 +63,9 @@ class RLJob:
         if self.own_copy:
             self.sampler.sync(self.policy.weights())  # identical starting weights (LoRA init is random)
 
+    def precision(self) -> str:
+        return self.policy.precision()
+
     def _sync(self) -> None:
         """The policy's version to the sampler (and its weights, to a copy of its own)."""
         self.sampler.sync(self.policy.weights() if self.own_copy else self.policy.version)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from opentinker.backend import PolicyTrainer
-from opentinker.backend.device import placement, sampling_dtype
+from opentinker.backend.device import placement, precision_line, sampling_dtype
 from opentinker.core.ids import check_folder_name
 from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, read_policy_info
@@ -94,6 +94,10 @@ class Policy:
     @property
     def version(self) -> int:
         return self.trainer.version
+
+    def precision(self) -> str:
+        """How the trainer computes, and why where `auto` chose (for the job's log: it decides where it runs)."""
+        return precision_line(self.spec.model.dtype, self.trainer.placement)
 
     def update(self, batch) -> dict[str, float]:
         """One optimizer step on a RolloutBatch."""

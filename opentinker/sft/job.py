@@ -23,10 +23,12 @@ from typing import Any
 
 import yaml
 
+from opentinker.backend.device import placement
 from opentinker.core.ids import job_id_for
 from opentinker.core.seeding import seed_everything
 from opentinker.core.spec import LoraSpec, SpecError
 from opentinker.model import POLICY_FILE, adapter_files, load_model, policy_info, resolve_model, wrap_model
+from opentinker.model.adapters import autocast_lora_inputs
 from opentinker.sft.data import load_chats, split_chats
 from opentinker.sft.spec import SFT_SPEC_FILE, SFTDataError, SFTSpec, dump_sft_spec
 from opentinker.sft.template import training_chat_template
@@ -93,6 +95,7 @@ class SFTJob:
         if spec.training.assistant_only_loss:
             self.tokenizer.chat_template = self._checked_template()
         self._check_lengths(chats)
+        self.placement = placement(spec.resources.num_gpus, spec.model.dtype)
         if model is not None:
             self.model = model
             return
@@ -100,9 +103,14 @@ class SFTJob:
         import torch
 
         torch.set_num_threads(spec.resources.torch_threads or os.cpu_count() or 1)
-        model, _ = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
+        # the RL trainer's precision rule (backend/device.py): trained weights and AdamW float32, a LoRA's
+        # frozen base in the compute precision, the passes under its autocast (TRL's bf16/fp16 switch)
+        model, _ = load_model(spec.model.name, "float32", init_from=self.init_from)
+        if isinstance(spec.adapter, LoraSpec):
+            model = model.to(dtype=self.placement.weights_dtype(trained=False))
         seed_everything(spec.training.seed)  # the LoRA initialisation
         self.model = wrap_model(model, spec.adapter)
+        autocast_lora_inputs(self.model, self.placement.compute_dtype)
 
     def _checked_template(self) -> str:
         """The marked template, refused unless it renders the data exactly as the original does."""
@@ -150,9 +158,10 @@ class SFTJob:
             max_grad_norm=t.grad_clip, seed=t.seed, data_seed=t.seed, assistant_only_loss=t.assistant_only_loss,
             activation_checkpointing=t.gradient_checkpointing, logging_steps=t.logging_steps,
             dataloader_pin_memory=torch.cuda.is_available(),
-            # the model's dtype decides precision (TRL would turn on bf16 autocast), our callback the tracking,
-            # and we write the only checkpoint ourselves, in the OpenTinker format
-            bf16=False, fp16=False, report_to="none", save_strategy="no", eval_strategy="no",
+            # autocast in the compute precision, our callback the tracking, and we write the only checkpoint
+            # ourselves, in the OpenTinker format
+            bf16=self.placement.compute_dtype == torch.bfloat16, fp16=self.placement.compute_dtype == torch.float16,
+            use_cpu=self.placement.device.type == "cpu", report_to="none", save_strategy="no", eval_strategy="no",
             disable_tqdm=True, dataloader_num_workers=0, dataset_num_proc=None,
         )
         as_rows = lambda chats: Dataset.from_list([{"messages": m} for _, m in chats])

@@ -361,7 +361,7 @@ def _live_in(process, group: int) -> bool:
         return False
 
 
-def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_env, vllm_pool, vllm_tiny_path, tmp_path):
+def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_env, vllm_pool, vllm_tiny_path, tmp_path, caplog):
     """The product's path: a job with the default `rollout.engine` (auto) run as a flow on the
     stack. Its Ray actor starts vLLM as its own child, every step's weights reach it (the probe
     checked, in float32), MLflow says which engine was chosen and why, and no server outlives the job."""
@@ -378,6 +378,8 @@ def test_the_default_engine_samples_through_vllm_in_the_stacks_ray_actor(stack_e
     result = rl_train(spec, job_id="auto-vllm")
     gaps = [h["rollout/sync_logprob_gap"] for h in result["history"] if "rollout/sync_logprob_gap" in h]
     assert len(gaps) == 2 and max(gaps) < 1e-3, result["history"]  # steps 1 and 2 sampled versions 0 and 1, each verified
+    lines = [r.getMessage() for r in caplog.records]  # the job's log says how its trainer computes, decided in its actor
+    assert "job auto-vllm: model.dtype auto on the CPU: float32 (OPENTINKER_CPU_AUTO_DTYPE is set)" in lines, lines
     client = MlflowClient(tracking_uri=settings.mlflow_url)
     (run,) = client.search_runs([client.get_experiment_by_name(settings.project).experiment_id],
                                 filter_string="tags.`opentinker.job_id` = 'auto-vllm'")

@@ -26,6 +26,17 @@ from opentinker.tools.sandbox import OWNER_ENV
 log = logging.getLogger(__name__)
 
 
+def _job_log() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger (the job's log) inside a run, this module's outside one."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
 @dataclass
 class JobActors:
     """Handles of one RL job's actors: `job` (colocated), or `policy` and `sampler` (split), or
@@ -101,14 +112,14 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     if spec.resources.colocate and not streams_apart(spec):
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated", owner)).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
-        log.info(f"job {job_id}: {ray.get(job.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
+        _job_log().info(f"job {job_id}: {ray.get(job.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
         return JobActors(job=job, engine_choice=choice)
     spec = with_pinned_init_from(spec, job_id, tenant)  # the sampler and its server know no tenant: one base for both sides
     policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy", owner)).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
-    log.info(f"job {job_id}: {ray.get(policy.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
+    _job_log().info(f"job {job_id}: {ray.get(policy.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
     return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
 
 

@@ -109,5 +109,5 @@ def ppo_clipped_loss(
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) along the last axis."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     return -(logp.exp() * logp).sum(-1)

@@ -83,6 +83,16 @@ def param_groups(model, trained: list, lr: float, vision_lr: float | None) -> li
     return [g for g in groups if g["params"]]
 
 
+def position_logits(lm, batch: PackedBatch, prefix: AgainstPrefix | None = None) -> torch.Tensor:
+    """The causal LM's logits at the positions whose next token is trainable, [N, V]."""
+    if prefix is None:
+        hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
+        selected = hidden[:, :-1][batch.loss_mask.bool()]
+    else:
+        selected = selected_hidden(lm, prefix.prefix, prefix.slots, batch.input_ids, batch.attention_mask, batch.loss_mask)
+    return lm.get_output_embeddings()(selected)
+
+
 class PolicyTrainer:
     """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
 
@@ -99,9 +109,10 @@ class PolicyTrainer:
             autocast_lora_inputs(self.model, self.placement.compute_dtype)
             if optim.compile:
                 compile_regions(self.model)
+        trained_dtype = self.placement.weights_dtype(trained=True)
         for p in self.model.parameters():  # what trains is float32 (a VLM's vision tower may have come in the compute precision)
-            if p.requires_grad and p.dtype != torch.float32:
-                p.data = p.data.float()
+            if p.requires_grad and p.dtype != trained_dtype:
+                p.data = p.data.to(trained_dtype)
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.sampled_apart = sampled_apart  # another engine samples, its logprobs not this trainer's (reduced precision)
@@ -115,15 +126,19 @@ class PolicyTrainer:
         # A hosted job whose per-sequence micro-batches join other jobs' passes: the base's
         # `joint_update(name)` (opentinker.backend.shared_base), set by its worker; None: its own passes
         self.joint = None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
-                                           lr=optim.lr, weight_decay=optim.weight_decay)
         self.reference = None
         if algorithm.kl.coef > 0 and not self.is_lora:
             # Full fine-tuning needs a frozen copy; LoRA uses the base with the adapter disabled.
             import copy
 
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self._distribute()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(param_groups(self._causal_lm(self.model), self.params, optim.lr, adapter.vision_lr),
+                                           lr=optim.lr, weight_decay=optim.weight_decay)
+
+    def _distribute(self) -> None:
+        """Where the model's state is split over ranks (opentinker.backend.sharded); one process holds it whole."""
 
     # -- scoring ---------------------------------------------------------------------------
     def _causal_lm(self, model):
@@ -132,15 +147,9 @@ class PolicyTrainer:
     def _token_logits(self, model, batch: PackedBatch, prefix: AgainstPrefix | None = None) -> torch.Tensor:
         """Logits at the positions whose next token is trainable, [N, V] (the lm head runs only there).
         With `prefix`, each record starts with its group's shared prefix and only what follows runs."""
-        lm = self._causal_lm(model)
         with self.placement.autocast():
-            if prefix is None:
-                hidden = hidden_states(lm, batch.input_ids, batch.attention_mask, **batch.pixels)
-                selected = hidden[:, :-1][batch.loss_mask.bool()]
-            else:
-                selected = selected_hidden(lm, prefix.prefix, prefix.slots, batch.input_ids, batch.attention_mask, batch.loss_mask)
-            logits = lm.get_output_embeddings()(selected)
-        return logits.float() / self.temperature
+            logits = position_logits(self._causal_lm(model), batch, prefix)
+        return logits.to(self.placement.weights_dtype(trained=True)) / self.temperature
 
     def _scatter(self, values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         out = torch.zeros(batch.loss_mask.shape, dtype=values.dtype, device=values.device)
@@ -223,11 +232,15 @@ class PolicyTrainer:
             self.version += 1
             return metrics | {"update/skipped": 1.0}
         metrics |= self.compute_gradients(usable)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return metrics | {"update/grad_norm": float(grad_norm), "update/seconds": time.perf_counter() - t0}
+
+    def _clip_gradients(self) -> float:
+        """Clips the gradients' global norm to `grad_clip`; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip))
 
     def compute_gradients(self, trajs: list[Trajectory]) -> dict[str, float]:
         """The loss's gradient over `trajs` (records with sampled tokens) in each trainable
@@ -240,6 +253,10 @@ class PolicyTrainer:
         groups = torch.tensor([t.group_id for t in trajs])
         advantages = compute_advantages(self.algorithm.advantage, rewards, groups, self.algorithm.normalize_std).to(self.placement.device)
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
+        return self._accumulate(trajs, advantages, normalizer) | {"update/advantage_abs_mean": float(advantages.abs().mean())}
+
+    def _accumulate(self, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float) -> dict[str, float]:
+        """The gradient of the loss over `trajs` (their `advantages`, the whole batch's `normalizer`)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(("pg_loss", "kl", "clip_fraction", "ratio", "entropy", "tokens", "computed", "passes", "joint", "weight", "capped",
@@ -252,12 +269,10 @@ class PolicyTrainer:
             elif joint is not None:
                 self._joint_passes(joint, trajs, advantages, normalizer, sums)
             else:
-                for start, end in self._micro_batches(trajs):
-                    batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
-                    self._loss(batch, advantages[start:end], normalizer, sums).backward()
-                    sums["computed"] += batch.input_ids.numel()
+                self._per_record_passes(trajs, advantages, normalizer, sums)
         finally:  # sampling runs in eval mode (a hosted adapter's dropout is off again even when a pass raised)
             self.model.eval()
+        self._sum_over_ranks(sums)
         n_tokens = max(sums["tokens"], 1.0)
         shares = {"update/joint_passes": sums["passes"], "update/joint_share": sums["joint"] / sums["passes"]} if sums["passes"] else {}
         return shares | {
@@ -267,13 +282,21 @@ class PolicyTrainer:
             "update/clip_fraction": sums["clip_fraction"] / n_tokens,
             "update/ratio_mean": sums["ratio"] / n_tokens,
             "update/tokens": sums["tokens"],
-            "update/advantage_abs_mean": float(advantages.abs().mean()),
             "update/positions_computed": sums["computed"],
             "update/positions_trained": sums["tokens"],
             "update/shared_prefix": float(shared),
         } | ({"update/behaviour_weight_mean": sums["weight"] / n_tokens, "update/behaviour_weight_capped": sums["capped"] / n_tokens,
               # mean |log pi_trainer - log pi_sampler| of the trained tokens: how far the sampler's numbers are from ours
               "update/sampler_logprob_gap": sums["sampler_gap"] / n_tokens} if self.off_policy else {})
+
+    def _per_record_passes(self, trajs: list[Trajectory], advantages: torch.Tensor, normalizer: float, sums: dict[str, float]) -> None:
+        for start, end in self._micro_batches(trajs):
+            batch = pack(trajs[start:end], self.pad_id).to(self.placement.device)
+            self._loss(batch, advantages[start:end], normalizer, sums).backward()
+            sums["computed"] += batch.input_ids.numel()
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> None:
+        """The statistics of every rank's share added up (one process: they are already whole)."""
 
     def _micro_batches(self, trajs: list[Trajectory]) -> list[tuple[int, int]]:
         """Consecutive (start, end) runs of at most `micro_batch_size` records and, with a pass

@@ -1,0 +1,160 @@
+"""A trainer sharded over N ranks (FSDP2 over gloo, the ranks Ray actors in one placement group)
+updates exactly as one process does on the same batch: in float64 the weights after one and after
+three steps at N = 1, 2 and 4 equal one process's to 1e-10 (the same sums in another order; float64
+rounding is about 1e-16 of each sum), and so do the loss, the gradient norm and every logged
+statistic. A rank killed mid-update fails the group at once, in one line naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from opentinker.core.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
+from tests.test_shared_prefix import single_turn
+
+WIDTHS = (1, 2, 4)
+BOUND = 1e-10
+# positions_computed counts each rank's padding (its own micro-batches' widths), seconds the clock
+UNEQUAL = {"update/seconds", "update/positions_computed"}
+CASES = {"lora": (LoraSpec(r=4, alpha=8), AlgorithmSpec()),
+         "full-kl": (FullSpec(), AlgorithmSpec(kl=KLSpec(coef=0.1)))}
+OPTIM = OptimizationSpec(lr=1e-2, micro_batch_size=3, shared_prefix=False)
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_path):
+    """Rank groups of each width on a local Ray node, started once for the module."""
+    import ray
+
+    from opentinker.orchestration.ranks import RankGroup
+
+    ray.init(address="local", num_cpus=9,  # the widths, then a group of two for the kill include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    made = {}
+    try:
+        for n in WIDTHS:
+            made[n] = RankGroup(n, cpus_per_rank=1)
+        yield made
+    finally:
+        for group in made.values():
+            group.close()
+        ray.shutdown()
+
+
+def _steps(n: int) -> list:
+    """The batches of steps 0..n-1: three groups of four records of unequal lengths each."""
+    out = []
+    for step in range(n):
+        trajs = single_turn(seed=step)
+        for t in trajs:
+            t.policy_version = step
+        out.append(trajs)
+    return out
+
+
+def _lora_start(names_shapes: dict) -> dict[str, torch.Tensor]:
+    """Adapter weights with a non-zero B (a fresh LoRA's B is zero: A would get no gradient)."""
+    gen = torch.Generator().manual_seed(1)
+    return {n: torch.randn(shape, generator=gen, dtype=torch.float64) * 0.05 for n, shape in sorted(names_shapes.items())}
+
+
+def _one_process(case: str, steps: list):
+    from opentinker.backend import PolicyTrainer
+    from opentinker.backend.device import Placement
+    from opentinker.model.policy import load_model
+
+    adapter, algorithm = CASES[case]
+    torch.manual_seed(0)
+    model, tok = load_model("tiny-random")
+    trainer = PolicyTrainer(model.double(), tok, adapter, algorithm, OPTIM, placement=Placement(torch.device("cpu"), torch.float64))
+    if isinstance(adapter, LoraSpec):
+        trainer.load_trainable_state(_lora_start({n: t.shape for n, t in trainer.trainable_state().items()}))
+    metrics, states = [], []
+    for trajs in steps:
+        metrics.append(trainer.update(trajs))
+        states.append(trainer.trainable_state())
+    return metrics, states
+
+
+def _sharded(group, case: str, steps: list, start: dict | None):
+    adapter, algorithm = CASES[case]
+    group.call("build", "tiny-random", adapter, algorithm, OPTIM, "float64")
+    if start is not None:
+        group.call("load_trainable_state", start)
+    metrics, states = [], []
+    for trajs in steps:
+        metrics.append(group.call("update", trajs))
+        states.append(group.call("trainable_state"))
+    return metrics, states
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_update_equals_one_process(groups, case):
+    steps = _steps(3)
+    want_metrics, want_states = _one_process(case, steps)
+    start = _lora_start({n: t.shape for n, t in want_states[0].items()}) if case == "lora" else None
+    for n in WIDTHS:
+        metrics, states = _sharded(groups[n], case, steps, start)
+        for step in (0, 2):  # after one step and after three
+            assert states[step].keys() == want_states[step].keys()
+            worst = max(float((states[step][k] - want_states[step][k]).abs().max()) for k in want_states[step])
+            assert worst <= BOUND, (n, step, worst)
+            moved = max(float((want_states[step][k] - want_states[0][k] if step else want_states[0][k]).abs().max()) for k in want_states[0])
+            assert moved > 1e-4  # the weights did change: the comparison is not of untouched weights
+            got, want = metrics[step], want_metrics[step]
+            assert got.keys() == want.keys(), (n, got.keys() ^ want.keys())
+            off = {k: (got[k], want[k]) for k in want if k not in UNEQUAL and abs(got[k] - want[k]) > BOUND * max(1.0, abs(want[k]))}
+            assert not off, (n, step, off)
+        assert metrics[0]["update/grad_norm"] > 0 and metrics[0]["update/policy_loss"] != 0
+
+
+def test_share_splits_whole_groups_by_load():
+    from opentinker.backend.sharded import share
+
+    trajs = single_turn(groups=3, group_size=4)
+    shares = [share(trajs, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(12))
+    for mine in shares:  # whole groups only
+        for g in {trajs[i].group_id for i in mine}:
+            assert [i for i in range(12) if trajs[i].group_id == g] == [i for i in mine if trajs[i].group_id == g]
+    assert [len(s) for s in shares] == [8, 4]  # groups 0 and 2 to rank 0, group 1 to rank 1
+    assert share(trajs, 3, 4) == []  # a rank with no group still takes part (its passes at weight zero)
+
+
+def test_killed_rank_fails_the_group_in_one_line(groups):
+    """SIGKILL to rank 1 while the ranks update: the call fails at once (not after the collective's
+    timeout), names rank 1 and its node, and the group's actors and placement are gone."""
+    import ray
+
+    from opentinker.orchestration.ranks import RankFailed, RankGroup
+
+    group = RankGroup(2, cpus_per_rank=1, collective_timeout_s=300)
+    adapter, algorithm = CASES["lora"]
+    group.call("build", "tiny-random", adapter, algorithm, OptimizationSpec(micro_batch_size=1, shared_prefix=False), "float32")
+    batch = [t for seed in range(30) for t in single_turn(seed=seed)]  # 360 passes of one record each: seconds
+    for i, t in enumerate(batch):
+        t.group_id = i // 4
+    victim = group.places[1]["pid"]
+    update = group.start("update", batch)
+    time.sleep(2)  # the ranks are in their update now
+    assert not ray.wait(update, timeout=0)[0], ("the update ended before the kill: make the batch larger", ray.get(update))
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        group.gather("update", update)
+    took = time.monotonic() - t0
+    line = str(failed.value)
+    assert "trainer rank 1 of 2" in line and group.places[1]["address"] in line and "\n" not in line
+    assert took < 30, took
+    assert ray.util.placement_group_table(group.group)["state"] == "REMOVED"
+
+
+def test_placement_that_cannot_be_met_says_so(groups):
+    from opentinker.orchestration.ranks import RankFailed, RankGroup
+
+    with pytest.raises(RankFailed, match=r"cannot place 64 trainer ranks of \{'CPU': 1\} \(packed\) within 2 s"):
+        RankGroup(64, cpus_per_rank=1, ready_timeout_s=2)

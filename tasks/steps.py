@@ -35,8 +35,8 @@ def update(actors: JobActors, job_id: str, step: int) -> dict[str, float]:
     """One policy update on the step's batch, then the weight-sync handshake with the sampler."""
     if actors.colocated:
         return ray.get(actors.call("update", step))
-    metrics = ray.get(actors.policy.update.remote(actors.sampler.batch.remote(step)))
-    ray.get(actors.sampler.sync.remote(actors.policy.weights.remote()))
+    metrics = ray.get(actors.train("update", actors.sampler.batch.remote(step)))
+    ray.get(actors.sampler.sync.remote(actors.train("weights")))
     return metrics
 
 
@@ -51,7 +51,7 @@ def checkpoint(actors: JobActors, job_id: str, step: int, metrics: list | None =
     """Commit weights, optimizer, RNG, data position and the not yet logged `metrics` for `step`."""
     if actors.colocated:
         return ray.get(actors.call("checkpoint", step, metrics or []))
-    return ray.get(actors.policy.save.remote(step, actors.sampler.env_state.remote(), metrics or []))
+    return ray.get(actors.train("save", step, actors.sampler.env_state.remote(), metrics or []))
 
 
 class TaskSteps:
@@ -70,10 +70,10 @@ class TaskSteps:
         a = self.actors
         if a.colocated:
             return ray.get(a.call("restore"))
-        restored = ray.get(a.policy.restore_latest.remote())
+        restored = ray.get(a.train("restore_latest"))
         if restored is not None and restored.resumed:
             ray.get(a.sampler.load_env_state.remote(restored.env_state))
-            ray.get(a.sampler.sync.remote(a.policy.weights.remote()))
+            ray.get(a.sampler.sync.remote(a.train("weights")))
         return restored
 
     def rollout(self, step: int) -> dict[str, float]:

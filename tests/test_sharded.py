@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from opentinker.backend.sharded import sharded_trainer
 from opentinker.core.spec import AlgorithmSpec, FullSpec, KLSpec, LoraSpec, OptimizationSpec
 from tests.test_shared_prefix import single_turn
 
@@ -82,7 +83,7 @@ def _one_process(case: str, steps: list):
 
 def _sharded(group, case: str, steps: list, start: dict | None):
     adapter, algorithm = CASES[case]
-    group.call("build", "tiny-random", adapter, algorithm, OPTIM, "float64")
+    group.host(sharded_trainer, "tiny-random", adapter, algorithm, OPTIM, "float64")
     if start is not None:
         group.call("load_trainable_state", start)
     metrics, states = [], []
@@ -134,7 +135,7 @@ def test_killed_rank_fails_the_group_in_one_line(groups):
 
     group = RankGroup(2, cpus_per_rank=1, collective_timeout_s=300)
     adapter, algorithm = CASES["lora"]
-    group.call("build", "tiny-random", adapter, algorithm, OptimizationSpec(micro_batch_size=1, shared_prefix=False), "float32")
+    group.host(sharded_trainer, "tiny-random", adapter, algorithm, OptimizationSpec(micro_batch_size=1, shared_prefix=False))
     batch = [t for seed in range(30) for t in single_turn(seed=seed)]  # 360 passes of one record each: seconds
     for i, t in enumerate(batch):
         t.group_id = i // 4

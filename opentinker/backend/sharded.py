@@ -151,6 +151,17 @@ class ShardedPolicyTrainer(PolicyTrainer):
         trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {n: t for n, t in whole.items() if n in trained}
 
+    def optimizer_state(self) -> dict:
+        """AdamW's state whole, keyed by parameter name (resumable at any width)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -158,3 +169,16 @@ class ShardedPolicyTrainer(PolicyTrainer):
         if self.rank == 0 and (missing := [n for n in trained if n not in state]):
             raise ValueError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {missing[0]}")
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False))
+
+
+def sharded_trainer(model_name: str, adapter, algorithm, optimization, dtype: str = "float32", **kwargs) -> ShardedPolicyTrainer:
+    """This rank's shard of a fresh trainer on `model_name` (every rank loads the whole base, FSDP
+    keeps its share); `dtype` float64 is the tests' exact reference."""
+    from opentinker.backend.device import placement
+    from opentinker.model.policy import load_model
+
+    model, tokenizer = load_model(model_name)
+    where = placement(1 if torch.cuda.is_available() else 0, dtype)
+    if where.compute_dtype == torch.float64:
+        model = model.double()
+    return ShardedPolicyTrainer(model, tokenizer, adapter, algorithm, optimization, placement=where, **kwargs)

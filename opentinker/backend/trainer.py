@@ -96,6 +96,8 @@ def position_logits(lm, batch: PackedBatch, prefix: AgainstPrefix | None = None)
 class PolicyTrainer:
     """Holds the policy, its optimizer and (for KL) the reference; one `update` per RL step."""
 
+    rank = 0  # which rank of a sharded trainer (opentinker.backend.sharded) this is; the one that writes files
+
     def __init__(self, model, tokenizer, adapter: LoraSpec | FullSpec, algorithm: AlgorithmSpec, optim: OptimizationSpec,
                  temperature: float = 1.0, placement: Placement | None = None, sampled_apart: bool = False):
         self.is_lora = isinstance(adapter, LoraSpec)
@@ -382,6 +384,12 @@ class PolicyTrainer:
                           "sampler_gap": float(((old - batch.old_logprobs).abs() * batch.loss_mask).sum()) if self.off_policy else 0.0}
 
     # -- state (for checkpoints and weight sync) -------------------------------------------
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The trained weights, copied to the CPU (for checkpoints and for samplers elsewhere)."""
         return {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters() if p.requires_grad}

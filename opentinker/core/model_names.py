@@ -24,6 +24,7 @@ TINY_VLM = "tiny-vlm-random"
 """The tiny random language model under the same small vision encoder, for tests."""
 
 KNOWN_MODELS = (SMOLLM2, TINY, SMOLVLM, TINY_VLM)
+VISION_MODELS = (SMOLVLM, TINY_VLM)
 
 KNOWN_CONTEXTS = {SMOLLM2: 8192, TINY: 1024, SMOLVLM: 8192, TINY_VLM: 1024}
 """The known models' max_position_embeddings, as their builds write it (opentinker.model.loading;

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
-from opentinker.core.model_names import context_length, folder_problem, is_resolvable
+from opentinker.core.model_names import VISION_MODELS, context_length, folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, read_spec_file, validate_spec
 from opentinker.core.tool_spec import ToolSource
 
@@ -255,6 +255,16 @@ class ResourcesSpec(Section):
     colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
     share_base: bool = Field(False, description="a LoRA job trains as an adapter of its pool's base-model worker: one copy of "
                              "the base for many jobs and Tinker sessions, their episodes sampled in shared batches")
+    trainer_ranks: int = Field(1, ge=1, le=64, description="processes the trainer is sharded over (FSDP2 on torch.distributed, "
+                               "each holding about 1/N of the model state, resources.num_cpus each); more than 1: a CPU job, "
+                               "its sampler an actor of its own, its update per record (no shared-prefix passes)")
+
+    @model_validator(mode="after")
+    def _ranks_are_cpu_processes(self) -> "ResourcesSpec":
+        if self.trainer_ranks > 1 and (self.num_gpus > 0 or self.share_base):
+            raise ValueError("resources.trainer_ranks: a sharded trainer runs as CPU processes for now (num_gpus 0, no share_base); "
+                             "GPU ranks wait for rollouts across the job's devices")
+        return self
 
 
 # `register` is the field's name in the interface other modules use; it shadows only the ABC
@@ -382,6 +392,8 @@ class JobSpec(BaseJobSpec):
         if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine == "server"):
             raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' or 'vllm' "
                              "on a base of their own")
+        if self.resources.trainer_ranks > 1 and (self.multiagent is not None or self.model.name in VISION_MODELS):
+            raise ValueError("resources.trainer_ranks: a sharded trainer trains one text model's policy (not self-play, not a vision-language model)")
         if self.resources.share_base and self.optimization.compile:
             raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                              "(resources.share_base) cannot compile them")

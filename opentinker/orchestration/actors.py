@@ -46,6 +46,7 @@ class JobActors:
     policy: Any = None
     sampler: Any = None
     hosted: Any = None
+    ranks: Any = None  # the policy on every rank of a sharded trainer: a RankGroup (resources.trainer_ranks > 1)
     engine_choice: str | None = None  # how `rollout.engine: auto` was decided (opentinker.rl.engine_choice)
 
     @property
@@ -58,6 +59,13 @@ class JobActors:
             return self.hosted.call(method, *args)
         return getattr(self.job, method).remote(*args)
 
+    def train(self, method: str, *args: Any) -> Any:
+        """An ObjectRef of the split layout's policy's `method(*args)`: its actor's, or rank 0's of a
+        sharded trainer once every rank's ended (a rank that died fails it in one line)."""
+        if self.ranks is not None:
+            return self.ranks.call_ref(method, *args)
+        return getattr(self.policy, method).remote(*args)
+
     def sample(self, method: str, *args: Any) -> Any:
         """An ObjectRef of `method(*args)` on what plays episodes (rollout, evaluate)."""
         return self.call(method, *args) if self.colocated else getattr(self.sampler, method).remote(*args)
@@ -67,6 +75,8 @@ class JobActors:
 
         if self.hosted is not None:
             self.hosted.kill()
+        if self.ranks is not None:
+            self.ranks.close()
         for handle in (self.job, self.policy, self.sampler):
             if handle is not None:
                 ray.kill(handle)
@@ -109,6 +119,8 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
 
         return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
     spec, choice = choose_engine(spec, starts_servers=True)  # here, once: trainer and sampler must agree on how it samples
+    if spec.resources.trainer_ranks > 1:
+        return _sharded_actors(with_pinned_init_from(spec, job_id, tenant), job_id, tenant, owner, choice)
     if spec.resources.colocate and not streams_apart(spec):
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated", owner)).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
@@ -121,6 +133,34 @@ def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobA
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
     _job_log().info(f"job {job_id}: {ray.get(policy.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
     return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
+
+
+def _sharded_actors(spec: JobSpec, job_id: str, tenant: str | None, owner: str, choice: str | None) -> JobActors:
+    """The job's policy on each of `resources.trainer_ranks` ranks (one placement group, one
+    process group: opentinker.orchestration.ranks) and its sampler as an actor of its own."""
+    import ray
+
+    from opentinker.inference.launch import rollout_server
+    from opentinker.orchestration.ranks import RankGroup
+    from opentinker.rl import Policy, Sampler
+
+    r = spec.resources
+    env = actor_options(spec, f"{job_id}-ranks", owner)["runtime_env"]["env_vars"]
+    threads = r.torch_threads or max(1, (os.cpu_count() or 1) // r.trainer_ranks)  # the ranks update while the sampler waits
+    ranks = RankGroup(r.trainer_ranks, cpus_per_rank=r.num_cpus, env_vars=env | {"OMP_NUM_THREADS": str(threads)})
+    sampler = None
+    try:
+        sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)
+        ranks.host(Policy, spec, job_id, tenant=tenant, seed=spec.seed)
+        ray.get(sampler.sync.remote(ranks.call_ref("weights")))  # identical starting weights
+    except BaseException:
+        ranks.close()
+        if sampler is not None:
+            ray.kill(sampler)
+        raise
+    _job_log().info(f"job {job_id}: trainer sharded over {r.trainer_ranks} ranks ({', '.join(p['address'] for p in ranks.places)}); "
+                    f"{ranks.call('precision')}")
+    return JobActors(ranks=ranks, sampler=sampler, engine_choice=choice)
 
 
 def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None) -> Any:
@@ -141,8 +181,8 @@ def check_placeable(spec: JobSpec) -> None:
 
     total = ray.cluster_resources()
     r = spec.resources
-    apart = not r.colocate or streams_apart(spec)
-    need_cpu = r.num_cpus * (2 if apart else 1)
+    apart = not r.colocate or streams_apart(spec) or r.trainer_ranks > 1
+    need_cpu = r.num_cpus * (1 + r.trainer_ranks if r.trainer_ranks > 1 else 2 if apart else 1)
     need_gpu = r.num_gpus * (2 if apart else 1)
     if need_gpu > total.get("GPU", 0):
         raise RuntimeError(f"resources.num_gpus: the job needs {need_gpu:g} GPU(s), the Ray cluster has {total.get('GPU', 0):g}")

@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from opentinker.core.errors import one_line
 
-class TrainerRank:
-    """One rank of a sharded trainer, hosted by Ray: its process group membership and its shard."""
+
+class Rank:
+    """One rank, hosted by Ray: its membership of the process group, and the object it hosts (a
+    sharded trainer, or a job's `Policy` whose trainer is one), built after the group is joined."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-        self.trainer = None
+        self.hosted = None
 
     def where(self) -> dict[str, Any]:
         """This rank's node address, process id and a free port on its node (rank 0's is the rendezvous)."""
@@ -42,27 +46,13 @@ class TrainerRank:
 
         init_ranks(self.rank, self.world_size, address, port, backend, timeout_s)
 
-    def build(self, model_name: str, adapter, algorithm, optimization, dtype: str = "float32", seed: int = 0) -> None:
-        """This rank's shard of a fresh trainer (every rank loads the same base; FSDP keeps its share)."""
-        from opentinker.backend.device import placement
-        from opentinker.backend.sharded import ShardedPolicyTrainer
-        from opentinker.model.policy import load_model
+    def host(self, factory: Callable[..., Any], seed: int, args: tuple, kwargs: dict) -> None:
+        """Build what this rank hosts; every rank seeds alike first (the same LoRA initialisation)."""
+        torch.manual_seed(seed)
+        self.hosted = factory(*args, **kwargs)
 
-        torch.manual_seed(seed)  # the same LoRA initialisation on every rank
-        model, tokenizer = load_model(model_name)
-        where = placement(1 if torch.cuda.is_available() else 0, dtype)
-        if where.compute_dtype == torch.float64:
-            model = model.double()
-        self.trainer = ShardedPolicyTrainer(model, tokenizer, adapter, algorithm, optimization, placement=where)
-
-    def update(self, trajs) -> dict[str, float]:
-        return self.trainer.update(trajs)
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        return self.trainer.trainable_state()
-
-    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.trainer.load_trainable_state(state)
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.hosted, method)(*args)
 
 
 class RankFailed(RuntimeError):
@@ -70,7 +60,7 @@ class RankFailed(RuntimeError):
 
 
 class RankGroup:
-    """N `TrainerRank` actors placed together and joined into one process group."""
+    """N `Rank` actors placed together and joined into one process group, each hosting its part."""
 
     def __init__(self, size: int, cpus_per_rank: float = 1, gpus_per_rank: float = 0, spread: bool = False,
                  ready_timeout_s: float = 120, collective_timeout_s: float = 60, env_vars: dict[str, str] | None = None):
@@ -86,23 +76,40 @@ class RankGroup:
             raise RankFailed(f"the cluster cannot place {size} trainer ranks of {bundle} ({'spread' if spread else 'packed'}) "
                              f"within {ready_timeout_s:g} s; it has {ray.available_resources()}")
         env = {"OMP_NUM_THREADS": str(max(1, int(cpus_per_rank))), "TOKENIZERS_PARALLELISM": "false"} | (env_vars or {})
-        self.ranks = [ray.remote(TrainerRank).options(
+        self.ranks = [ray.remote(Rank).options(
             num_cpus=cpus_per_rank, num_gpus=gpus_per_rank, max_restarts=0, runtime_env={"env_vars": env},
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=i),
         ).remote(i, size) for i in range(size)]
-        self.places = self._all("where")
+        self.places = self.gather("where", [r.where.remote() for r in self.ranks])
         head = self.places[0]
-        self._all("join", head["address"], head["port"], "nccl" if gpus_per_rank else "gloo", collective_timeout_s)
+        self.gather("join", [r.join.remote(head["address"], head["port"], "nccl" if gpus_per_rank else "gloo", collective_timeout_s)
+                             for r in self.ranks])
+
+    def host(self, factory: Callable[..., Any], *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        """Every rank builds `factory(*args, **kwargs)` (the operator's code, never a tenant's) and hosts it."""
+        self.gather("host", [r.host.remote(factory, seed, args, kwargs) for r in self.ranks])
 
     def start(self, method: str, *args: Any) -> list[Any]:
-        """`method(*args)` started on every rank: its ObjectRefs, for `gather`."""
-        return [getattr(r, method).remote(*args) for r in self.ranks]
+        """The hosted objects' `method(*args)` started on every rank: its ObjectRefs, for `gather`."""
+        return [r.call.remote(method, *args) for r in self.ranks]
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return self.gather(method, self.start(method, *args))
+    def call(self, method: str, *args: Any) -> Any:
+        """The hosted objects' `method(*args)` on every rank; rank 0's answer (the ranks agree, or
+        only rank 0 holds it: whole weights, a checkpoint's reference)."""
+        return self.gather(method, self.start(method, *args))[0]
+
+    def call_ref(self, method: str, *args: Any) -> Any:
+        """`call`, its answer left in Ray's object store: rank 0's ObjectRef, once every rank ended well."""
+        return self.settle(method, self.start(method, *args))[0]
 
     def gather(self, method: str, refs: list[Any]) -> list[Any]:
-        """Every rank's answer to `method`; the first rank that dies or raises fails the group in one line."""
+        """Every rank's answer to `method`."""
+        import ray
+
+        return ray.get(self.settle(method, refs))
+
+    def settle(self, method: str, refs: list[Any]) -> list[Any]:
+        """`refs` once every rank's call ended; the first rank that dies or raises fails the group in one line."""
         import ray
 
         pending = list(refs)
@@ -114,13 +121,8 @@ class RankGroup:
                 rank = refs.index(done[0])
                 place = self.places[rank]["address"] if getattr(self, "places", None) else "its node"
                 self.close()
-                raise RankFailed(f"trainer rank {rank} of {len(self.ranks)} on {place} failed in {method}: "
-                                 f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
-        return ray.get(refs)
-
-    def call(self, method: str, *args: Any) -> Any:
-        """`method(*args)` on every rank; rank 0's answer (the ranks agree, or only rank 0 holds it)."""
-        return self._all(method, *args)[0]
+                raise RankFailed(f"trainer rank {rank} of {len(self.ranks)} on {place} failed in {method}: {one_line(err)}") from err
+        return refs
 
     def close(self) -> None:
         import ray

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from opentinker.backend import PolicyTrainer
+from opentinker.backend.sharded import ShardedPolicyTrainer
 from opentinker.backend.device import placement, precision_line, sampling_dtype
 from opentinker.core.ids import check_folder_name
 from opentinker.core.spec import JobSpec, LoraSpec, dump_spec
@@ -72,6 +73,9 @@ class Policy:
         if job_id is not None:  # one folder name (a self-play learner's `<job_id>.<player>` may be longer than a job id)
             check_folder_name(job_id, "job id")
         self.spec, self.job_id, self.tenant, self.own_rngs = spec, job_id, tenant, own_rngs
+        if spec.resources.trainer_ranks > 1 and not torch.distributed.is_initialized():
+            raise ValueError(f"resources.trainer_ranks: {spec.resources.trainer_ranks} ranks train as a job on the stack "
+                             "(opentinker submit), not in one process")
         self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)
@@ -80,7 +84,9 @@ class Policy:
         # vLLM's logprobs are this trainer's within 1e-4 only when both run float32; otherwise (another
         # program's bfloat16 kernels, merged weights rounded) they are the behaviour policy's
         apart = spec.rollout.engine == "vllm" and {sampling_dtype(spec.rollout.sampler_dtype, where), where.compute_dtype} != {torch.float32}
-        self.trainer = PolicyTrainer(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
+        # a job over several ranks: this process is one of them (opentinker.orchestration.ranks hosts it)
+        trainer_class = ShardedPolicyTrainer if spec.resources.trainer_ranks > 1 else PolicyTrainer
+        self.trainer = trainer_class(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
                                      where, sampled_apart=apart)
 
     @property
@@ -107,17 +113,21 @@ class Policy:
         """Trainable weights and their version, for a sampler in another process."""
         return self.trainer.version, self.trainer.trainable_state()
 
-    def save(self, step: int, env_state: dict[str, Any], metrics: list = ()) -> ckpt.CheckpointRef:
+    def save(self, step: int, env_state: dict[str, Any], metrics: list = ()) -> ckpt.CheckpointRef | None:
         """Commit the policy at `step`. `metrics` are the steps' metrics this checkpoint covers:
-        they travel with it so a resume can log any that a crash kept from reaching MLflow."""
+        they travel with it so a resume can log any that a crash kept from reaching MLflow. A
+        sharded trainer's ranks all gather the state; rank 0 writes it (the others return None)."""
+        weights, optimizer_state = self.trainer.trainable_state(), self.trainer.optimizer_state()
+        if self.trainer.rank != 0:
+            return None
         extra = {"spec.yaml": dump_spec(self.spec).encode(),
                  POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
         if isinstance(self.spec.adapter, LoraSpec):
-            extra |= adapter_files(self.trainer.model)
+            extra |= adapter_files(self.trainer.model, state_dict=weights)
         return ckpt.save_checkpoint(
             self.spec.checkpoint.base_url, self.job_id, step,
-            weights=self.trainer.trainable_state(),
-            optimizer_state=self.trainer.optimizer.state_dict(),
+            weights=weights,
+            optimizer_state=optimizer_state,
             state={"policy_version": self.trainer.version, "env": env_state,
                    "metrics": [[int(s), {k: v if isinstance(v, str) else float(v) for k, v in m.items()}] for s, m in metrics]},
             extra_files=extra,
@@ -146,7 +156,7 @@ class Policy:
 
     def apply(self, loaded: ckpt.LoadedCheckpoint) -> ckpt.LoadedCheckpoint:
         self.trainer.load_trainable_state(loaded.weights)
-        self.trainer.optimizer.load_state_dict(loaded.optimizer_state)
+        self.trainer.load_optimizer_state(loaded.optimizer_state)
         self.trainer.version = int(loaded.state["policy_version"])
         ckpt.set_rng_state(loaded.rng, self.own_rngs)
         return loaded

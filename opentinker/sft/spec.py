@@ -56,6 +56,8 @@ class SFTSpec(BaseJobSpec):
         if self.resources.share_base and self.training.max_length > SHARED_PASS_TOKENS:
             raise ValueError(f"training.max_length: {self.training.max_length} tokens; on a shared base (resources.share_base) "
                              f"a pass holds at most {SHARED_PASS_TOKENS} tokens, so an example may have at most that many")
+        if self.resources.trainer_ranks > 1:
+            raise ValueError("resources.trainer_ranks: SFT jobs train in one process (TRL's trainer); the sharded trainer is an RL job's")
         if self.model.dtype == "float16" and not self.resources.num_gpus:
             raise ValueError("model.dtype: float16 autocast trains on a GPU (TRL's fp16); on the CPU use bfloat16 or float32")
         return self

@@ -297,3 +297,47 @@ def test_a_job_sharded_over_two_ranks_trains_checkpoints_and_resumes(stack_env, 
     second = rl_train(more, job_id="flow-sharded")
     assert second["resumed_from"] == 2 and second["steps"] == 3
     assert {h["step"]: h["rollout/policy_version"] for h in second["history"] if h["step"] == 3} == {3: 2.0}
+
+
+def test_a_killed_rank_fails_the_sharded_job_in_one_line_and_it_resumes(stack_env, tmp_path):
+    """SIGKILL to a trainer rank of a running two-rank job: the job fails within seconds in one line
+    naming the rank, its node and where a resubmission resumes; its ranks' placement is gone; the
+    same job id resumes from its last checkpoint."""
+    import psutil
+
+    from flows.rl_train import rl_train
+    from opentinker.storage import checkpoint as ckpt
+
+    settings, env = stack_env
+    spec = tiny_spec(tmp_path, optimization={"steps": 40}, evaluation={"every": 0, "n_samples": 8}, checkpoint={"every": 1},
+                     resources={"trainer_ranks": 2, "num_cpus": 0.5})
+    script = ("import sys, json; from opentinker.core.spec import parse_spec; from flows.rl_train import rl_train; "
+              "rl_train(parse_spec(json.loads(sys.argv[1])), job_id='flow-sharded-kill')")
+    proc = subprocess.Popen([sys.executable, "-c", script, spec.model_dump_json()], cwd=ROOT, env=os.environ | env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((latest := ckpt.latest_checkpoint(spec.checkpoint.base_url, "flow-sharded-kill")) and latest.step >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the flow ended or 300 s passed"
+            time.sleep(0.5)
+        ranks = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Rank")]
+        assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
+        ranks[-1].kill()
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    (line,) = {m.group(0).removesuffix("')") for m in re.finditer(r"JobError: job flow-sharded-kill: [^\n]*", err)}  # (Prefect's state repr ends in ')
+    assert re.fullmatch(r"JobError: job flow-sharded-kill: RankLost: trainer rank [01] of 2 on [0-9.]+ died in \w+ \(its process "
+                        r"was killed or ran out of memory, or its node left\); resubmit job flow-sharded-kill to resume from step \d+ .*",
+                        line), line
+    assert took < 60, took
+    assert not [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Rank")]
+    at = ckpt.latest_checkpoint(spec.checkpoint.base_url, "flow-sharded-kill").step
+    shorter = spec.model_copy(update={"optimization": spec.optimization.model_copy(update={"steps": at + 1})})
+    result = rl_train(shorter, job_id="flow-sharded-kill")
+    assert result["resumed_from"] == at and result["steps"] == at + 1

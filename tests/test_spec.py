@@ -81,3 +81,22 @@ def test_example_specs_are_valid():
             load_sft_spec(path)
         else:
             load_spec(path)
+
+
+@pytest.mark.parametrize("extra", [{"resources": {"trainer_ranks": 2, "num_gpus": 2}},
+                                   {"resources": {"trainer_ranks": 2, "share_base": True}},
+                                   {"resources": {"trainer_ranks": 2}, "model": {"name": "tiny-vlm-random"}},
+                                   {"resources": {"trainer_ranks": 2}, "multiagent": {"players": ["X", "O"]}}],
+                         ids=["gpus", "shared-base", "vlm", "self-play"])
+def test_a_sharded_trainer_is_refused_where_it_does_not_run_yet(extra):
+    msg = _error({**BASE, **extra})
+    assert "resources.trainer_ranks: a sharded trainer trains one text model's policy in CPU processes" in msg, msg
+
+
+def test_a_sharded_sft_job_is_refused():
+    from opentinker.sft.spec import SFTSpec
+    from opentinker.core.spec_limits import validate_spec
+
+    with pytest.raises(SpecError, match="resources.trainer_ranks: SFT jobs train in one process"):
+        validate_spec(SFTSpec, {"model": {"name": "tiny-random"}, "data": {"path": "x.jsonl"}, "resources": {"trainer_ranks": 2}})
+    assert parse_spec({**BASE, "resources": {"trainer_ranks": 4}}).resources.trainer_ranks == 4

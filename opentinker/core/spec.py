@@ -183,10 +183,9 @@ class OptimizationSpec(Section):
     grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward; gradients accumulate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
-    shared_prefix: bool | Literal["auto"] = Field(
-        "auto", description="a group's common prompt (its records' longest common token prefix) runs once per update and the "
-        "samples' completions against it, with the same loss and gradients; false: every record runs whole (vision-language "
-        "models always do); auto: on the CPU, off on a GPU (whole records in large micro-batches ran 1.8x faster there: "
+    shared_prefix: bool | Literal["auto"] = Field("auto", description="a group's common prompt (its records' longest common token prefix) runs "
+        "once per update and the samples' completions against it, with the same loss and gradients; false: every record runs whole (vision-language "
+        "models and sharded trainers always do); auto: on the CPU, off on a GPU (whole records in large micro-batches ran 1.8x faster there: "
         "bench/results/gpu_variants_full.md)")
     compile: bool = Field(False, description="torch.compile each decoder layer's MLP and norms (opentinker/backend/regional_compile.py): "
                           "for GPUs, where the update of the 1.5B shape ran 1.13x faster; the first update and rollout pay the "
@@ -255,16 +254,7 @@ class ResourcesSpec(Section):
     colocate: bool = Field(True, description="trainer and rollout engine in one process sharing one model copy")
     share_base: bool = Field(False, description="a LoRA job trains as an adapter of its pool's base-model worker: one copy of "
                              "the base for many jobs and Tinker sessions, their episodes sampled in shared batches")
-    trainer_ranks: int = Field(1, ge=1, le=64, description="processes the trainer is sharded over (FSDP2 on torch.distributed, "
-                               "each holding about 1/N of the model state, resources.num_cpus each); more than 1: a CPU job, "
-                               "its sampler an actor of its own, its update per record (no shared-prefix passes)")
-
-    @model_validator(mode="after")
-    def _ranks_are_cpu_processes(self) -> "ResourcesSpec":
-        if self.trainer_ranks > 1 and (self.num_gpus > 0 or self.share_base):
-            raise ValueError("resources.trainer_ranks: a sharded trainer runs as CPU processes for now (num_gpus 0, no share_base); "
-                             "GPU ranks wait for rollouts across the job's devices")
-        return self
+    trainer_ranks: int = Field(1, ge=1, le=64, description="processes the trainer is sharded over (FSDP2; num_cpus and 1/N of the model state each)")
 
 
 # `register` is the field's name in the interface other modules use; it shadows only the ABC
@@ -392,8 +382,8 @@ class JobSpec(BaseJobSpec):
         if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine == "server"):
             raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' or 'vllm' "
                              "on a base of their own")
-        if self.resources.trainer_ranks > 1 and (self.multiagent is not None or self.model.name in VISION_MODELS):
-            raise ValueError("resources.trainer_ranks: a sharded trainer trains one text model's policy (not self-play, not a vision-language model)")
+        if (r := self.resources).trainer_ranks > 1 and (r.num_gpus or r.share_base or self.multiagent or self.model.name in VISION_MODELS):
+            raise ValueError("resources.trainer_ranks: a sharded trainer trains one text model's policy in CPU processes for now (not on GPUs, a shared base, self-play or a VLM)")
         if self.resources.share_base and self.optimization.compile:
             raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                              "(resources.share_base) cannot compile them")
@@ -404,11 +394,7 @@ class JobSpec(BaseJobSpec):
         if (context := context_length(self.model.name)) is not None and self.rollout.max_total_tokens > context:
             raise ValueError(f"rollout.max_total_tokens: {self.rollout.max_total_tokens} is more than the {context} tokens "
                              f"{self.model.name} takes (its max_position_embeddings); make it at most {context}")
-        return self
-
-    @model_validator(mode="after")
-    def _group_baseline_needs_a_group(self) -> "JobSpec":
-        if self.rollout.group_size < 2:
+        if self.rollout.group_size < 2:  # the group baseline needs a group
             raise ValueError(f"rollout.group_size: {self.algorithm.advantage} compares samples within a group, "
                              f"so group_size must be at least 2 (got {self.rollout.group_size})")
         return self

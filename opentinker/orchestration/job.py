@@ -223,7 +223,7 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
 
 
 # Ray's errors for work that vanished with a process or a node (not the job's own fault).
-_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError"}
+_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "NodeDiedError", "ObjectLostError", "OwnerDiedError", "RankLost"}
 
 
 def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | None = None) -> str | None:
@@ -249,6 +249,8 @@ def _what_was_lost(err: BaseException, spec: Any) -> str:
     when its node died, says so): a killed actor is not a node that left."""
     if getattr(spec.resources, "share_base", False):
         return "the base-model worker hosting it died (killed, out of memory, or its Ray node went away)"
+    if type(err).__name__ == "RankLost":  # which rank of a sharded trainer, and where (opentinker.orchestration.ranks)
+        return str(err)
     text = str(err)
     found = re.search(r"class_name: (\S+)", text)
     actor = f"the job's {found.group(1).rsplit('.', 1)[-1]} actor" if found else "an actor of the job"

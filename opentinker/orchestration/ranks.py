@@ -59,6 +59,10 @@ class RankFailed(RuntimeError):
     """A rank of the job's trainer died or raised; the group is gone."""
 
 
+class RankLost(RankFailed):
+    """A rank's process or node went away (killed, out of memory, its node lost): the job resumes from its checkpoint."""
+
+
 class RankGroup:
     """N `Rank` actors placed together and joined into one process group, each hosting its part."""
 
@@ -118,11 +122,30 @@ class RankGroup:
             try:
                 ray.get(done[0])
             except Exception as err:  # noqa: BLE001 - which rank, where, and why, in one line
-                rank = refs.index(done[0])
-                place = self.places[rank]["address"] if getattr(self, "places", None) else "its node"
-                self.close()
-                raise RankFailed(f"trainer rank {rank} of {len(self.ranks)} on {place} failed in {method}: {one_line(err)}") from err
+                self._fail(method, refs, refs.index(done[0]), err)
         return refs
+
+    def _fail(self, method: str, refs: list[Any], rank: int, err: BaseException) -> None:
+        """Raise the group's one line. A rank whose peer died fails too (its collective's connection
+        closed), often first: a dead rank, if one shows within a few seconds, is named instead."""
+        import ray
+
+        ended, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+        for ref in ended:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as died:
+                if not getattr(died, "actor_init_failed", False):
+                    rank, err = refs.index(ref), died
+                    break
+            except Exception:  # noqa: BLE001 - another rank's own error: the first one stands
+                pass
+        place = self.places[rank]["address"] if getattr(self, "places", None) else "its node"
+        self.close()
+        who = f"trainer rank {rank} of {len(self.ranks)} on {place}"
+        if isinstance(err, ray.exceptions.RayActorError) and not getattr(err, "actor_init_failed", False):
+            raise RankLost(f"{who} died in {method} (its process was killed or ran out of memory, or its node left)") from err
+        raise RankFailed(f"{who} failed in {method}: {one_line(err)}") from err
 
     def close(self) -> None:
         import ray

@@ -75,7 +75,7 @@ class Policy:
         self.spec, self.job_id, self.tenant, self.own_rngs = spec, job_id, tenant, own_rngs
         if spec.resources.trainer_ranks > 1 and not torch.distributed.is_initialized():
             raise ValueError(f"resources.trainer_ranks: {spec.resources.trainer_ranks} ranks train as a job on the stack "
-                             "(opentinker submit), not in one process")
+                             "(opentinker train), not in one process (opentinker run)")
         self.init_from = pinned_init_from(spec, job_id, tenant)
         if model is None:
             model, tokenizer = load_model(spec.model.name, spec.model.dtype, init_from=self.init_from)

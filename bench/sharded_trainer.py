@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import random
 import resource
 import socket
@@ -142,8 +142,11 @@ def main() -> None:
                         "largest_full_ft_params_b": budget / per_param / 1e9,
                         "peak_rss_mib": max(r["peak_rss_mib"] for r in rows[n]), "step_s": rows[n][0]["step_s"],
                         "comm_share": rows[n][0]["comm_share"]})
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": __import__("os").cpu_count()},
-              "model": MODEL, "budget_gib": args.budget_gib, "summary": summary, "ranks": rows}
+    from bench.cpu_precision import cpu_flags
+
+    result = {"machine": {"cpu": cpu_flags(), "cores": os.cpu_count()},
+              "model": MODEL, "budget_gib": args.budget_gib, "summary": summary, "ranks": rows,
+              "command": f"python bench/sharded_trainer.py --widths {args.widths} --steps {args.steps} --budget-gib {args.budget_gib:g}"}
     Path(args.out + ".json").write_text(json.dumps(result, indent=2))
     lines = [f"# {MODEL} full fine-tune sharded over N ranks (FSDP2, gloo, {result['machine']['cores']} CPU cores)", "",
              "| ranks | model state a rank (MiB) | against N = 1 | bytes a parameter a rank | largest full fine-tune in "
@@ -156,7 +159,7 @@ def main() -> None:
               "gradients counted after a step's backward). Goals: at most 0.55x at N = 2, 0.3x at N = 4. "
               "The ranks share this machine's cores, so a wider step is not faster here; on GPUs each rank has its own device. "
               "Largest model: the budget over the measured bytes a parameter a rank (model state only; activations come on top).", "",
-              f"Made with `python bench/sharded_trainer.py --widths {args.widths} --steps {args.steps} --budget-gib {args.budget_gib:g}`"]
+              f"Made with `{result['command']}`"]
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

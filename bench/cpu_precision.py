@@ -12,8 +12,8 @@ update seconds and their ratio, the update's matmul FLOPs (torch's FLOP counter)
 were done at, and where each update's time goes (torch.profiler, grouped: matmuls, attention,
 casts, element-wise, the rest).
 
-    python bench/cpu_precision.py [--repeats 4] [--threads N]
-writes bench/results/cpu_precision.{json,md}
+    python bench/cpu_precision.py [--repeats 4] [--threads N] [--save-as cpu_precision_epyc]
+writes bench/results/cpu_precision.{json,md} (or the --save-as name: one file per kind of CPU)
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--save-as", default="cpu_precision", help="the results' name in bench/results (one per kind of CPU)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,8 +178,9 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     out = ROOT / "bench" / "results"
-    (out / "cpu_precision.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "cpu_precision.md").write_text(text)
+    results["command"] = "python bench/cpu_precision.py" + (f" --save-as {args.save_as}" if args.save_as != "cpu_precision" else "")
+    (out / f"{args.save_as}.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{args.save_as}.md").write_text(text + f"\nMade with `{results['command']}`\n")
 
 
 if __name__ == "__main__":

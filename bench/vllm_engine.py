@@ -149,9 +149,9 @@ def main() -> int:
               for way, r in results.items() if way != "hf"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from opentinker.backend.device import cpu_has_amx
+    from opentinker.backend.device import cpu_bf16_unit
 
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {'Intel AMX' if cpu_has_amx() else 'no AMX'}"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {cpu_bf16_unit() or 'no bfloat16 unit'}"
     command = " ".join(["python", "bench/vllm_engine.py", *sys.argv[1:]])
     out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": machine, "steps": args.steps, "adapter": args.adapter,
                                                    "ways": results, "ratios": ratios}, indent=1))

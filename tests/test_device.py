@@ -20,13 +20,14 @@ def test_placement_follows_the_gpus_asked_for_and_the_dtype():
             placement(1, "auto")
 
 
-@pytest.mark.parametrize("forced, amx, expected", [("", True, torch.bfloat16), ("", False, torch.float32),
-                                                    ("float32", True, torch.float32), ("bfloat16", False, torch.bfloat16)])
-def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_it(monkeypatch, caplog, forced, amx, expected):
+@pytest.mark.parametrize("forced, unit, expected", [("", "Intel AMX", torch.bfloat16), ("", "AVX-512 BF16", torch.bfloat16),
+                                                     ("", None, torch.float32), ("float32", "Intel AMX", torch.float32),
+                                                     ("bfloat16", None, torch.bfloat16)])
+def test_auto_on_the_cpu_is_bfloat16_where_it_has_a_bfloat16_unit_unless_the_operator_fixes_it(monkeypatch, caplog, forced, unit, expected):
     from opentinker.backend import device
 
     monkeypatch.setenv(device.CPU_AUTO_ENV, forced)
-    monkeypatch.setattr(device, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(device, "cpu_bf16_unit", lambda: unit)
     device.cpu_auto_choice.cache_clear()
     try:
         with caplog.at_level("INFO", logger=device.__name__):
@@ -35,7 +36,7 @@ def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_
         assert where.compute_dtype == expected and where.weights_dtype(trained=True) == torch.float32
         assert where.weights_dtype(trained=False) == expected
         lines = [r.getMessage() for r in caplog.records if r.name == device.__name__]
-        reason = f"{device.CPU_AUTO_ENV} is set" if forced else ("Intel AMX" if amx else "no Intel AMX")
+        reason = f"{device.CPU_AUTO_ENV} is set" if forced else (f"this CPU has {unit}" if unit else "no bfloat16 unit here")
         assert len(lines) == 1 and lines[0].startswith(f"model.dtype auto on the CPU: {str(expected)[6:]} (") and reason in lines[0]
         assert device.precision_line("auto", where) == lines[0]  # the job's log line (orchestration.actors)
         assert device.precision_line("float32", device.placement(0, "float32")) == "model.dtype float32 on the CPU"
@@ -47,11 +48,12 @@ def test_auto_on_the_cpu_is_bfloat16_where_it_has_amx_unless_the_operator_fixes_
         device.cpu_auto_choice.cache_clear()
 
 
-def test_this_cpus_amx_is_what_torch_reports():
-    from opentinker.backend.device import cpu_has_amx
+def test_this_cpus_bfloat16_unit_is_what_its_flags_say():
+    from opentinker.backend.device import cpu_bf16_unit
 
     flags = open("/proc/cpuinfo").read().split()
-    assert cpu_has_amx() == ("amx_tile" in flags and "amx_bf16" in flags)
+    want = "Intel AMX" if "amx_tile" in flags and "amx_bf16" in flags else "AVX-512 BF16" if "avx512_bf16" in flags else None
+    assert cpu_bf16_unit() == want
 
 
 def _recompute_gap(job) -> float:

@@ -3,8 +3,9 @@
 A job's process uses the device Ray assigned it: CUDA device 0 of what it sees (Ray sets
 CUDA_VISIBLE_DEVICES to the job's own GPUs) when the job holds GPUs, the CPU otherwise.
 `model.dtype` is the compute precision: `auto` is bfloat16 on a GPU that supports it and on a CPU
-with Intel AMX (oneDNN multiplies bfloat16 matrices there about 7x as fast as float32 ones,
-bench/results/cpu_precision.md), float32 on other CPUs; the operator may fix what `auto` means on
+with Intel AMX or AVX-512 BF16 (oneDNN multiplies bfloat16 matrices there 2-7x as fast as float32
+ones, and the demo's update took 0.68x the float32 time on both kinds: bench/results/cpu_precision.md,
+cpu_precision_epyc.md), float32 on other CPUs; the operator may fix what `auto` means on
 the CPU with OPENTINKER_CPU_AUTO_DTYPE (the test suite fixes float32, so that its numbers do not
 depend on which CPU runs it). Weights that are trained stay float32 (with the optimizer state), frozen weights (a
 LoRA's base) are stored in the compute precision, and every forward pass runs under autocast in
@@ -68,10 +69,17 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return cpu_auto_choice()[0]
 
 
-def cpu_has_amx() -> bool:
-    """Intel AMX tiles and oneDNN's bfloat16 kernels (Sapphire Rapids and later Xeons)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return bool(amx() and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def cpu_bf16_unit() -> str | None:
+    """The unit this CPU multiplies bfloat16 matrices with through oneDNN: "Intel AMX" (Sapphire
+    Rapids and later Xeons), "AVX-512 BF16" (Cooper Lake, AMD Zen 4 and later), or None (AVX2,
+    AVX-512 without BF16: bfloat16 would be emulated)."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return None
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "Intel AMX"
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX-512 BF16"
+    return None
 
 
 @functools.cache
@@ -82,10 +90,10 @@ def cpu_auto_choice() -> tuple[torch.dtype, str]:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"{CPU_AUTO_ENV}={forced!r}: float32 or bfloat16 (or unset: bfloat16 where the CPU has AMX)")
         choice = getattr(torch, forced), f"{CPU_AUTO_ENV} is set"
-    elif cpu_has_amx():
-        choice = torch.bfloat16, "this CPU has Intel AMX; frozen weights bfloat16, what trains and its optimizer float32"
+    elif unit := cpu_bf16_unit():
+        choice = torch.bfloat16, f"this CPU has {unit}; frozen weights bfloat16, what trains and its optimizer float32"
     else:
-        choice = torch.float32, "no Intel AMX here, where bfloat16 is not measured faster"
+        choice = torch.float32, "no bfloat16 unit here (Intel AMX or AVX-512 BF16): bfloat16 would be emulated"
     log.info("model.dtype auto on the CPU: %s (%s)", str(choice[0]).removeprefix("torch."), choice[1])
     return choice
 

@@ -201,7 +201,7 @@ class Settings(BaseSettings):
     `.venv-vllm/bin/python` beside this one (`make install`), else /opt/vllm/bin/python (GPU image)."""
 
     cpu_auto_dtype: Literal["float32", "bfloat16"] | None = None
-    """`model.dtype: auto` on a CPU, in every process of the stack (None: bf16 with AMX; backend/device.py)."""
+    """`model.dtype: auto` on a CPU, in every process of the stack (None: bf16 with AMX or AVX-512 BF16; backend/device.py)."""
 
     vllm_cpu_kv_cache_gib: int = Field(2, ge=1)
     """On a CPU, the memory (GiB) a vLLM server keeps for its key/value cache (VLLM_CPU_KVCACHE_SPACE;

@@ -64,7 +64,7 @@ class ModelSpec(Section):
 
     name: str = Field(min_length=1, description="known model name or a local model folder")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="compute precision: auto = bfloat16 on a GPU that supports it and on a CPU with Intel AMX, float32 on other CPUs "
+        "auto", description="compute precision: auto = bfloat16 on a GPU that supports it and on a CPU with Intel AMX or AVX-512 BF16, float32 on other CPUs "
         "(trained weights and the optimizer stay float32; see opentinker/backend/device.py)")
     init_from: str | None = Field(
         None, description="start from a trained policy instead of the bare base model: a checkpoint URL "

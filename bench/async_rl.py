@@ -248,8 +248,11 @@ def main() -> None:
             "series": {way: [[t, p["accuracy"]] for p, t in zip(r["curve"], train_times(r["curve"]))]
                        for way, r in runs.items() if way.startswith("rho=1 ")}}
     engine = next((s["engine"] for s in stats.values() if s["engine"]), None) or "the default engine"
+    from opentinker.backend.device import cpu_auto_choice, cpu_bf16_unit
+
     result = {"command": " ".join(["python", "bench/async_rl.py", *sys.argv[1:]]), "plot": plot, "turn_s": turn_s, "sigma": SIGMA,
-              "machine": f"{platform.machine()}, {cores} CPU cores, torch {torch.__version__}", "engine": engine,
+              "machine": f"{platform.machine()}, {cores} CPU cores ({cpu_bf16_unit() or 'no bfloat16 unit'}), torch {torch.__version__}, "
+                         f"trainer {str(cpu_auto_choice()[0]).removeprefix('torch.')}", "engine": engine,
               "stats": stats, "ratios": ratios, "runs": runs}
     Path(args.out + ".json").write_text(json.dumps(result, indent=2))
     Path(args.out + ".md").write_text("\n".join(report(result, args)) + "\n")

@@ -255,6 +255,7 @@ class ResourcesSpec(Section):
     share_base: bool = Field(False, description="a LoRA job trains as an adapter of its pool's base-model worker: one copy of "
                              "the base for many jobs and Tinker sessions, their episodes sampled in shared batches")
     trainer_ranks: int = Field(1, ge=1, le=64, description="processes the trainer is sharded over (FSDP2; num_cpus and 1/N of the model state each)")
+    trainer_placement: Literal["pack", "spread"] = Field("pack", description="the ranks on as few nodes as fit (pack) or on different nodes where they can (spread)")
 
 
 # `register` is the field's name in the interface other modules use; it shadows only the ABC

@@ -147,7 +147,7 @@ def _sharded_actors(spec: JobSpec, job_id: str, tenant: str | None, owner: str, 
     r = spec.resources
     env = actor_options(spec, f"{job_id}-ranks", owner)["runtime_env"]["env_vars"]
     threads = r.torch_threads or max(1, (os.cpu_count() or 1) // r.trainer_ranks)  # the ranks update while the sampler waits
-    ranks = RankGroup(r.trainer_ranks, cpus_per_rank=r.num_cpus, env_vars=env | {"OMP_NUM_THREADS": str(threads)})
+    ranks = RankGroup(r.trainer_ranks, cpus_per_rank=r.num_cpus, spread=r.trainer_placement == "spread", env_vars=env | {"OMP_NUM_THREADS": str(threads)})
     sampler = None
     try:
         sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)

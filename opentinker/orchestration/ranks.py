@@ -4,7 +4,7 @@ Why: a job wider than one device trains one model on N ranks (opentinker.backend
 places them: one placement group of N bundles (a GPU each on GPUs, CPUs otherwise), packed on one
 node unless the job asks to spread them, so they start together or not at all. Rank 0's actor names
 the rendezvous (its node's address and a free port); every rank then joins the process group (NCCL
-on GPUs, gloo on CPUs). Nothing here communicates tensors: FSDP2 and torch.distributed do.
+on GPUs, gloo on CPUs) on the interface of its node's Ray address. Nothing here communicates tensors: FSDP2 and torch.distributed do.
 
 A rank that dies (its process killed, its node lost) fails the whole group's call in one line that
 names the rank and its node, as soon as Ray sees it, and the other ranks are killed with it: they
@@ -23,6 +23,18 @@ import torch
 from opentinker.core.errors import one_line
 
 
+def interface_of(address: str) -> str:
+    """The network interface that holds `address`. The ranks' gloo (and NCCL's sockets) bind there,
+    the address Ray knows the node by, and not where the host name resolves: on a private network
+    between machines that may be an address the peers cannot reach, and gloo would bind loopback."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise RankFailed(f"no network interface of this node holds its Ray address {address}")
+
+
 class Rank:
     """One rank, hosted by Ray: its membership of the process group, and the object it hosts (a
     sharded trainer, or a job's `Policy` whose trainer is one), built after the group is joined."""
@@ -35,7 +47,7 @@ class Rank:
         """This rank's node address, process id and a free port on its node (rank 0's is the rendezvous)."""
         import ray
 
-        address = ray.util.get_node_ip_address()
+        self.address = address = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((address, 0))
             port = s.getsockname()[1]
@@ -44,6 +56,8 @@ class Rank:
     def join(self, address: str, port: int, backend: str, timeout_s: float) -> None:
         from opentinker.backend.sharded import init_ranks
 
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the operator's choice stands
+            os.environ.setdefault(variable, interface_of(self.address))
         init_ranks(self.rank, self.world_size, address, port, backend, timeout_s)
 
     def host(self, factory: Callable[..., Any], seed: int, args: tuple, kwargs: dict) -> None:

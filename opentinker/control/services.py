@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import math
 import os
 import shlex
 import shutil
@@ -246,6 +247,15 @@ def _ray_head_command(s: Settings) -> list[str]:
     return command
 
 
+def _ray_health_env(s: Settings) -> dict[str, str]:
+    """The head's GCS checks each node every second, waiting up to 2 s for its answer, and gives it
+    up after `ray_node_timeout_s` of failed checks (Ray's variables; unset: Ray's defaults)."""
+    if s.ray_node_timeout_s is None:
+        return {}
+    return {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+            "RAY_health_check_failure_threshold": str(max(1, math.ceil(s.ray_node_timeout_s / 3)))}
+
+
 def _ray_head_ready(s: Settings, pid: int) -> bool:
     """The GCS answers on its port and the head's node has started (its log says so)."""
     try:
@@ -335,7 +345,7 @@ SPECS: dict[str, Service] = {
         port=lambda s: s.ray_port,
         url=lambda s: f"ray://{s.host}:{s.ray_client_port}",
         command=_ray_head_command,
-        env=lambda s: {**worker_env(s), **RAY_NODE_ENV},  # its workers run jobs' actors: the same variables
+        env=lambda s: {**worker_env(s), **RAY_NODE_ENV, **_ray_health_env(s)},  # its workers run jobs' actors: the same variables
         healthy=_ray_head_ready,
     ),
     "worker": Service(

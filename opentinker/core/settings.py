@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     ray_object_store_mb: int = Field(1024, gt=0)
     """Shared-memory object store of the head, in MiB (trajectories pass through it)."""
 
+    ray_node_timeout_s: float | None = Field(None, ge=5)
+    """Seconds a node may not answer the head's health checks before it and its jobs are given up. None: Ray's (about a minute)."""
+
     prefect_database_url: str | None = None
     """Database of the Prefect server, e.g. postgresql+asyncpg://user:pass@db:5432/prefect.
     None: SQLite in the state folder. Given only to the server, never to jobs."""
@@ -380,12 +383,9 @@ def prefect_env(settings: Settings) -> dict[str, str]:
 
 
 def plain_http_ca_file(settings: Settings) -> Path:
-    """A one-certificate CA file for clients of a plain-http API.
-
-    Every Prefect client builds a TLS context from its CA file even for http:// URLs, where TLS is
-    never used; with the full certifi bundle that costs ≈60 ms per client, and each task run on a
-    Ray worker builds two (measured: ≈120 of its ≈185 ms start-up). A single certificate makes
-    that free. Only set for http:// APIs, so it never weakens a real TLS connection."""
+    """A one-certificate CA file for clients of a plain-http API: every Prefect client builds a TLS
+    context from its CA file even for http:// URLs, ≈60 ms each with certifi's bundle (≈120 of a Ray
+    task's ≈185 ms start-up, measured). Only set for http:// APIs: a real TLS connection keeps its CA."""
     import certifi
 
     path = settings.state_dir / "prefect" / "plain-http-ca.pem"

@@ -244,6 +244,18 @@ def lost_cluster_line(err: BaseException, spec: Any, job_id: str, tenant: str | 
     return f"{type(err).__name__}: {_what_was_lost(err, spec)}; resubmit job {job_id} to resume {resume}"
 
 
+def _node_address(text: str) -> str:
+    """` (10.0.0.2)`: the address of the node Ray's error names by id, while the cluster still lists it."""
+    found = re.search(r"Node Id: ([0-9a-f]+)", text)
+    try:
+        import ray
+
+        nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()} if found and ray.is_initialized() else {}
+    except Exception:  # noqa: BLE001 - the head may be what went away; the line stands without it
+        nodes = {}
+    return f" ({nodes[found.group(1)]})" if found and found.group(1) in nodes else ""
+
+
 def _what_was_lost(err: BaseException, spec: Any) -> str:
     """Which of the job's actors died and how, from Ray's error (its text names the actor's class and,
     when its node died, says so): a killed actor is not a node that left."""
@@ -255,7 +267,9 @@ def _what_was_lost(err: BaseException, spec: Any) -> str:
     found = re.search(r"class_name: (\S+)", text)
     actor = f"the job's {found.group(1).rsplit('.', 1)[-1]} actor" if found else "an actor of the job"
     if type(err).__name__ == "NodeDiedError" or "node has died" in text:
-        return f"the Ray node running {actor} left the cluster (killed, or the head went away)"
+        return f"the Ray node running {actor}{_node_address(text)} left the cluster (killed, or the head went away)"
+    if type(err).__name__ == "ActorUnavailableError":  # Ray cannot reach it: it, its node or the network went away
+        return f"{actor} became unreachable (its process, its Ray node or the network to it went away)"
     if found is None and type(err).__name__ in ("ObjectLostError", "OwnerDiedError"):
         return "the Ray node running its actors left the cluster (killed, or the head went away)"
     return f"{actor} died (its process was killed or ran out of memory; its Ray node is still up)"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -38,18 +40,17 @@ class S3Server:
         return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """moto's ThreadedMotoServer on a free loopback port (its default binds every interface) with
-    one bucket; yields an S3Server, with its `env` set in os.environ until the session ends."""
+@contextmanager
+def moto_server(address: str = "127.0.0.1") -> Iterator[S3Server]:
+    """moto's ThreadedMotoServer on a free port of `address` (its default binds every interface) with one bucket."""
     from moto.server import ThreadedMotoServer
 
     from tests.stack_fixtures import free_ports
 
     (port,) = free_ports(1)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address=address, port=port, verbose=False)
     server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = f"http://{address}:{port}"
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
@@ -60,12 +61,18 @@ def s3_server():
     s3 = S3Server(endpoint, BUCKET, env)
     try:
         s3.client().create_bucket(Bucket=BUCKET)
-        with pytest.MonkeyPatch.context() as session_env:
-            for key, value in env.items():
-                session_env.setenv(key, value)
-            yield s3
+        yield s3
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto server on loopback; yields an S3Server, with its `env` set in os.environ until the session ends."""
+    with moto_server() as s3, pytest.MonkeyPatch.context() as session_env:
+        for key, value in s3.env.items():
+            session_env.setenv(key, value)
+        yield s3
 
 
 @pytest.fixture

@@ -1,8 +1,12 @@
-"""More than one machine, on one: the stack (with its Ray head) and a second machine joined by
+"""More than one machine, on one: host A (this network namespace: the stack, its Ray head, an S3
+server) and host B (a network namespace of its own, tests/hosts.py) joined by
 `opentinker worker --pool gpu --join <head>`, a Ray node with two declared GPUs and a resource of
-its own (`node_b`) plus a Prefect worker for the `gpu` pool, all real processes.
+its own (`node_b`) plus a Prefect worker for the `gpu` pool, all real processes that reach each
+other only over the veth pair between the hosts.
 
-A job that needs the second node's resource runs its actors there (checked by the node id of the
+A sharded job's ranks run on both hosts (gloo between them over the pair) and checkpoint to S3;
+host B's link taken down mid-job fails it in one line naming the rank and its host, frees its
+slot, and once B is back the same job id resumes. A job that needs the second node's resource runs its actors there (checked by the node id of the
 process hosting them), checkpoints to S3, and when that node's processes are killed mid-job it
 fails in one line; the node joins again by itself, and resubmitting the job id resumes from the last
 complete checkpoint with each step in MLflow once. Bad input: a worker that cannot reach the head,
@@ -30,13 +34,15 @@ from opentinker.core.settings import Settings, mlflow_env, prefect_env, settings
 from opentinker.core.spec import ResourcesSpec
 from opentinker.storage import checkpoint as ckpt
 from tests.conftest import tiny_spec
+from tests.hosts import Hosts, second_host
+from tests.s3_fixtures import moto_server
 from tests.stack_fixtures import free_ports, local_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 # Pinning actors by a custom resource needs `resources.ray_resources` in the spec; until then the
-# head offers no CPU (as a production head that runs no work), so actors can only go to node B.
+# head offers one CPU (a rank of the sharded job's) and node B two, so a 2-CPU actor can only go to node B.
 PINNED = "ray_resources" in ResourcesSpec.model_fields
-NODE_B = {"ray_resources": {"node_b": 1}} if PINNED else {}
+NODE_B = {"ray_resources": {"node_b": 1}} if PINNED else {"num_cpus": 2}
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Cluster:
     node_state: Path
     log: Path
     worker: subprocess.Popen
+    hosts: Hosts
 
     def node_pid(self) -> int:
         return int((self.node_state / "pids" / "ray-node-gpu.pid").read_text())
@@ -74,44 +81,48 @@ def _wait_for_line(path: Path, text: str, count: int = 1, timeout: float = 120) 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, s3_server):
+def cluster(tmp_path_factory):
+    import s3fs
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from opentinker.control.submit import deploy
 
     base = tmp_path_factory.mktemp("multinode")
-    storage = f"s3://{s3_server.bucket}/multinode-{uuid.uuid4().hex[:8]}"
-    settings = local_settings(base / "control", cpu_slots=1, gpu_slots=None, ray_num_cpus=2 if PINNED else 0,
-                              storage_url=storage, game_allowlist="envs")
-    stack = Stack(settings)
     saved = dict(os.environ)
-    os.environ.update(settings_env(settings) | prefect_env(settings) | mlflow_env(settings))
-    log = base / "machine-b.log"
-    worker = None
-    try:
-        stack.up(timeout=180)
-        with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
-            deploy(settings)
-            with open(log, "wb") as out:
-                worker = subprocess.Popen(
-                    [sys.executable, "-m", "opentinker.cli", "worker", "--pool", "gpu", "--join", settings.ray_head_address,
-                     "--num-gpus", "2", "--num-cpus", "2", "--resources", json.dumps({"node_b": 1}), "--name", "machine-b"],
-                    cwd=ROOT, env=_machine_b_env(settings, base / "machine-b"), stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True)
-            cluster = Cluster(settings, base / "machine-b", log, worker)
-            _wait_for_line(log, "ray node joined")
-            _wait_for_worker(settings, "gpu", "machine-b")
-            yield cluster
-    finally:
-        if worker is not None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-        stack.down()
-        os.environ.clear()
-        os.environ.update(saved)
+    with second_host() as hosts, moto_server(hosts.a) as s3:
+        settings = local_settings(base / "control", host=hosts.a, cpu_slots=1, gpu_slots=None, ray_num_cpus=1, ray_node_timeout_s=15,
+                                  storage_url=f"s3://{s3.bucket}/multinode-{uuid.uuid4().hex[:8]}", game_allowlist="envs")
+        stack = Stack(settings)
+        os.environ.update(s3.env | settings_env(settings) | prefect_env(settings) | mlflow_env(settings))
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached client would still dial the session's loopback server
+        log = base / "machine-b.log"
+        worker = None
+        try:
+            stack.up(timeout=180)
+            with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}):
+                deploy(settings)
+                with open(log, "wb") as out:
+                    worker = subprocess.Popen(hosts.on_b(
+                        [sys.executable, "-m", "opentinker.cli", "worker", "--pool", "gpu", "--join", settings.ray_head_address,
+                         "--num-gpus", "2", "--num-cpus", "2", "--resources", json.dumps({"node_b": 1}), "--name", "machine-b"]),
+                        cwd=ROOT, env=_machine_b_env(settings, base / "machine-b"), stdout=out, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+                cluster = Cluster(settings, base / "machine-b", log, worker, hosts)
+                _wait_for_line(log, "ray node joined")
+                _wait_for_worker(settings, "gpu", "machine-b")
+                yield cluster
+        finally:
+            hosts.set_link(True)
+            if worker is not None:
+                worker.send_signal(signal.SIGTERM)
+                try:
+                    worker.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(worker.pid, signal.SIGKILL)
+            stack.down()
+            os.environ.clear()
+            os.environ.update(saved)
+            s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _gpu_workers(settings: Settings) -> dict[str, str]:
@@ -207,10 +218,11 @@ def test_a_joined_machine_is_a_ray_node_and_a_worker_of_its_pool(cluster):
         with pytest.raises(SchedulingError, match="pool 'gpu' has 2 slot"):
             check_fits(cluster.settings, 3)
     assert "gpu pool: 2 slot(s)" in cluster.log.read_text()
-    # Machine B dials the stack for Prefect and MLflow, joins the head for Ray, and binds its own servers here.
+    # Machine B dials the stack for Prefect and MLflow, joins the head for Ray, and binds its own servers on its address.
+    assert b["NodeManagerAddress"] == cluster.hosts.b
     env = psutil.Process(cluster.worker.pid).children()[-1].environ()
-    assert env["OPENTINKER_RAY_ADDRESS"] == cluster.settings.ray_head_address
-    assert env["PREFECT_API_URL"] == cluster.settings.prefect_api_url and env["OPENTINKER_BIND_HOST"] == "127.0.0.1"
+    assert env["OPENTINKER_RAY_ADDRESS"] == cluster.settings.ray_head_address == f"{cluster.hosts.a}:{cluster.settings.ray_port}"
+    assert env["PREFECT_API_URL"] == cluster.settings.prefect_api_url and env["OPENTINKER_BIND_HOST"] == cluster.hosts.b
 
 
 STEPS = 5  # killed within a poll (0.2 s) of step 2's checkpoint; tiny steps take about a second: room to kill mid-run
@@ -222,11 +234,23 @@ def _start_until_step_2(cluster: Cluster, tmp_path: Path, name: str):
     spec = tiny_spec(tmp_path, optimization={"steps": STEPS}, evaluation={"every": 4, "n_samples": 8},  # at 0, 4 and the end
                      checkpoint={"every": 1, "base_url": base_url}, resources={"num_cpus": 1, **NODE_B})
     run_id = _submit(spec, job_id, cluster.settings)
-    deadline = time.monotonic() + 300
-    while (latest := ckpt.latest_checkpoint(base_url, job_id)) is None or latest.step < 2:
-        assert time.monotonic() < deadline, "no S3 checkpoint within 300 s"
-        time.sleep(0.2)
+    _wait_for_checkpoint(run_id, cluster.settings, base_url, job_id, step=2)
     return job_id, spec, run_id, base_url
+
+
+def _wait_for_checkpoint(run_id: str, settings: Settings, base_url: str, job_id: str, step: int, timeout: float = 300) -> None:
+    """Until the job's checkpoint of `step` is complete in S3; the run's reason if it ends first."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.scheduler import job_state, prefect_client
+
+    deadline = time.monotonic() + timeout
+    while (latest := ckpt.latest_checkpoint(base_url, job_id)) is None or latest.step < step:
+        with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}), prefect_client() as client:
+            state, reason = job_state(client.read_flow_run(run_id))
+        assert state not in ("COMPLETED", "FAILED", "CANCELLED"), f"the job ended ({state}) before step {step}'s checkpoint: {reason}"
+        assert time.monotonic() < deadline, f"no S3 checkpoint of step {step} within {timeout:g} s"
+        time.sleep(0.2)
 
 
 def _assert_failed_resumably(run_id: str, settings: Settings, job_id: str, base_url: str, driver_may_die: bool = False) -> None:
@@ -237,8 +261,9 @@ def _assert_failed_resumably(run_id: str, settings: Settings, job_id: str, base_
     assert killed_at < STEPS, "the job ended before it could be killed"
     state, reason = _end(run_id, settings)
     assert state == "FAILED" and "\n" not in reason, reason
-    lost = (rf"job {job_id}: \w+Error: the Ray node running (its actors|the job's \w+ actor) left the cluster \(killed, or the head "
-            rf"went away\); resubmit job {job_id} to resume from step \d+ \(s3://\S+\)")
+    lost = (rf"job {job_id}: \w+Error: (the Ray node running (its actors|the job's \w+ actor( \([0-9.]+\))?) left the cluster \(killed, or the head "
+            rf"went away\)|(an actor of the job|the job's \w+ actor) became unreachable \(its process, its Ray node or the network to "
+            rf"it went away\)); resubmit job {job_id} to resume from step \d+ \(s3://\S+\)")
     crashed = (r"the job's process died \(Process exited with status code: 1\. Process exited with a general error\): killed, "
                rf"out of memory, or its Ray node or head went away; resubmit job {job_id} to resume from its last complete checkpoint")
     assert re.fullmatch(f"{lost}|{crashed}" if driver_may_die else lost, reason), reason
@@ -269,7 +294,7 @@ def test_job_runs_on_the_node_with_its_resource_and_resumes_after_that_node_is_k
 
 
 def test_a_job_no_node_can_place_fails_in_one_line(cluster, tmp_path):
-    wants = {"ray_resources": {"node_c": 1}} if PINNED else {"num_cpus": 3}
+    wants = {"ray_resources": {"node_c": 1}} if PINNED else {"num_cpus": 4}
     spec = tiny_spec(tmp_path, optimization={"steps": 1}, resources=wants,
                      checkpoint={"base_url": f"{cluster.settings.storage_url}/jobs"})
     state, reason = _end(_submit(spec, f"nowhere-{uuid.uuid4().hex[:6]}", cluster.settings), cluster.settings)
@@ -307,3 +332,90 @@ def test_a_head_that_dies_mid_job_fails_it_in_one_line_and_it_resumes_on_the_res
     assert Stack(settings).up(timeout=120)["ray"].healthy
     _wait_for_line(cluster.log, "again (pid", count=rejoins + 1, timeout=240)
     _complete_once(spec, job_id, settings, base_url)
+
+
+def _held_slots(settings: Settings) -> dict[str, int]:
+    """Active slots of each pool's limit (the scheduler's leases)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from opentinker.control.scheduler import POOLS, prefect_client, slot_limit
+
+    with temporary_settings({PREFECT_API_URL: settings.prefect_api_url}), prefect_client() as client:
+        return {pool: client.read_global_concurrency_limit_by_name(slot_limit(pool)).active_slots for pool in POOLS}
+
+
+def _live_placement_groups(settings: Settings) -> list[str]:
+    import ray
+
+    from opentinker.core.settings import ray_env
+    from opentinker.orchestration.task_runner import authenticate
+
+    authenticate(ray_env(settings))
+    ray.init(address=settings.ray_head_address, logging_level="ERROR", log_to_driver=False)
+    try:
+        return [g for g, row in ray.util.placement_group_table().items() if row["state"] != "REMOVED"]
+    finally:
+        ray.shutdown()
+
+
+def _ranks() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::Rank")]
+
+
+def _host_of(proc: psutil.Process) -> int:
+    """The network namespace (its inode: a host) a process lives in."""
+    return os.stat(f"/proc/{proc.pid}/ns/net").st_ino
+
+
+def test_a_sharded_job_spans_both_hosts_and_a_killed_rank_or_a_lost_host_fails_it_in_one_line_and_it_resumes(cluster, tmp_path):
+    """resources.trainer_ranks 2, spread: one rank on each host, one gloo group (FSDP2) over the
+    veth pair, checkpoints in the S3 server on host A.
+    - SIGKILL to the rank on host B: the job fails in one line naming that rank, host B's address
+      and where a resubmission resumes; no rank is left.
+    - The same job id resumes from that checkpoint (whole weights and optimizer state, rank 0's),
+      trains the whole batch on the resumed policy and checkpoints again.
+    - Host B's link taken down mid-job: the job fails in one line naming what it lost on host B as
+      soon as the head gives B's node up (ray_node_timeout_s, before the ranks' collective timeout),
+      and holds no slot and no placement group."""
+    settings, hosts = cluster.settings, cluster.hosts
+    job_id, base_url = f"spread-{uuid.uuid4().hex[:6]}", f"{settings.storage_url}/jobs"
+    spec = tiny_spec(tmp_path, optimization={"steps": STEPS}, evaluation={"every": 0, "n_samples": 8},
+                     checkpoint={"every": 1, "base_url": base_url}, resources={"num_cpus": 1, "trainer_ranks": 2, "trainer_placement": "spread"})
+    b = re.escape(hosts.b)
+    resume = rf"; resubmit job {job_id} to resume from step \d \(s3://\S+\)"
+    here, there = os.stat("/proc/self/ns/net").st_ino, os.stat(f"/proc/{cluster.node_pid()}/ns/net").st_ino
+
+    run_id = _submit(spec, job_id, settings)
+    _wait_for_checkpoint(run_id, settings, base_url, job_id, step=2)
+    ranks = _ranks()
+    assert sorted(map(_host_of, ranks)) == sorted([here, there])  # a rank on each host
+    (on_b,) = [p for p in ranks if _host_of(p) == there]
+    on_b.kill()
+    state, reason = _end(run_id, settings, timeout=90)
+    killed_at = ckpt.latest_checkpoint(base_url, job_id).step
+    assert killed_at < STEPS - 1, "the job ended before its rank could be killed"
+    assert state == "FAILED" and re.fullmatch(rf"job {job_id}: RankLost: trainer rank [01] of 2 on {b} died in \w+ \(its process was "
+                                              rf"killed or ran out of memory, or its node left\){resume}", reason), reason
+    assert not _ranks()
+
+    run_id = _submit(spec, job_id, settings)
+    _wait_for_checkpoint(run_id, settings, base_url, job_id, step=killed_at + 1)
+    hosts.set_link(False)
+    try:
+        state, reason = _end(run_id, settings, timeout=90)
+        assert ckpt.latest_checkpoint(base_url, job_id).step < STEPS, "the job ended before its host dropped off"
+        lost = (rf"(RankLost: trainer rank [01] of 2 on {b} died in \w+ \(its process was killed or ran out of memory, or its node "
+                rf"left\)|ActorDiedError: the Ray node running the job's Sampler actor \({b}\) left the cluster \(killed, or the head "
+                rf"went away\))")  # what Ray reports first: the rank on B, or the sampler beside it
+        assert state == "FAILED" and re.fullmatch(rf"job {job_id}: {lost}{resume}", reason), reason
+        assert _held_slots(settings) == {"gpu": 0, "cpu": 0} and _live_placement_groups(settings) == []
+        assert here not in map(_host_of, _ranks())  # the surviving rank was killed with its group, not left in a collective
+    finally:
+        hosts.set_link(True)
+    steps = _mlflow_steps(settings, job_id, "rollout/reward_mean")  # the last step's may have been cut off with its host
+    assert steps[:killed_at] == list(range(1, killed_at + 1)) and len(set(steps)) == len(steps), steps  # resumed: no step twice
+    saved = ckpt.load_checkpoint(f"{ckpt.job_url(base_url, job_id)}/step-{killed_at + 1:08d}")  # written after the resume
+    metrics = {step: values for step, values in saved.state["metrics"]}[killed_at + 1]
+    assert metrics["update/sequences"] == 16 and metrics["update/grad_norm"] > 0  # both ranks' shares, summed
+    assert metrics["rollout/policy_version"] == killed_at  # sampled from the resumed policy
+    assert saved.state["policy_version"] == killed_at + 1 and any(".lora_B." in n and float(t.abs().max()) > 0 for n, t in saved.weights.items())

@@ -100,3 +100,5 @@ def test_a_sharded_sft_job_is_refused():
     with pytest.raises(SpecError, match="resources.trainer_ranks: SFT jobs train in one process"):
         validate_spec(SFTSpec, {"model": {"name": "tiny-random"}, "data": {"path": "x.jsonl"}, "resources": {"trainer_ranks": 2}})
     assert parse_spec({**BASE, "resources": {"trainer_ranks": 4}}).resources.trainer_ranks == 4
+    assert parse_spec({**BASE, "resources": {"trainer_ranks": 4, "trainer_placement": "spread"}}).resources.trainer_placement == "spread"
+    assert "resources.trainer_placement" in _error({**BASE, "resources": {"trainer_ranks": 2, "trainer_placement": "scatter"}})

@@ -293,7 +293,7 @@ def test_vllm_start_up_failures_read_as_one_line(vllm_pool, vllm_tiny_path):
                    num_gpus=0, env=env)
 
 
-def test_a_server_that_dies_says_how_in_its_log(vllm_tiny_path):
+def test_a_server_that_dies_says_how_in_its_log(vllm_pool, vllm_tiny_path):
     """The server's own process killed (not its group): its supervisor writes the signal into the
     log, which `why` returns (vLLM itself logs no error then), and `stop` clears what is left."""
     from opentinker.inference.engine_vllm import SERVER_MODULE, VLLMServer, merged_server_args

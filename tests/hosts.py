@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import random
+import re
 import shutil
 import subprocess
 import uuid
@@ -45,11 +46,12 @@ def _ip(*args: str) -> None:
 
 
 def _unused_subnet() -> ipaddress.IPv4Network:
-    """A /30 in 10.0.0.0/8 that no interface of this machine is on."""
-    taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    """A /30 in 10.0.0.0/8 that overlaps no network of this machine's interfaces."""
+    listed = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    taken = [ipaddress.ip_interface(a).network for a in re.findall(r"inet (\S+)", listed)]
     while True:
         net = ipaddress.ip_network(f"10.{random.randint(64, 250)}.{random.randint(0, 255)}.{4 * random.randint(0, 63)}/30")
-        if f" {'.'.join(str(net.network_address).split('.')[:3])}." not in taken:
+        if not any(net.overlaps(t) for t in taken):
             return net
 
 

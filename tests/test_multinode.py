@@ -141,8 +141,8 @@ def _wait_for_worker(settings: Settings, pool: str, name: str, timeout: float = 
         time.sleep(0.5)
 
 
-def _nodes(settings: Settings) -> list[dict]:
-    """ray.nodes() of the cluster, asked as a driver with the stack's token."""
+def _as_driver(settings: Settings, ask):
+    """`ask(ray)` as a driver of the cluster with the stack's token."""
     import ray
 
     from opentinker.core.settings import ray_env
@@ -151,9 +151,13 @@ def _nodes(settings: Settings) -> list[dict]:
     authenticate(ray_env(settings))
     ray.init(address=settings.ray_head_address, logging_level="ERROR", log_to_driver=False)
     try:
-        return [n for n in ray.nodes() if n["Alive"]]
+        return ask(ray)
     finally:
         ray.shutdown()
+
+
+def _nodes(settings: Settings) -> list[dict]:
+    return _as_driver(settings, lambda ray: [n for n in ray.nodes() if n["Alive"]])
 
 
 def _actor_node(cluster: Cluster) -> str | None:
@@ -345,17 +349,7 @@ def _held_slots(settings: Settings) -> dict[str, int]:
 
 
 def _live_placement_groups(settings: Settings) -> list[str]:
-    import ray
-
-    from opentinker.core.settings import ray_env
-    from opentinker.orchestration.task_runner import authenticate
-
-    authenticate(ray_env(settings))
-    ray.init(address=settings.ray_head_address, logging_level="ERROR", log_to_driver=False)
-    try:
-        return [g for g, row in ray.util.placement_group_table().items() if row["state"] != "REMOVED"]
-    finally:
-        ray.shutdown()
+    return _as_driver(settings, lambda ray: [g for g, row in ray.util.placement_group_table().items() if row["state"] != "REMOVED"])
 
 
 def _ranks() -> list[psutil.Process]:

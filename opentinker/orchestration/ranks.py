@@ -47,17 +47,19 @@ class Rank:
         """This rank's node address, process id and a free port on its node (rank 0's is the rendezvous)."""
         import ray
 
-        self.address = address = ray.util.get_node_ip_address()
+        address = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((address, 0))
             port = s.getsockname()[1]
         return {"address": address, "port": port, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
     def join(self, address: str, port: int, backend: str, timeout_s: float) -> None:
+        import ray
+
         from opentinker.backend.sharded import init_ranks
 
         for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # the operator's choice stands
-            os.environ.setdefault(variable, interface_of(self.address))
+            os.environ.setdefault(variable, interface_of(ray.util.get_node_ip_address()))
         init_ranks(self.rank, self.world_size, address, port, backend, timeout_s)
 
     def host(self, factory: Callable[..., Any], seed: int, args: tuple, kwargs: dict) -> None:

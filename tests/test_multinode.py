@@ -412,4 +412,6 @@ def test_a_sharded_job_spans_both_hosts_and_a_killed_rank_or_a_lost_host_fails_i
     metrics = {step: values for step, values in saved.state["metrics"]}[killed_at + 1]
     assert metrics["update/sequences"] == 16 and metrics["update/grad_norm"] > 0  # both ranks' shares, summed
     assert metrics["rollout/policy_version"] == killed_at  # sampled from the resumed policy
+    listed = ckpt.committed_manifest(f"{ckpt.job_url(base_url, job_id)}/step-{killed_at + 1:08d}")["files"]
+    assert len([name for name in listed if name.startswith("optimizer/")]) == 2, sorted(listed)  # each rank's share of AdamW's state
     assert saved.state["policy_version"] == killed_at + 1 and any(".lora_B." in n and float(t.abs().max()) > 0 for n, t in saved.weights.items())

@@ -159,3 +159,92 @@ def test_placement_that_cannot_be_met_says_so(groups):
 
     with pytest.raises(RankFailed, match=r"cannot place 64 trainer ranks of \{'CPU': 1\} \(packed\) within 2 s"):
         RankGroup(64, cpus_per_rank=1, ready_timeout_s=2)
+
+
+def _spec(base_url: str, ranks: int):
+    from opentinker.core.spec import parse_spec
+
+    return parse_spec({"model": {"name": "tiny-random", "dtype": "float32"}, "env": {"game": "envs.math:MathGame"},
+                       "adapter": {"kind": "full"}, "optimization": {"lr": 1e-2, "micro_batch_size": 3, "shared_prefix": False},
+                       "checkpoint": {"base_url": base_url, "keep_last": 5}, "resources": {"trainer_ranks": ranks}})
+
+
+def _batch(trajs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trajectories=trajs)
+
+
+def _whole_optimizer(url: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's AdamW state read back by one process (sharded checkpoints resume there too), by name."""
+    from opentinker.backend import PolicyTrainer
+    from opentinker.backend.device import cpu
+    from opentinker.core.spec import AlgorithmSpec, FullSpec
+    from opentinker.model.policy import load_model
+    from opentinker.storage.checkpoint import load_checkpoint
+
+    model, tok = load_model("tiny-random")
+    trainer = PolicyTrainer(model, tok, FullSpec(), AlgorithmSpec(), OPTIM, placement=cpu())
+    trainer.load_optimizer_state(load_checkpoint(url).optimizer_state)
+    names = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    state = trainer.optimizer.state_dict()["state"]
+    return {f"{names[i]}.{k}": v for i, moments in state.items() for k, v in moments.items()}
+
+
+def test_a_sharded_checkpoint_resumes_bit_for_bit_and_at_another_width(groups, tmp_path):
+    """A job at 4 ranks checkpoints after two steps: every rank writes its share of AdamW's state
+    (DCP, safetensors, listed and hashed in the signed COMMIT.json; no optimizer.pt gathered).
+    Resumed at 4 ranks, its third step equals the uninterrupted one bit for bit; resumed at 2, the
+    state it holds is the saved one exactly (checkpointed again at 2 ranks and read back in one
+    process, both checkpoints' weights and moments are equal), and it trains on."""
+    from opentinker.rl.policy import Policy
+    from opentinker.storage.checkpoint import committed_manifest, load_checkpoint
+
+    base, job = str(tmp_path / "ckpt"), "job-dcp"
+    steps = _steps(3)
+    groups[4].host(Policy, _spec(base, 4), job)
+    for trajs in steps[:2]:
+        groups[4].call("update", _batch(trajs))
+    saved = groups[4].call("save", 2, {"cursor": 2})
+    files = committed_manifest(saved.url)["files"]
+    shares = sorted(n for n in files if n.startswith("optimizer/"))
+    assert len(shares) == 4 and "optimizer.pt" not in files, sorted(files)
+    want_metrics = groups[4].call("update", _batch(steps[2]))
+    want = groups[4].call("weights")[1]
+
+    groups[4].host(Policy, _spec(base, 4), job)  # a fresh job process at the same width
+    restored = groups[4].call("restore_latest")
+    assert (restored.step, restored.env_state) == (2, {"cursor": 2})
+    got_metrics = groups[4].call("update", _batch(steps[2]))
+    got = groups[4].call("weights")[1]
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert {k: v for k, v in got_metrics.items() if k != "update/seconds"} == {k: v for k, v in want_metrics.items() if k != "update/seconds"}
+
+    groups[2].host(Policy, _spec(base, 2), job)  # at another width
+    assert groups[2].call("restore_latest").step == 2
+    again = groups[2].call("save", 3, {"cursor": 2})
+    assert len([n for n in committed_manifest(again.url)["files"] if n.startswith("optimizer/")]) == 2
+    before, after = load_checkpoint(saved.url).weights, load_checkpoint(again.url).weights
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    moments, moments_again = _whole_optimizer(saved.url), _whole_optimizer(again.url)
+    assert moments.keys() == moments_again.keys() and len(moments) == 3 * len(before)  # step, exp_avg, exp_avg_sq
+    assert all(torch.equal(moments[k], moments_again[k]) for k in moments)
+    assert max(float(v.abs().max()) for k, v in moments.items() if k.endswith("exp_avg")) > 0  # the moments are not zeros
+    assert groups[2].call("update", _batch(steps[2]))["update/grad_norm"] > 0  # and it trains on
+
+
+def test_a_changed_share_of_a_sharded_checkpoint_is_refused(groups, tmp_path):
+    """A rank's optimizer share changed after the commit (same size, other bytes) fails the load
+    with the file named, before DCP reads any of it."""
+    from opentinker.rl.policy import Policy
+    from opentinker.storage.checkpoint import CheckpointError, load_checkpoint
+
+    groups[2].host(Policy, _spec(str(tmp_path), 2), "job-tampered")
+    groups[2].call("update", _batch(_steps(1)[0]))
+    url = groups[2].call("save", 1, {}).url
+    share = sorted((tmp_path / "job-tampered" / "step-00000001" / "optimizer").iterdir())[-1]
+    data = bytearray(share.read_bytes())
+    data[-1] ^= 0xFF
+    share.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"optimizer/{share.name} differs from the sha256 in COMMIT.json"):
+        load_checkpoint(url)

@@ -17,6 +17,11 @@ passes: a rank with fewer micro-batches (or none) runs the missing ones on a rec
 Passes are per record, as on a GPU: a shared-prefix update runs a number of passes, in an order,
 that depends on each rank's groups, which FSDP's per-layer collectives cannot follow.
 
+Checkpoints: the trained weights are gathered whole on rank 0 (the sampler takes them after every
+update anyway; serving, export and `init_from` read them as any job's), while AdamW's state, twice
+their size, never leaves its ranks: each writes its share through DCP (storage/shards.py), read
+back resharded at any width.
+
 What is sharded: full fine-tuning shards every weight, its gradient and its AdamW moments. A LoRA's
 frozen base is sharded too (it is most of the memory) and its adapter weights with it, in the same
 FSDP units; the adapter is small, so sharding it costs nothing and keeps one mechanism.
@@ -151,15 +156,30 @@ class ShardedPolicyTrainer(PolicyTrainer):
         trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {n: t for n, t in whole.items() if n in trained}
 
-    def optimizer_state(self) -> dict:
-        """AdamW's state whole, keyed by parameter name (resumable at any width)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    def write_optimizer_state(self, url: str) -> dict[str, tuple[int, str]] | None:
+        """Every rank writes its share of AdamW's state into the checkpoint folder `url` (rank 0
+        clears it first); rank 0 gets every rank's files (for COMMIT.json), the others None."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        from opentinker.storage.checkpoint import OPTIMIZER_SHARDS
+        from opentinker.storage.committed import clear
+        from opentinker.storage.shards import write_share
 
-    def load_optimizer_state(self, state: dict) -> None:
+        if self.rank == 0:
+            clear(url)
+        dist.barrier()
+        mine = write_share(url, OPTIMIZER_SHARDS, {"state": get_optimizer_state_dict(self.model, self.optimizer)["state"]})
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)  # between the job's own ranks (the operator's code)
+        return {name: file for files in everyone for name, file in files.items()} if self.rank == 0 else None
+
+    def load_optimizer_state(self, state) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        from opentinker.storage.shards import Shards
+
+        if isinstance(state, Shards):
+            return state.load_optimizer(self.model, self.optimizer)
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
     def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:

@@ -387,7 +387,12 @@ class PolicyTrainer:
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
 
-    def load_optimizer_state(self, state: dict) -> None:
+    def load_optimizer_state(self, state) -> None:
+        """`state`: this trainer's own (a dict), or a sharded job's shares (storage.shards.Shards): one process resumes it too."""
+        from opentinker.storage.shards import Shards
+
+        if isinstance(state, Shards):
+            return state.load_optimizer(self.model, self.optimizer)
         self.optimizer.load_state_dict(state)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:

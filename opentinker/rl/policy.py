@@ -116,8 +116,14 @@ class Policy:
     def save(self, step: int, env_state: dict[str, Any], metrics: list = ()) -> ckpt.CheckpointRef | None:
         """Commit the policy at `step`. `metrics` are the steps' metrics this checkpoint covers:
         they travel with it so a resume can log any that a crash kept from reaching MLflow. A
-        sharded trainer's ranks all gather the state; rank 0 writes it (the others return None)."""
-        weights, optimizer_state = self.trainer.trainable_state(), self.trainer.optimizer_state()
+        sharded trainer's ranks gather the weights and each writes its share of the optimizer's
+        state; rank 0 writes the rest and commits (the others return None)."""
+        url, written, optimizer_state = ckpt.step_url(self.spec.checkpoint.base_url, self.job_id, step), None, None
+        weights = self.trainer.trainable_state()
+        if isinstance(self.trainer, ShardedPolicyTrainer):  # each rank writes its share of the optimizer's state
+            written = self.trainer.write_optimizer_state(url)
+        else:
+            optimizer_state = self.trainer.optimizer_state()
         if self.trainer.rank != 0:
             return None
         extra = {"spec.yaml": dump_spec(self.spec).encode(),
@@ -134,6 +140,7 @@ class Policy:
             keep_last=self.spec.checkpoint.keep_last,
             tenant=self.tenant,
             rng=self.own_rngs,
+            written=written,
         )
 
     @property

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder `<base_url>/<job_id>/step-00000012/` holding the trainable weights
 (safetensors), the optimizer state (tensors and numbers, loaded with torch's weights-only
-unpickler), RNG states and a state (step, policy version, data position) as JSON: nothing in it
+unpickler; a sharded trainer's as every rank's share in safetensors, shards.py), RNG states and a state (step, policy version, data position) as JSON: nothing in it
 is unpickled, so a checkpoint someone crafted cannot run code when it is loaded. It counts
 only once `COMMIT.json` exists and every file it lists has the listed size: a write killed at any
 point leaves a folder that resume ignores. This works on stores without atomic rename (S3).
@@ -35,9 +35,12 @@ from opentinker.core.ids import check_folder_name
 from opentinker.storage.committed import (COMMIT, CheckpointWriteError, committed_manifest, is_complete, join_url, read_manifest,  # noqa: F401 - re-exported
                                           remove_committed, url_to_fs, why_incomplete, write_committed)
 from opentinker.storage import signing
+from opentinker.storage.shards import Shards
 from opentinker.storage.signing import CheckpointRef, Owner, checked, folder_problem, problem, signed, stack_secret  # noqa: F401 - re-exported
 
 log = logging.getLogger("opentinker.checkpoint")
+OPTIMIZER = "optimizer.pt"  # one process's optimizer state (torch's format, tensors and numbers only)
+OPTIMIZER_SHARDS = "optimizer"  # a sharded trainer's: every rank's share, written by DCP (shards.py)
 
 
 class CheckpointError(FileNotFoundError):
@@ -90,34 +93,44 @@ def set_rng_state(state: dict[str, Any], own: dict[str, torch.Generator] | None 
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def step_url(base_url: str, job_id: str, step: int) -> str:
+    """The folder of the job's checkpoint at `step`."""
+    return join_url(job_url(base_url, job_id), f"step-{step:08d}")
+
+
 def save_checkpoint(
     base_url: str,
     job_id: str,
     step: int,
     weights: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None,
     state: dict[str, Any],
     extra_files: dict[str, bytes] | None = None,
     keep_last: int | None = None,
     tenant: str | None = None,
     rng: dict[str, torch.Generator] | None = None,
+    written: dict[str, tuple[int, str]] | None = None,
 ) -> CheckpointRef:
     """Write one checkpoint and commit it, signed as `tenant`'s job `job_id` at `step`; then prune
     the job's older checkpoints beyond `keep_last`. `rng`: a hosted job's own generators, by name,
-    recorded instead of the process's (see rng_state)."""
-    url = join_url(job_url(base_url, job_id), f"step-{step:08d}")
+    recorded instead of the process's (see rng_state). `optimizer_state` None: a sharded trainer's
+    ranks already wrote theirs (shards.write_share) into the folder, the files `written` names."""
+    url = step_url(base_url, job_id, step)
     owner = Owner(job_id, tenant)
-    opt_buf = io.BytesIO()
-    torch.save(optimizer_state, opt_buf)
+    optimizer = {}
+    if optimizer_state is not None:
+        opt_buf = io.BytesIO()
+        torch.save(optimizer_state, opt_buf)
+        optimizer = {OPTIMIZER: opt_buf.getvalue()}
     files = {
         "weights.safetensors": save_safetensors({k: v.detach().cpu().contiguous() for k, v in weights.items()}),
-        "optimizer.pt": opt_buf.getvalue(),
+        **optimizer,
         "rng.json": json.dumps(rng_state(rng)).encode(),
         "state.json": json.dumps({"step": step, **state}, default=_json_default).encode(),
         **(extra_files or {}),
     }
     secret = stack_secret()
-    write_committed(url, files, owner.header(step), sign=lambda manifest: signed(manifest, secret))
+    write_committed(url, files, owner.header(step), sign=lambda manifest: signed(manifest, secret), written=written)
     if keep_last:
         prune(base_url, job_id, keep_last, owner)
     return CheckpointRef(url=url, step=step)
@@ -220,7 +233,7 @@ def newest_intact(base_url: str, job_id: str, owner: Owner, load: Callable[[str,
 class LoadedCheckpoint:
     step: int
     weights: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any]
+    optimizer_state: Any  # a dict (one process's), or Shards (a sharded trainer's, read at any width)
     rng: dict[str, Any]
     state: dict[str, Any]
 
@@ -249,7 +262,13 @@ def load_checkpoint(url: str, owner: Owner | None = None) -> LoadedCheckpoint:
             raise CheckpointError(f"{url} is not a complete checkpoint: {name} is corrupt ({type(err).__name__}: {reason})") from err
 
     weights = parsed("weights.safetensors", load_safetensors)
-    optimizer_state = parsed("optimizer.pt", _tensors_only)
+    shard_files = sorted(n for n in manifest["files"] if n.startswith(f"{OPTIMIZER_SHARDS}/"))
+    if shard_files:
+        optimizer_state = Shards()
+        for name in shard_files:
+            optimizer_state.add(name, _verified(fs, path, url, manifest, name))
+    else:
+        optimizer_state = parsed(OPTIMIZER, _tensors_only)
     rng = parsed("rng.json", json.loads)
     state = parsed("state.json", json.loads)
     return LoadedCheckpoint(step=int(state["step"]), weights=weights, optimizer_state=optimizer_state, rng=rng, state=state)

@@ -53,22 +53,34 @@ def makedirs(fs, path: str) -> None:
         fs.makedirs(path, exist_ok=True)
 
 
+def clear(url: str) -> None:
+    """Remove the folder `url` if it is there (an earlier, uncommitted attempt at the same step)."""
+    fs, path = url_to_fs(url)
+    fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def write_committed(url: str, files: dict[str, bytes], header: dict[str, Any] | None = None,
-                    sign: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+                    sign: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                    written: dict[str, tuple[int, str]] | None = None) -> None:
     """Write `files` into the folder `url` (replacing an uncommitted or older one there), then its
     COMMIT.json (sizes and sha256 of every file, plus `header`; passed through `sign` when given,
-    see signing.py): the folder counts only once that last write lands. CheckpointWriteError, with
-    the partial folder removed, when a write fails."""
+    see signing.py): the folder counts only once that last write lands. `written`: files already
+    there, by name, with their size and sha256 (a sharded trainer's ranks wrote them into the
+    folder they cleared first), listed too. CheckpointWriteError, with the partial folder removed,
+    when a write fails."""
     fs, path = url_to_fs(url)
-    manifest = {**(header or {}), "time": time.time(), "files": {n: len(d) for n, d in files.items()},
-                "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}}
+    already = written or {}
+    manifest = {**(header or {}), "time": time.time(),
+                "files": {n: len(d) for n, d in files.items()} | {n: size for n, (size, _) in already.items()},
+                "sha256": {n: hashlib.sha256(d).hexdigest() for n, d in files.items()} | {n: sha for n, (_, sha) in already.items()}}
     if sign is not None:
         manifest = sign(manifest)
     name = "the folder"
     try:
-        fs.invalidate_cache(path)  # s3fs caches listings: ask the store, not an old listing
-        if fs.exists(path):
-            fs.rm(path, recursive=True)  # an earlier, uncommitted attempt at this step
+        if not already:
+            clear(url)
         makedirs(fs, path)
         for name, data in [*files.items(), (COMMIT, json.dumps(manifest).encode())]:
             if "/" in name:

@@ -67,6 +67,7 @@ spec = parse_spec(json.loads(sys.argv[1]))
 if sys.argv[3] == "actors":  # the service's layout: the flow's step calls on the job's Ray actors, without Prefect
     import ray
     from opentinker.orchestration.actors import create_actors
+    from opentinker.orchestration.layout import layout_for
     from opentinker.rl import LoopHooks, run_steps
     from tasks.steps import TaskSteps
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
@@ -75,8 +76,9 @@ if sys.argv[3] == "actors":  # the service's layout: the flow's step calls on th
             return step_task.fn(actors=self.actors, job_id=self.job_id, step=step, **kwargs)
     class ActorJob:
         def __init__(self):
-            self.actors = create_actors(spec, "bench")
-            self.engine_choice = self.actors.engine_choice
+            layout = layout_for(spec, "bench", None, on_cluster=False)
+            self.actors = create_actors(layout, "bench")
+            self.engine_choice = layout.engine_choice
         def run(self, on_step, on_eval):
             return run_steps(spec, OverActors(self.actors, "bench"), LoopHooks(on_step=on_step, on_eval=on_eval))
         def close(self):

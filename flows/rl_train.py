@@ -32,13 +32,8 @@ def rl_train(spec: JobSpec, job_id: str | None = None, tenant: str | None = None
     """One RL job. `tenant` names its MLflow experiment (the settings' project when None)."""
     logger = get_run_logger()
     with scheduled_job(spec, job_id, tenant) as job, job.tracked(spec) as tracker:
-        actors = create_actors(spec, job.job_id, job.tenant)
-        if actors.hosted is not None:
-            logger.info(f"job {job.job_id} {actors.hosted.line()}")
-            tracker.set_tags({"opentinker.base_worker": actors.hosted.line()})
-        if actors.engine_choice:
-            logger.info(f"job {job.job_id}: {actors.engine_choice}")
-            tracker.set_tags({"opentinker.rollout_engine": actors.engine_choice})
+        actors = create_actors(job.layout, job.job_id, job.tenant)
+        job.say_where(actors.where, tracker)
         try:
             result = run_steps(spec, TaskSteps(actors, job.job_id), LoopHooks(
                 on_restore=job.on_restore(tracker),

@@ -45,6 +45,7 @@ def test_flow_trains_on_ray_and_mlflow_holds_what_it_produced(stack_env, tmp_pat
     client, run = _mlflow_run(settings, "flow-basic")
     assert run.info.status == "FINISHED"
     assert run.data.params["rollout.group_size"] == "4" and run.data.params["model.name"] == "tiny-random"
+    assert run.data.tags["opentinker.trainer"].startswith("model.dtype ")  # where it ran: its layout's lines (orchestration.layout)
     produced = {h["step"]: h for h in result["history"]}
     for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max", "rollout/failed_episodes",
                 "update/policy_loss", "update/kl", "update/entropy", "update/clip_fraction", "update/grad_norm",

@@ -84,12 +84,13 @@ def test_a_job_given_a_gpu_without_cuda_fails_at_start_in_one_line(two_gpu_node,
     import torch
 
     from opentinker.orchestration.actors import create_actors
+    from opentinker.orchestration.layout import layout_for
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     spec = tiny_spec(tmp_path, resources={"num_gpus": 1, "num_cpus": 0.5})
     with pytest.raises(Exception) as caught:
-        create_actors(spec, "no-cuda")
+        create_actors(layout_for(spec, "no-cuda", None, on_cluster=False), "no-cuda")
     assert "resources.num_gpus: the job asks for 1 GPU(s); this process sees 0" in str(caught.value)
 
 

@@ -15,26 +15,13 @@ Trajectories travel actor to actor through Ray's object store, never through Pre
 
 from __future__ import annotations
 
-import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentinker.core.spec import JobSpec
+from opentinker.orchestration.layout import Layout, streams_apart
 from opentinker.tools.sandbox import OWNER_ENV
-
-log = logging.getLogger(__name__)
-
-
-def _job_log() -> logging.Logger | logging.LoggerAdapter:
-    """The flow run's logger (the job's log) inside a run, this module's outside one."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return log
 
 
 @dataclass
@@ -47,7 +34,7 @@ class JobActors:
     sampler: Any = None
     hosted: Any = None
     ranks: Any = None  # the policy on every rank of a sharded trainer: a RankGroup (resources.trainer_ranks > 1)
-    engine_choice: str | None = None  # how `rollout.engine: auto` was decided (opentinker.rl.engine_choice)
+    where: dict[str, str] = field(default_factory=dict)  # where it runs, one line each, by MLflow tag
 
     @property
     def colocated(self) -> bool:
@@ -82,13 +69,6 @@ class JobActors:
                 ray.kill(handle)
 
 
-def streams_apart(spec: JobSpec) -> bool:
-    """Does the job's producer play while its trainer updates (max_staleness > 0)? Then the two
-    are actors of their own (the split layout), whatever `resources.colocate` says."""
-    algorithm = getattr(spec, "algorithm", None)  # an SFT job has none: no producer
-    return algorithm is not None and algorithm.max_staleness > 0
-
-
 def actor_options(spec: JobSpec, name: str, owner: str) -> dict[str, Any]:
     """Ray options from the spec's resources; torch threads through OMP_NUM_THREADS (Ray would set
     1 for an actor holding fewer than 2 CPUs, halving torch's speed on a 2-core machine). A job whose
@@ -102,40 +82,37 @@ def actor_options(spec: JobSpec, name: str, owner: str) -> dict[str, Any]:
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false", OWNER_ENV: owner}}}
 
 
-def create_actors(spec: JobSpec, job_id: str, tenant: str | None = None) -> JobActors:
-    """Start the job's actors with the resources the spec asks for, and wait until they are up;
-    `tenant`: whose job (its checkpoints are signed as such)."""
+def create_actors(layout: Layout, job_id: str, tenant: str | None = None) -> JobActors:
+    """Start the job's actors as its layout says (orchestration.layout, decided once), and wait
+    until they are up; `tenant`: whose job (its checkpoints are signed as such). Their `where`
+    lines say where it runs, for the job's log and its MLflow tags."""
     import ray
 
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import Policy, RLJob, Sampler
-    from opentinker.rl.engine_choice import choose_engine
-    from opentinker.rl.policy import with_pinned_init_from
 
-    owner = f"{tenant or 'operator'}/{job_id}"
-    if spec.resources.share_base:
+    spec, owner = layout.spec, f"{tenant or 'operator'}/{job_id}"
+    engine = {"opentinker.rollout_engine": layout.engine_choice} if layout.engine_choice else {}
+    if layout.kind == "hosted":
         from opentinker.core.settings import get_settings
         from opentinker.orchestration.on_base_worker import JobOnBaseWorker
 
-        return JobActors(hosted=JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s))
-    spec, choice = choose_engine(spec, starts_servers=True)  # here, once: trainer and sampler must agree on how it samples
-    if spec.resources.trainer_ranks > 1:
-        return _sharded_actors(with_pinned_init_from(spec, job_id, tenant), job_id, tenant, owner, choice)
-    if spec.resources.colocate and not streams_apart(spec):
+        hosted = JobOnBaseWorker(spec, job_id, tenant, get_settings().tinker_worker_idle_s)
+        return JobActors(hosted=hosted, where={"opentinker.base_worker": hosted.line()})
+    if layout.kind == "sharded":
+        return _sharded_actors(spec, job_id, tenant, owner, engine)
+    if layout.kind == "colocated":
         job = ray.remote(RLJob).options(**actor_options(spec, f"{job_id}-colocated", owner)).remote(spec, job_id, start_server=rollout_server, tenant=tenant)
         ray.get(job.__ray_ready__.remote())
-        _job_log().info(f"job {job_id}: {ray.get(job.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
-        return JobActors(job=job, engine_choice=choice)
-    spec = with_pinned_init_from(spec, job_id, tenant)  # the sampler and its server know no tenant: one base for both sides
+        return JobActors(job=job, where={"opentinker.trainer": ray.get(job.precision.remote()), **engine})  # its CPU's flags decide
     policy = ray.remote(Policy).options(**actor_options(spec, f"{job_id}-policy", owner)).remote(spec, job_id, tenant=tenant)
     sampler = ray.remote(Sampler).options(**actor_options(spec, f"{job_id}-sampler", owner)).remote(spec, job_id=job_id, start_server=rollout_server)
     ray.get([policy.__ray_ready__.remote(), sampler.__ray_ready__.remote()])
     ray.get(sampler.sync.remote(policy.weights.remote()))  # identical starting weights (LoRA init is random)
-    _job_log().info(f"job {job_id}: {ray.get(policy.precision.remote())}")  # decided where the trainer runs (its CPU's flags)
-    return JobActors(policy=policy, sampler=sampler, engine_choice=choice)
+    return JobActors(policy=policy, sampler=sampler, where={"opentinker.trainer": ray.get(policy.precision.remote()), **engine})
 
 
-def _sharded_actors(spec: JobSpec, job_id: str, tenant: str | None, owner: str, choice: str | None) -> JobActors:
+def _sharded_actors(spec: JobSpec, job_id: str, tenant: str | None, owner: str, engine: dict[str, str]) -> JobActors:
     """The job's policy on each of `resources.trainer_ranks` ranks (one placement group, one
     process group: opentinker.orchestration.ranks) and its sampler as an actor of its own."""
     import ray
@@ -158,9 +135,8 @@ def _sharded_actors(spec: JobSpec, job_id: str, tenant: str | None, owner: str, 
         if sampler is not None:
             ray.kill(sampler)
         raise
-    _job_log().info(f"job {job_id}: trainer sharded over {r.trainer_ranks} ranks ({', '.join(p['address'] for p in ranks.places)}); "
-                    f"{ranks.call('precision')}")
-    return JobActors(ranks=ranks, sampler=sampler, engine_choice=choice)
+    trainer = f"trainer sharded over {r.trainer_ranks} ranks ({', '.join(p['address'] for p in ranks.places)}); {ranks.call('precision')}"
+    return JobActors(ranks=ranks, sampler=sampler, where={"opentinker.trainer": trainer, **engine})
 
 
 def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None) -> Any:
@@ -173,18 +149,3 @@ def create_selfplay_actor(spec: JobSpec, job_id: str, tenant: str | None = None)
     handle = ray.remote(SelfPlayJob).options(**actor_options(spec, f"{job_id}-agents", owner)).remote(spec, job_id, tenant=tenant)
     ray.get(handle.__ray_ready__.remote())
     return handle
-
-
-def check_placeable(spec: JobSpec) -> None:
-    """Fail now, with the numbers, when the cluster can never place the job's actors (Ray would wait forever)."""
-    import ray
-
-    total = ray.cluster_resources()
-    r = spec.resources
-    apart = not r.colocate or streams_apart(spec) or r.trainer_ranks > 1
-    need_cpu = r.num_cpus * (1 + r.trainer_ranks if r.trainer_ranks > 1 else 2 if apart else 1)
-    need_gpu = r.num_gpus * (2 if apart else 1)
-    if need_gpu > total.get("GPU", 0):
-        raise RuntimeError(f"resources.num_gpus: the job needs {need_gpu:g} GPU(s), the Ray cluster has {total.get('GPU', 0):g}")
-    if need_cpu > total.get("CPU", 0):
-        raise RuntimeError(f"resources.num_cpus: the job needs {need_cpu:g} CPU(s), the Ray cluster has {total.get('CPU', 0):g}")

@@ -27,8 +27,8 @@ from opentinker.core.errors import one_line
 from opentinker.core.ids import check_job_id
 from opentinker.core.polling import through_blips
 from opentinker.core.settings import Settings, get_settings, mlflow_env, ray_env, settings_env
-from opentinker.orchestration.actors import check_placeable
 from opentinker.orchestration.admission import admitted
+from opentinker.orchestration.layout import Layout, layout_for
 from opentinker.orchestration.task_runner import SettingsOnceRayTaskRunner, authenticate
 from opentinker.storage.preflight import check_job_storage
 from opentinker.tracking.runs import JobTracker, check_mlflow
@@ -161,6 +161,13 @@ class JobContext:
     flow_run_id: str
     experiment: str
     tenant: str | None = None  # whose job: its checkpoints are signed as this tenant's (None: the operator's)
+    layout: Layout | None = None  # where it runs (orchestration.layout), decided before its slots were taken
+
+    def say_where(self, where: dict[str, str], tracker: JobTracker) -> None:
+        """Where the job runs (its actors' `where` lines): one log line each, and the run's MLflow tags."""
+        for line in where.values():
+            get_run_logger().info(f"job {self.job_id}: {line}")
+        tracker.set_tags(where)
 
     def on_restore(self, tracker: JobTracker) -> Callable[[Any], None]:
         """The step loop's `on_restore` hook (rl.loop): one warning per checkpoint folder the resume
@@ -201,8 +208,8 @@ class JobContext:
 
 @contextmanager
 def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobContext]:
-    """Fail fast on a missing MLflow server, unusable storage or an unplaceable job, then hold the
-    job's slots for the whole run; `tenant` names the MLflow experiment (the settings' project when
+    """Fail fast on a missing MLflow server, unusable storage or an unplaceable job (where it runs is
+    decided here, once: `JobContext.layout`), then hold the job's slots for the whole run; `tenant` names the MLflow experiment (the settings' project when
     None). A failure inside the job is logged in full and raised as one line (JobError). A job id
     that breaks the rule (core/ids.py; e.g. `../../x` from a flow run made past the gateway and the
     CLI) is refused first, before anything is written: InvalidJobId."""
@@ -211,10 +218,9 @@ def scheduled_job(spec, job_id: str | None, tenant: str | None) -> Iterator[JobC
     settings = get_settings()
     check_mlflow(settings.mlflow_url)
     check_job_storage(spec)
-    check_placeable(spec)
-    shares = spec.resources.share_base and cluster_address(settings) is not None  # a seat of the base-model worker (see actors.py)
-    with held_slots(spec.resources.num_gpus, tenant, seat=shares):
-        context = JobContext(job_id, flow_run_id, tenant or settings.project, tenant)
+    layout = layout_for(spec, job_id, tenant, on_cluster=cluster_address(settings) is not None)
+    with held_slots(spec.resources.num_gpus, tenant, seat=layout.seat):
+        context = JobContext(job_id, flow_run_id, tenant or settings.project, tenant, layout)
         try:
             yield context
         except Exception as err:

@@ -42,6 +42,7 @@ from opentinker.core.asgi import BearerToken, BodyLimit
 from opentinker.core.own_servers import SERVER_KEEP_ALIVE_S
 from opentinker.core.polling import wait_for
 from opentinker.env.observation import MAX_IMAGES, from_data_url
+from opentinker.inference.call_recorder import EPISODE_HEADER, CallRecorder, RecordingRefused
 from opentinker.inference.chat_rules import ROLES, BadChatRequest, CheckedBodies
 from opentinker.inference.engine_hf import ContextLengthError, HFEngine
 from opentinker.inference.lora_routes import add_lora_routes
@@ -194,11 +195,12 @@ def _sse(data: Any) -> str:
 
 
 def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, max_tokens_cap: int = 2048,
-               max_request_bytes: int = 16 * 1024**2):
+               max_request_bytes: int = 16 * 1024**2, recorder: CallRecorder | None = None):
     """The API for one served model; `model_name` is the id clients put in `model`. With
     `api_key` (an inference job's token) every request but /health must carry it (401); a
     completion is at most `max_tokens_cap` tokens (the default when a request gives none; more is a
-    400); bodies over `max_request_bytes` get 413."""
+    400); bodies over `max_request_bytes` get 413. With a `recorder` (an endpoint that trains the
+    user's agent: call_recorder.py) every chat call names its episode and is recorded as tokens."""
     app = FastAPI(title=f"OpenTinker inference: {model_name}")
     created = int(time.time())
 
@@ -261,7 +263,7 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             card | {"id": name, "root": path, "parent": model_name} for name, path in dict(engine.adapters or {}).items()]}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         adapter = check(req)
         if (req.model_extra or {}).get("logprobs"):
             raise OpenAIError(400, "`logprobs` is not supported by this server for chat (/v1/completions gives `logprobs: 0`)", param="logprobs")
@@ -281,9 +283,16 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             raise OpenAIError(400, str(err), param=err.param) from None
         except ValueError as err:
             raise OpenAIError(400, f"messages: {err}", param="messages") from None
-        prompt = chunk.ids
+        prompt, episode = chunk.ids, request.headers.get(EPISODE_HEADER)
+        try:
+            if recorder is not None:
+                recorder.admit(episode, len(prompt), req.limit() or 0)
+        except RecordingRefused as err:
+            raise OpenAIError(err.status, str(err), param=EPISODE_HEADER) from None
         completions = await run([prompt], req, "messages", adapter, [[chunk.visual]] if chunk.visual else None)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
+        for c, text, _ in outs if recorder is not None else ():
+            recorder.record(episode, prompt, c, text)
         replies = [reply(engine.chat.tools, text, reason, tooling) if tooling.parse else ({"role": "assistant", "content": text}, reason)
                    for _, text, reason in outs]
         rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name

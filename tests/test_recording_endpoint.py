@@ -58,12 +58,18 @@ def test_a_plain_openai_loop_is_recorded_as_the_tokens_it_sampled(endpoint):
     url, engine, recorder, scripted = endpoint
     scripted[0] = None
     episode = recorder.open()
-    client, messages = _client(url, episode), list(MESSAGES)
-    for turn in range(3):  # the user's loop, as written for any OpenAI endpoint
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[ADD], max_tokens=6, seed=turn)
-        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}, {"role": "user", "content": "Go on."}]
+    client, messages, texts = _client(url, episode), list(MESSAGES), []
+    for turn in range(3):  # the user's loop, as written for any OpenAI endpoint; its second call streams
+        if turn == 1:
+            stream = client.chat.completions.create(model="policy", messages=messages, tools=[ADD], max_tokens=6, seed=turn, stream=True)
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        else:
+            text = client.chat.completions.create(model="policy", messages=messages, tools=[ADD], max_tokens=6, seed=turn).choices[0].message.content or ""
+        texts.append(text)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
     calls = recorder.close(episode)
     assert calls.failure is None and len(calls.calls) == 3
+    assert [c.text for c in calls.calls] == texts  # streamed or not, the text recorded is what the harness read
     first = engine.chat.encode(engine.chat.tools.render(MESSAGES, [ADD], add_generation_prompt=True))
     assert calls.calls[0].prompt_ids == first  # what the model read, token for token
     assert all(len(c.sampled_ids) == len(c.logprobs) > 0 and all(lp <= 0 for lp in c.logprobs) for c in calls.calls)

@@ -373,7 +373,7 @@ def textarena_run(args) -> dict:
 
     per_seat = max(1, args.eval_n // 2)
     env = {"game": "envs.textarena:TextArenaMatch", "config": {"env_id": args.game, "val_size": per_seat}}
-    multiagent = {"players": ["P0", "P1"], "opponent": args.sp_opponent, "snapshot_every": args.sp_snapshot_every, "credit": "episode"}
+    multiagent = {"players": ["P0", "P1"], "opponent": args.sp_opponent, "snapshot_every": args.sp_snapshot_every}
     with tempfile.TemporaryDirectory() as tmp:
         spec = parse_spec(spec_data(args, tmp, env, prompts=args.ta_prompts, rollout=TA_ROLLOUT, lr=args.ta_lr, micro_batch=args.ta_micro_batch,
                                     eval_n=per_seat, multiagent=multiagent))

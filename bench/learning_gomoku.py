@@ -231,8 +231,7 @@ def self_play(args, init_state: dict | None) -> dict:
     snapshot_every = args.sp_snapshot_every or args.sp_steps + 1
     with tempfile.TemporaryDirectory() as tmp:
         data = _spec_data(args, tmp, args.sp_steps, args.sp_every, args.sp_prompts, args.sp_eval_n, env,
-                          multiagent={"players": ["X", "O"], "opponent": "snapshot", "snapshot_every": snapshot_every,
-                                      "credit": "episode"})
+                          multiagent={"players": ["X", "O"], "opponent": "snapshot", "snapshot_every": snapshot_every})
         spec = parse_spec(data)
         start = "the base model" if init_state is None else "the policy trained in (a)"
         print(f"[selfplay] X learns vs a snapshot of itself (refreshed every {snapshot_every} steps), both from {start}; "

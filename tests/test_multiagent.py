@@ -218,7 +218,7 @@ def test_split_by_turn_gives_each_turn_its_return_and_only_its_tokens():
 # --- the self-play job on gomoku ---------------------------------------------------------------
 
 
-def _gomoku_spec(tmp_path, opponent, credit="episode"):
+def _gomoku_spec(tmp_path, opponent, advantage="grpo"):
     from tests.conftest import tiny_spec
 
     return tiny_spec(
@@ -227,15 +227,15 @@ def _gomoku_spec(tmp_path, opponent, credit="episode"):
         evaluation={"n_samples": 2},
         env={"game": "envs.gomoku:GomokuSelfPlay", "config": {"size": 5, "opening_stones": 2, "val_size": 2,
                                                              "game_kwargs": {"size": 5, "win_length": 4, "max_illegal": 1}}},
-        multiagent={"opponent": opponent, "credit": credit, "snapshot_every": 1},
+        multiagent={"opponent": opponent, "snapshot_every": 1}, algorithm={"advantage": advantage, "gamma": 0.9},
     )
 
 
-@pytest.mark.parametrize("opponent,credit", [("agents", "episode"), ("self", "turn"), ("snapshot", "episode")])
-def test_selfplay_job_trains_its_learners_through_the_phases(tmp_path, opponent, credit):
+@pytest.mark.parametrize("opponent,advantage", [("agents", "grpo"), ("self", "grpo_per_step"), ("snapshot", "grpo")])
+def test_selfplay_job_trains_its_learners_through_the_phases(tmp_path, opponent, advantage):
     from opentinker.rl.selfplay import SelfPlayJob
 
-    job = SelfPlayJob(_gomoku_spec(tmp_path, opponent, credit), job_id="sp")
+    job = SelfPlayJob(_gomoku_spec(tmp_path, opponent, advantage), job_id="sp")
     expected = {"agents": ["X", "O"], "self": ["X"], "snapshot": ["X"]}[opponent]
     assert job.learners == expected
     for step in range(2):

@@ -102,3 +102,10 @@ def test_a_sharded_sft_job_is_refused():
     assert parse_spec({**BASE, "resources": {"trainer_ranks": 4}}).resources.trainer_ranks == 4
     assert parse_spec({**BASE, "resources": {"trainer_ranks": 4, "trainer_placement": "spread"}}).resources.trainer_placement == "spread"
     assert "resources.trainer_placement" in _error({**BASE, "resources": {"trainer_ranks": 2, "trainer_placement": "scatter"}})
+
+
+def test_per_turn_credit_is_the_algorithms_for_every_job():
+    spec = parse_spec({**BASE, "algorithm": {"advantage": "grpo_per_step", "gamma": 0.9}})
+    assert (spec.algorithm.advantage, spec.algorithm.gamma) == ("grpo_per_step", 0.9)
+    assert "algorithm.gamma" in _error({**BASE, "algorithm": {"advantage": "grpo_per_step", "gamma": 1.5}})
+    assert "multiagent.credit" in _error({**BASE, "multiagent": {"credit": "turn"}})  # the self-play-only switch is gone

@@ -134,7 +134,9 @@ class KLSpec(Section):
 
 
 class AlgorithmSpec(Section):
-    advantage: Literal["grpo", "rloo"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus the mean of the group's other samples")
+    advantage: Literal["grpo", "rloo", "grpo_per_step"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus the "
+                                                               "mean of the group's other samples; grpo_per_step: each turn its return from there on, against the group's whole returns")
+    gamma: float = Field(1.0, ge=0, le=1, description="grpo_per_step: the discount of later turns' rewards in a turn's return")
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")
     kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the base model (LoRA: the base is the adapter switched off)")
@@ -240,8 +242,6 @@ class MultiAgentSpec(Section):
         "agents", description="agents: every player its own policy, all trained; self: one policy plays and learns every seat; "
         "snapshot: the first player learns against a frozen copy of itself, refreshed every snapshot_every steps")
     snapshot_every: int = Field(5, gt=0, description="opponent 'snapshot': a frozen copy of the learner is taken every k steps")
-    credit: Literal["episode", "turn"] = Field("episode", description="turn: each turn is its own sample with its return from that turn on")
-    gamma: float = Field(1.0, ge=0, le=1, description="discount of later rewards when credit is per turn")
     phase_timeout_s: float = Field(3600.0, gt=0, description="a phase (rollout or update) that runs longer fails with the agent named")
 
 

@@ -138,16 +138,14 @@ class SelfPlayJob:
         return {"rollout/matches": float(len(next(iter(records.values())))), "rollout/play_seconds": seconds}
 
     def collect(self, agent: str, step: int) -> dict[str, float]:
-        """An agent's part of the rollout phase: its records of the played step (split per turn
-        under `credit: turn`), tagged with its policy version, kept for its update; returns its metrics."""
+        """An agent's part of the rollout phase: its records of the played step, tagged with its
+        policy version, kept for its update (per-turn credit is the trainer's: algorithm.advantage); returns its metrics."""
         if self._played is None or self._played[0] != step:
             last = "none" if self._played is None else f"step {self._played[0]}"
             raise RuntimeError(f"rollout of {agent} for step {step}, but the last matches played were {last}")
         _, records, outcomes, seconds = self._played
         trajs, seen = self._agent_view(agent, records, outcomes)
         metrics = match_stats(trajs, seen, f"{agent}/rollout") | {f"{agent}/rollout/seconds": seconds}
-        if self.ma.credit == "turn":
-            trajs = [piece for t in trajs for piece in t.split_by_turn(self.ma.gamma)]
         self._batches[agent] = RolloutBatch(step, self.engines[agent].policy_version, trajs, metrics)
         return metrics
 

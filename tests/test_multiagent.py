@@ -231,7 +231,7 @@ def _gomoku_spec(tmp_path, opponent, advantage="grpo"):
     )
 
 
-@pytest.mark.parametrize("opponent,advantage", [("agents", "grpo"), ("self", "grpo_per_step"), ("snapshot", "grpo")])
+@pytest.mark.parametrize("opponent,advantage", [("agents", "grpo"), ("self", "grpo_per_step"), ("snapshot", "gigpo")])
 def test_selfplay_job_trains_its_learners_through_the_phases(tmp_path, opponent, advantage):
     from opentinker.rl.selfplay import SelfPlayJob
 

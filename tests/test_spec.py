@@ -109,3 +109,5 @@ def test_per_turn_credit_is_the_algorithms_for_every_job():
     assert (spec.algorithm.advantage, spec.algorithm.gamma) == ("grpo_per_step", 0.9)
     assert "algorithm.gamma" in _error({**BASE, "algorithm": {"advantage": "grpo_per_step", "gamma": 1.5}})
     assert "multiagent.credit" in _error({**BASE, "multiagent": {"credit": "turn"}})  # the self-play-only switch is gone
+    assert parse_spec({**BASE, "algorithm": {"advantage": "gigpo", "step_weight": 0.5}}).algorithm.step_weight == 0.5
+    assert "algorithm.step_weight" in _error({**BASE, "algorithm": {"advantage": "gigpo", "step_weight": -1}})

@@ -93,3 +93,56 @@ def test_the_trainer_trains_each_turn_with_its_advantage(tiny):
     assert per_step.keys() == whole.keys() and any(float(g.abs().max()) > 0 for g in whole.values())
     assert all(same_grad(per_step[k], whole[k]) for k in whole), [k for k in whole if not same_grad(per_step[k], whole[k])]
     assert m_step["update/positions_trained"] == m_whole["update/positions_trained"] == sum(t.num_sampled for t in outcome_only)
+
+
+def with_states(rewards: list[float], states: list[str | None], group: int = 0) -> Trajectory:
+    t = episode(rewards, group)
+    for turn, state in zip(t.turns, states):
+        turn.state = state
+    return t
+
+
+def test_gigpo_adds_the_step_groups_advantage_to_the_episodes():
+    from opentinker.algo.turn_credit import gigpo
+
+    # gamma 1. E1 [0, 1] via A; E2 [0, 0] via A; E3 [0, 0, 1] via B then A.
+    # episode returns [1, 0, 1]: mean 2/3, unbiased std sqrt(1/3): A_E = [1, -2, 1] / sqrt(3)
+    # step group A: (E1 t1, R 1), (E2 t1, R 0), (E3 t2, R 1): the same values, so [1, -2, 1] / sqrt(3); B: E3 t1 alone: 0
+    trajs = [with_states([0, 1], ["A", None]), with_states([0, 0], ["A", None]), with_states([0, 0, 1], ["B", "A", None])]
+    samples, adv = gigpo(trajs, gamma=1.0, step_weight=0.5)
+    u = 1 / math.sqrt(3)
+    assert adv.tolist() == pytest.approx([u, u + 0.5 * u, -2 * u, -2 * u - 0.5 * 2 * u, u, u, u + 0.5 * u], abs=1e-5)
+    assert len(samples) == 7 and samples[1].turns[0].state is None and samples[0].turns[0].state == "A"
+
+
+def test_gigpo_anchors_on_the_observation_when_the_game_names_no_state_and_is_grpo_where_none_repeat():
+    from opentinker.algo.turn_credit import gigpo
+
+    # no names: episode() shows "o0" after every first turn, so all second turns act from one state
+    # returns: E1 [0+1, 1] = [1, 1], E2 [0, 0]: step group of the second turns [1, 0] -> [1, -1] / sqrt(2)
+    samples, adv = gigpo([episode([0, 1]), episode([0, 0])], gamma=1.0, step_weight=1.0)
+    v = 1 / math.sqrt(2)
+    assert adv.tolist() == pytest.approx([v, 2 * v, -v, -2 * v], abs=1e-5)
+
+    distinct = [with_states([0, 1], ["x", None]), with_states([0, 0], ["y", None]), with_states([1, 0, 0], ["z", "w", None])]
+    _, adv = gigpo(distinct, gamma=0.9)
+    episode_adv = grpo_advantages(torch.tensor([1.0, 0.0, 1.0]), torch.tensor([0, 0, 0]))
+    assert adv.tolist() == pytest.approx([episode_adv[0].item()] * 2 + [episode_adv[1].item()] * 2 + [episode_adv[2].item()] * 3, abs=1e-6)
+
+
+def test_the_loop_keeps_the_state_a_game_names_on_its_turn(tiny):
+    from opentinker.agent import ChatFormat, EpisodeLimits, run_episodes
+    from opentinker.backend import HFRolloutEngine, SamplingParams
+    from opentinker.env.base import StepResult
+    from tests.games import ScriptedTurns
+
+    class Named(ScriptedTurns):
+        def step(self, action):
+            result = super().step(action)
+            return StepResult(result.observation, result.reward, result.done, {"state": f"square {self.k % 2}"})
+
+    model, tok = tiny
+    trajs = run_episodes(HFRolloutEngine(model, tok), ChatFormat(tok), [Named(turns=3), ScriptedTurns(turns=2)], [{}, {}],
+                         SamplingParams(max_new_tokens=3), EpisodeLimits(max_turns=3), [0, 0])
+    assert [t.state for t in trajs[0].turns] == ["square 1", "square 0", "square 1"]
+    assert [t.state for t in trajs[1].turns] == [None, None] and trajs[1].turns[0].observation == "observation 1"

@@ -12,6 +12,15 @@ the reference design ships it:
 - a group whose whole returns are all equal is centred only (a std of 0 divides nothing): its turns'
   differences are the signal left, where GRPO would have none.
 
+GiGPO (`algorithm.advantage: gigpo`, Feng et al. 2025) adds a step-level advantage where a group's
+episodes pass through the same state: the turns that act from one state (an anchor: the state the
+turn before led to, as the game names it in `info["state"]`, else its observation text) form a step
+group, and each gets (R_t - mean) / (std + eps) of its step group's returns, weighted by
+`step_weight`, beside its episode's GRPO advantage (R_0 against the group's). The first turn's state
+is the task's, shared by the whole group by construction, so it anchors no step group (it would
+repeat the episode's advantage); a turn alone in its step group adds nothing, and where states never
+repeat GiGPO is GRPO.
+
 Each turn is trained as a sample of its own (`Trajectory.split_by_turn`: the turns before it are
 context, so every sampled token is trained once, with its sampling logprob). A failed episode is
 one sample with return 0.
@@ -23,7 +32,20 @@ from collections import defaultdict
 
 import torch
 
+from opentinker.algo.advantages import compute_advantages
 from opentinker.core.trajectory import Trajectory
+
+
+def credit(trajs: list[Trajectory], algorithm) -> tuple[list[Trajectory], torch.Tensor]:
+    """The samples an update trains and the advantage of each, as `algorithm` (the spec's) says:
+    the whole records for grpo and rloo, a sample per turn for grpo_per_step and gigpo."""
+    a = algorithm
+    if a.advantage == "grpo_per_step":
+        return grpo_per_step(trajs, a.gamma, a.normalize_std)
+    if a.advantage == "gigpo":
+        return gigpo(trajs, a.gamma, a.normalize_std, a.step_weight)
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    return trajs, compute_advantages(a.advantage, rewards, torch.tensor([t.group_id for t in trajs]), a.normalize_std)
 
 
 def _scores_turns(trajs: list[Trajectory]) -> bool:
@@ -55,3 +77,41 @@ def grpo_per_step(trajs: list[Trajectory], gamma: float = 1.0, normalize_std: bo
             samples.append(piece)
             advantages.append((piece.reward - mean) / scale)
     return samples, torch.tensor(advantages, dtype=torch.float32)
+
+
+def _normalised(values: list[float], normalize_std: bool, eps: float) -> list[float]:
+    """Each value against the others' mean (over their unbiased std + eps); alone, or all equal: 0."""
+    if len(values) < 2:
+        return [0.0] * len(values)
+    x = torch.tensor(values, dtype=torch.float64)
+    std = float(x.std(unbiased=True))
+    scale = std + eps if normalize_std and std > 0 else 1.0
+    return ((x - x.mean()) / scale).tolist()
+
+
+def gigpo(trajs: list[Trajectory], gamma: float = 1.0, normalize_std: bool = True, step_weight: float = 1.0,
+          eps: float = 1e-6) -> tuple[list[Trajectory], torch.Tensor]:
+    """(one sample per turn, in the records' order; the advantage of each): the episode's GRPO
+    advantage plus `step_weight` times the turn's within its step group (see the module)."""
+    pieces = [t.split_by_turn(gamma) for t in trajs]
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        members[t.group_id].append(i)
+    episode_adv = [0.0] * len(trajs)
+    step_adv = [[0.0] * len(p) for p in pieces]
+    for indices in members.values():
+        for i, a in zip(indices, _normalised([trajs[i].reward for i in indices], normalize_std, eps)):
+            episode_adv[i] = a
+        anchors: dict[str, list[tuple[int, int]]] = defaultdict(list)  # state -> (record, turn) acting from it
+        for i in indices:
+            t = trajs[i]
+            if t.failed:
+                continue
+            for k in range(1, len(t.turns)):
+                before = t.turns[k - 1]
+                anchors[before.state if before.state is not None else (before.observation or "")].append((i, k))
+        for at in anchors.values():
+            for (i, k), a in zip(at, _normalised([pieces[i][k].reward for i, k in at], normalize_std, eps)):
+                step_adv[i][k] = a
+    advantages = [episode_adv[i] + step_weight * step_adv[i][k] for i, own in enumerate(pieces) for k in range(len(own))]
+    return [p for own in pieces for p in own], torch.tensor(advantages, dtype=torch.float32)

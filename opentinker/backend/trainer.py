@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opentinker.algo import compute_advantages, entropy_from_logits, ppo_clipped_loss
-from opentinker.algo.turn_credit import grpo_per_step
+from opentinker.algo import entropy_from_logits, ppo_clipped_loss
+from opentinker.algo.turn_credit import credit
 from opentinker.backend.adapter_model import AdapterModel
 from opentinker.backend.shared_prefix import PACK_TOKENS, Prefix, plan, run_prefix, selected_hidden, supports
 from opentinker.backend.device import Placement, cpu
@@ -252,11 +252,7 @@ class PolicyTrainer:
         update/positions_computed: token positions the policy's forward and backward ran over,
         padding included (the reference's forward for KL is not counted); update/positions_trained:
         the positions whose token carries loss."""
-        if self.algorithm.advantage == "grpo_per_step":  # each turn a sample of its own (algo.turn_credit)
-            trajs, advantages = grpo_per_step(trajs, self.algorithm.gamma, self.algorithm.normalize_std)
-        else:
-            rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-            advantages = compute_advantages(self.algorithm.advantage, rewards, torch.tensor([t.group_id for t in trajs]), self.algorithm.normalize_std)
+        trajs, advantages = credit(trajs, self.algorithm)  # whole records, or a sample per turn (algo.turn_credit)
         advantages = advantages.to(self.placement.device)
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
         return self._accumulate(trajs, advantages, normalizer) | {"update/advantage_abs_mean": float(advantages.abs().mean())}

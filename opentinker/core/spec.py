@@ -134,9 +134,11 @@ class KLSpec(Section):
 
 
 class AlgorithmSpec(Section):
-    advantage: Literal["grpo", "rloo", "grpo_per_step"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus the "
-                                                               "mean of the group's other samples; grpo_per_step: each turn its return from there on, against the group's whole returns")
-    gamma: float = Field(1.0, ge=0, le=1, description="grpo_per_step: the discount of later turns' rewards in a turn's return")
+    advantage: Literal["grpo", "rloo", "grpo_per_step", "gigpo"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus "
+        "the mean of the group's other samples; grpo_per_step: each turn its return from there on, against the group's whole returns; "
+        "gigpo: GRPO plus each turn's return against the turns that acted from the same state")
+    gamma: float = Field(1.0, ge=0, le=1, description="grpo_per_step, gigpo: the discount of later turns' rewards in a turn's return")
+    step_weight: float = Field(1.0, ge=0, description="gigpo: the weight of the step-level advantage beside the episode's")
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")
     kl: KLSpec = Field(default_factory=KLSpec, description="KL penalty to the base model (LoRA: the base is the adapter switched off)")

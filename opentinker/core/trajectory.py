@@ -19,6 +19,7 @@ class Turn:
     action: str
     observation: str | None = None
     reward: float = 0.0
+    state: str | None = None  # the state the action led to, as the game names it (`info["state"]`; None: its observation)
     sampled_start: int = 0
     sampled_end: int = 0
 
@@ -154,7 +155,8 @@ class Trajectory:
             piece.sampling_logprobs.extend(self.sampling_logprobs[start:end])
             piece.token_versions = [-1] * start + self.token_versions[start:end]
             piece.policy_version = min(self.token_versions[start:end], default=self.policy_version)
-            piece.turns.append(Turn(action=turn.action, observation=turn.observation, reward=ret, sampled_start=start, sampled_end=end))
+            piece.turns.append(Turn(action=turn.action, observation=turn.observation, reward=ret, state=turn.state,
+                                    sampled_start=start, sampled_end=end))
             out.append(piece)
         return out
 

@@ -96,14 +96,17 @@ def test_invalid_moves_are_retried_up_to_max_illegal_then_lose():
     first = game.step("I will win")
     assert not first.done and first.reward == 0.0 and "no move found" in first.observation
     assert "  0 1 2 3 4 5 6 7 8" in first.observation  # the board is shown again
-    assert first.info == {"illegal_moves": 1, "moves": 0, "result": None, "correct": False, "game_length": 0}
+    assert first.info == {"illegal_moves": 1, "moves": 0, "result": None, "correct": False, "game_length": 0,
+                          "state": game.match.board.render()}  # the board it moves on: its state for step-level groups
     second = game.step("Move: -1,4")
+    assert second.info["state"] == first.info["state"]  # an illegal move leaves the state as it was, whatever the message
     assert not second.done and "off the board" in second.observation and second.info["illegal_moves"] == 2
     legal = game.step("Move: 4,4")  # a legal move in between does not reset the count
     assert not legal.done and legal.info["moves"] == 1 and legal.info["game_length"] == 2
     occupied = game.step("Move: 4,4")
     assert occupied.done and occupied.reward == -1.0 and "already taken" in occupied.observation
-    assert occupied.info == {"illegal_moves": 3, "moves": 1, "result": "loss", "correct": False, "game_length": 2}
+    assert occupied.info == {"illegal_moves": 3, "moves": 1, "result": "loss", "correct": False, "game_length": 2,
+                             "state": legal.info["state"]}
 
 
 def test_match_forfeit_with_no_invalid_moves_allowed():
@@ -187,7 +190,8 @@ def test_win_and_loss_rewards():
     win.opponent = scripted([(8, c) for c in range(9)])
     steps = [win.step(f"Move: 0,{c}") for c in range(5)]
     assert [s.reward for s in steps] == [0, 0, 0, 0, 1.0] and steps[-1].done and not steps[-2].done
-    assert steps[-1].info == {"illegal_moves": 0, "moves": 5, "result": "win", "correct": True, "game_length": 9}
+    assert steps[-1].info == {"illegal_moves": 0, "moves": 5, "result": "win", "correct": True, "game_length": 9,
+                              "state": win.match.board.render()}
 
     loss = GomokuGame(model_plays="O")  # the constructor's side overrides the task's
     loss.opponent = scripted([(4, c) for c in range(9)])

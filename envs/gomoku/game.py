@@ -248,5 +248,6 @@ class GomokuGame(AbstractGame):
             "result": result,
             "correct": result == "win",
             "game_length": len(match.board.moves),
+            "state": match.board.render(),  # the board the next move is made on (step-level groups: algorithm.advantage gigpo)
         }
         return StepResult(observation=observation, reward=float(match.result_for(self.me)), done=match.finished, info=info)

@@ -237,8 +237,9 @@ def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
     text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
     traj.turns[-1].reward = result.reward
     traj.turns[-1].observation = _clip(text)
-    traj.turns[-1].state = _clip(str(result.info["state"])) if "state" in result.info else None  # step-level groups (algo.turn_credit)
-    traj.info.update(result.info)
+    info = dict(result.info)
+    traj.turns[-1].state = _clip(str(info.pop("state"))) if "state" in info else None  # the turn's, not the episode's (algo.turn_credit)
+    traj.info.update(info)
     if result.done:
         traj.stop_reason = "done"
         ep.move(EpisodeState.TERMINATED)

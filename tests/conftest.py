@@ -1,5 +1,6 @@
 import atexit
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -59,12 +60,17 @@ def _exit_before_teardown() -> None:
     status instead of tearing the interpreter down: C++ libraries (Ray's core worker, torch) whose
     threads outlive their Python owners crashed CI there after a finished session ("pure virtual
     method called", a segfault that replaced the verdict). Ray's driver is shut down first, so the
-    local Ray processes it started go with it."""
+    local Ray processes it started go with it, and so is Prefect's temporary server (else left running
+    after the suite, found after a CI run)."""
     sys.stdout.flush()
     sys.stderr.flush()
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+    prefect_server = sys.modules.get("prefect.server.api.server")
+    if prefect_server is not None:  # Prefect's temporary server (a flow run with no API URL): its own atexit stop would not run
+        logging.raiseExceptions = False  # its "stopping" line may meet a stream pytest closed: no traceback for that
+        prefect_server.SubprocessASGIServer().stop()
     os._exit(_exit_status["code"])
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from opentinker.backend.shared_prefix import common_prefix_length
 from opentinker.core.trajectory import Trajectory
 
 
@@ -49,14 +50,6 @@ class JoinedCalls:
     drift: list[str] = field(default_factory=list)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def join_calls(calls: Sequence[RecordedCall]) -> JoinedCalls:
     """The calls of one episode, in the order they were answered, joined (see the module)."""
     out = JoinedCalls()
@@ -68,7 +61,7 @@ def join_calls(calls: Sequence[RecordedCall]) -> JoinedCalls:
         for j, record in enumerate(out.records):
             if hashes[j] != call.template_hash:
                 continue
-            shared = _common_prefix(record.token_ids, call.prompt_ids)
+            shared = common_prefix_length([record.token_ids, call.prompt_ids])
             if shared >= reach:  # ties go to the latest record
                 best, reach = j, shared
         record = out.records[best] if best is not None else None

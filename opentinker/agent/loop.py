@@ -237,9 +237,9 @@ def _interact(ep: Episode, chat: ChatFormat, limits: EpisodeLimits) -> None:
     text, images = (observation.text, observation.images) if isinstance(observation, Observation) else (observation, [])
     traj.turns[-1].reward = result.reward
     traj.turns[-1].observation = _clip(text)
-    info = dict(result.info)
-    traj.turns[-1].state = _clip(str(info.pop("state"))) if "state" in info else None  # the turn's, not the episode's (algo.turn_credit)
-    traj.info.update(info)
+    state = result.info.pop("state", None)  # the turn's, not the episode's (algo.turn_credit); the info is the guard's copy
+    traj.turns[-1].state = None if state is None else _clip(str(state))
+    traj.info.update(result.info)
     if result.done:
         traj.stop_reason = "done"
         ep.move(EpisodeState.TERMINATED)

@@ -32,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-from opentinker.algo.advantages import compute_advantages
+from opentinker.algo.advantages import compute_advantages, grpo_advantages
 from opentinker.core.trajectory import Trajectory
 
 
@@ -79,39 +79,27 @@ def grpo_per_step(trajs: list[Trajectory], gamma: float = 1.0, normalize_std: bo
     return samples, torch.tensor(advantages, dtype=torch.float32)
 
 
-def _normalised(values: list[float], normalize_std: bool, eps: float) -> list[float]:
-    """Each value against the others' mean (over their unbiased std + eps); alone, or all equal: 0."""
-    if len(values) < 2:
-        return [0.0] * len(values)
-    x = torch.tensor(values, dtype=torch.float64)
-    std = float(x.std(unbiased=True))
-    scale = std + eps if normalize_std and std > 0 else 1.0
-    return ((x - x.mean()) / scale).tolist()
-
 
 def gigpo(trajs: list[Trajectory], gamma: float = 1.0, normalize_std: bool = True, step_weight: float = 1.0,
           eps: float = 1e-6) -> tuple[list[Trajectory], torch.Tensor]:
     """(one sample per turn, in the records' order; the advantage of each): the episode's GRPO
-    advantage plus `step_weight` times the turn's within its step group (see the module)."""
+    advantage plus `step_weight` times the turn's within its step group (see the module). Both are
+    GRPO (algo.advantages): over the prompt's groups, then over step groups as groups of their own."""
     pieces = [t.split_by_turn(gamma) for t in trajs]
-    members: dict[int, list[int]] = defaultdict(list)
+    episode_adv = grpo_advantages(torch.tensor([t.reward for t in trajs], dtype=torch.float64),
+                                  torch.tensor([t.group_id for t in trajs]), normalize_std, eps)
+    anchors: dict[tuple[int, str], int] = {}  # (prompt's group, state) -> step group id
+    anchored, step_groups = [], []  # (record, turn) acting from a state, and its step group
     for i, t in enumerate(trajs):
-        members[t.group_id].append(i)
-    episode_adv = [0.0] * len(trajs)
-    step_adv = [[0.0] * len(p) for p in pieces]
-    for indices in members.values():
-        for i, a in zip(indices, _normalised([trajs[i].reward for i in indices], normalize_std, eps)):
-            episode_adv[i] = a
-        anchors: dict[str, list[tuple[int, int]]] = defaultdict(list)  # state -> (record, turn) acting from it
-        for i in indices:
-            t = trajs[i]
-            if t.failed:
-                continue
-            for k in range(1, len(t.turns)):
-                before = t.turns[k - 1]
-                anchors[before.state if before.state is not None else (before.observation or "")].append((i, k))
-        for at in anchors.values():
-            for (i, k), a in zip(at, _normalised([pieces[i][k].reward for i, k in at], normalize_std, eps)):
-                step_adv[i][k] = a
-    advantages = [episode_adv[i] + step_weight * step_adv[i][k] for i, own in enumerate(pieces) for k in range(len(own))]
+        for k in range(1, 0 if t.failed else len(t.turns)):
+            before = t.turns[k - 1]
+            state = before.state if before.state is not None else (before.observation or "")
+            anchored.append((i, k))
+            step_groups.append(anchors.setdefault((t.group_id, state), len(anchors)))
+    step_adv = [[0.0] * len(own) for own in pieces]  # a turn alone in its step group gets 0 from GRPO too
+    if anchored:
+        returns = torch.tensor([pieces[i][k].reward for i, k in anchored], dtype=torch.float64)
+        for (i, k), a in zip(anchored, grpo_advantages(returns, torch.tensor(step_groups), normalize_std, eps).tolist()):
+            step_adv[i][k] = a
+    advantages = [float(episode_adv[i]) + step_weight * step_adv[i][k] for i, own in enumerate(pieces) for k in range(len(own))]
     return [p for own in pieces for p in own], torch.tensor(advantages, dtype=torch.float32)

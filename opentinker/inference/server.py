@@ -291,8 +291,9 @@ def create_app(engine: HFEngine, model_name: str, api_key: str | None = None, ma
             raise OpenAIError(err.status, str(err), param=EPISODE_HEADER) from None
         completions = await run([prompt], req, "messages", adapter, [[chunk.visual]] if chunk.visual else None)
         outs = [(c, *_cut_at_stop(engine.decode(c.token_ids), c, req.stops())) for c in completions]
-        for c, text, _ in outs if recorder is not None else ():
-            recorder.record(episode, prompt, c, text)
+        if recorder is not None:
+            for c, text, _ in outs:
+                recorder.record(episode, prompt, c, text)
         replies = [reply(engine.chat.tools, text, reason, tooling) if tooling.parse else ({"role": "assistant", "content": text}, reason)
                    for _, text, reason in outs]
         rid, now, served = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), adapter or model_name

@@ -58,7 +58,9 @@ def _perturb(model, seed: int) -> None:
 
 
 def _model_folder(tmp_path, tiny_path, stop_token: int | None = None):
-    """A copy of the tiny model; with `stop_token`, its generation config also ends at that token."""
+    """The tiny model; with `stop_token`, a copy whose generation config also ends at that token."""
+    if stop_token is None:
+        return str(tiny_path)  # vLLM's kinds share the session's servers on it with the other modules
     tmp_path.mkdir(parents=True, exist_ok=True)
     folder = tmp_path / "model"
     if not folder.exists():
@@ -117,7 +119,7 @@ def make_subject(kind: str, model_name: str, pool=None):
 @pytest.fixture
 def model_folders(tmp_path_factory, tiny_path, engine_kind, request):
     """The tiny model's folder (for vLLM the tiny model with heads of 32, the smallest its CPU attention
-    takes), and one whose generation config also stops at `stop_token`; made once per kind and token."""
+    takes), and one whose generation config also stops at `stop_token`, made once per kind and token."""
     source = request.getfixturevalue("vllm_tiny_path") if engine_kind.startswith("vllm") else tiny_path
     root = tmp_path_factory.getbasetemp() / f"engine-models-{Path(str(source)).name}"
     return lambda stop_token=None: _model_folder(root / str(stop_token), source, stop_token)
@@ -225,6 +227,8 @@ def test_stop_tokens_end_a_completion_and_stay_in_the_record(engine_kind, model_
         assert (c.token_ids, c.finish_reason, len(c.logprobs)) == (greedy[:cut], "stop", cut)
     finally:
         close()
+        if pool is not None:
+            pool.discard(model_folders(stop_token))  # no other test samples this folder
 
 
 # --- the server engine's sync is verified, not trusted ---------------------------------------

@@ -236,7 +236,7 @@ def test_vllm_serves_the_lora_checkpoint(vllm_pool, vllm_tiny_path, tmp_path, mo
     from opentinker.inference.spec import InferenceSpec
     from tests.vllm_fixtures import lora_checkpoint
 
-    vllm_pool.stop()  # room for this server
+    vllm_pool.room()  # memory for this server
     for switch in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
         monkeypatch.setenv(switch, "1")  # a worker whose environment has them on: the served checkpoint's server does not
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path})

@@ -72,7 +72,7 @@ def test_a_job_whose_server_cuts_its_turns_short_says_so_in_its_log(vllm_pool, v
     from opentinker.rl import RLJob
     from tests.conftest import tiny_spec
 
-    vllm_pool.stop()  # room for this server
+    vllm_pool.room()  # memory for this server
     workdir = tmp_path / "server"
     workdir.mkdir()
     args, env = merged_server_args(vllm_tiny_path, None, "float32", workdir, vllm_tiny_path)

@@ -165,7 +165,7 @@ def vllm_served(vllm_pool, vllm_tiny_path, tmp_path_factory):
     from opentinker.inference.spec import InferenceSpec
     from tests.vllm_fixtures import lora_checkpoint
 
-    vllm_pool.stop()  # room for this server
+    vllm_pool.room()  # memory for this server
     url = lora_checkpoint(tiny_spec(tmp_path_factory.mktemp("hostile"), model={"name": vllm_tiny_path}), "hostile-serving")
     server = launch(url, InferenceSpec(model_path=url, engine="vllm", num_gpus=int(detect_gpus() > 0)), "127.0.0.1", name="policy",
                     api_key="k", max_tokens_cap=128)

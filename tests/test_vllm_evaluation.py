@@ -35,7 +35,7 @@ def test_vllm_and_hf_evaluate_a_checkpoint_alike(vllm_pool, vllm_tiny_path, tmp_
     import opentinker.model as model
     from opentinker.inference.evaluation import evaluate, evaluation_engine
 
-    vllm_pool.stop()  # room for the evaluation's own server
+    vllm_pool.room()  # memory for the evaluation's own server
     spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, evaluation={"every": 0, "n_samples": 16, "greedy": True},
                      rollout={"max_new_tokens": 6})
     url = lora_checkpoint(spec, "eval-both")

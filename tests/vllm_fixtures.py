@@ -1,6 +1,7 @@
-"""Real vLLM servers for the test session, one per (model folder, way of taking weights), started at
-first use (30-60 s each on the 2-core CPU; at most two kept, each holding about 2.4 GB with its
-1 GiB key/value cache) and stopped when the session ends; and the tiny model in a shape vLLM's CPU
+"""Real vLLM servers for the test session, one per (model folder, way of taking weights, dtype), started
+at first use (25-75 s each on the 2-core CPU) and stopped when the session ends: at most three kept,
+each holding about 3.1 GiB with its 1 GiB key/value cache (measured), fewer where the machine's free
+memory would not hold another (a test that starts a server of its own asks `room()` first); and the tiny model in a shape vLLM's CPU
 attention takes (heads of 32; the suite's tiny model has heads of 16). Skipped, with the reason,
 where vLLM cannot run (no `.venv-vllm`, or a CPU without AVX-512)."""
 
@@ -26,7 +27,20 @@ def vllm_missing() -> str | None:
 
 
 class VLLMPool:
-    KEEP = 2  # servers alive at once (the least recently used goes first)
+    KEEP = 3  # servers alive at once (the least recently used goes first)
+    ROOM_GIB = 4.0  # free memory one more server needs: its ~3.1 GiB and a margin
+
+    def room(self) -> None:
+        """Stop the least recently used servers while the machine could not hold one more."""
+        import psutil
+
+        while self.running and psutil.virtual_memory().available < self.ROOM_GIB * 2**30:
+            self.running.pop(next(iter(self.running))).stop()
+
+    def discard(self, folder: str, weights: str = "lora", dtype: str = "float32") -> None:
+        """Stop a server no later test asks for (or one a test broke)."""
+        if (server := self.running.pop((folder, weights, dtype), None)) is not None:
+            server.stop()
 
     def __init__(self):
         self.running: dict[tuple[str, str, str], object] = {}
@@ -47,6 +61,7 @@ class VLLMPool:
         else:
             while len(self.running) >= self.KEEP:
                 self.running.pop(next(iter(self.running))).stop()
+            self.room()
             workdir = Path(tempfile.mkdtemp(prefix="vllm-test-"))
             if weights == "merged":
                 args, env = merged_server_args(folder, None, dtype, workdir, "base")

@@ -285,9 +285,12 @@ class VLLMServer:
             raise ModelLoadError(f"vLLM did not become healthy within {timeout:g}s: {self.why()} (log: {self.log})") from None
 
     def why(self) -> str:
-        """The cause in vLLM's log, as one line: the port taken, the KV cache too small, a compile
-        failure, else the last error the log names."""
+        """The cause in vLLM's log, as one line: a signal or the supervisor that ended it, the port
+        taken, the KV cache too small, a compile failure, else the last error the log names."""
         text = self.log.read_text(errors="replace")[-200_000:] if self.log.exists() else ""
+        ended = re.findall(r"^\[opentinker\] supervisor: (.+)$", text, re.M)
+        if ended and not ended[-1].startswith("vLLM's server exited with code"):
+            return ended[-1]  # killed from outside: an error logged before it (a request refused, say) is not why
         if "Address already in use" in text or "address already in use" in text:
             return f"port {self.port} on {self.host} is taken"
         errors = re.findall(r"^(?:\(\w+ pid=\d+\) )?(?:ERROR [^\]]*\] )?((?:\w+\.)*\w*(?:Error|Exception|Failed)\w*: .+)$", text, re.M)
@@ -303,8 +306,8 @@ class VLLMServer:
             return f"the key/value cache does not fit ({last}); raise OPENTINKER_VLLM_CPU_KV_CACHE_GIB on a CPU, or lower max_model_len"
         if last and re.search(r"compil|inductor|dynamo", last, re.I):
             return f"its torch.compile failed ({last})"
-        if not last and (ended := re.findall(r"^\[opentinker\] supervisor: (.+)$", text, re.M)):
-            return ended[-1]  # how it ended, when vLLM itself logged no error (a signal, the supervisor)
+        if not last and ended:
+            return ended[-1]  # how it ended, when vLLM itself logged no error
         return last or NO_ERROR
 
     def alive(self) -> bool:

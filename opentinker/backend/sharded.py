@@ -34,8 +34,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from opentinker.backend.trainer import AgainstPrefix, PackedBatch, PolicyTrainer, pack, position_logits
 from opentinker.core.trajectory import Trajectory
@@ -74,6 +72,8 @@ class Scoring(torch.nn.Module):
 
 def shard(model: torch.nn.Module) -> Scoring:
     """FSDP2 over `model`: each decoder layer a unit, the rest (embeddings, norm, head) the root's."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard  # here: 0.8 s of imports every job's process would pay
+
     for unit in shard_units(model):
         fully_shard(unit)
     root = fully_shard(Scoring(model))
@@ -145,6 +145,8 @@ class ShardedPolicyTrainer(PolicyTrainer):
         sums.update(zip(keys, total.tolist()))
 
     def _clip_gradients(self) -> float:
+        from torch.distributed.tensor import DTensor
+
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 

@@ -1,4 +1,3 @@
-import atexit
 import faulthandler
 import logging
 import os
@@ -52,12 +51,15 @@ def pytest_unconfigure(config):
     if alive := _non_daemon_threads():
         os.write(2, f"\npytest: threads the interpreter will wait for at exit: {alive}\n".encode())
     threading.Thread(target=watchdog, name="exit-watchdog", daemon=True).start()
-    atexit.register(_exit_before_teardown)  # registered last, so it runs first
+    # Where Prefect registers its own exit (threading's, which runs before atexit's, newest first): ours first. Prefect's
+    # drains its log and event workers into an API that the session's stacks took down with them: it waited out
+    # the watchdog's 60 s after every session that ran a flow, then logged "Error logging to API".
+    threading._register_atexit(_exit_before_teardown)  # noqa: SLF001 - the hook Prefect itself uses (prefect/_internal/concurrency/services.py)
 
 
 def _exit_before_teardown() -> None:
-    """Once the interpreter has its non-daemon threads joined, end the process with the session's
-    status instead of tearing the interpreter down: C++ libraries (Ray's core worker, torch) whose
+    """As the interpreter begins its exit, end the process with the session's status instead of
+    draining Prefect's workers into stopped servers and tearing the interpreter down: C++ libraries (Ray's core worker, torch) whose
     threads outlive their Python owners crashed CI there after a finished session ("pure virtual
     method called", a segfault that replaced the verdict). Ray's driver is shut down first, so the
     local Ray processes it started go with it, and so is Prefect's temporary server (else left running

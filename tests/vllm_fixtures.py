@@ -30,20 +30,23 @@ class VLLMPool:
     KEEP = 3  # servers alive at once (the least recently used goes first)
     ROOM_GIB = 4.0  # free memory one more server needs: its ~3.1 GiB and a margin
 
+    def __init__(self):
+        self.running: dict[tuple[str, str, str], object] = {}
+
     def room(self) -> None:
         """Stop the least recently used servers while the machine could not hold one more."""
         import psutil
 
         while self.running and psutil.virtual_memory().available < self.ROOM_GIB * 2**30:
-            self.running.pop(next(iter(self.running))).stop()
+            self._stop_oldest()
+
+    def _stop_oldest(self) -> None:
+        self.running.pop(next(iter(self.running))).stop()
 
     def discard(self, folder: str, weights: str = "lora", dtype: str = "float32") -> None:
         """Stop a server no later test asks for (or one a test broke)."""
         if (server := self.running.pop((folder, weights, dtype), None)) is not None:
             server.stop()
-
-    def __init__(self):
-        self.running: dict[tuple[str, str, str], object] = {}
 
     def get(self, folder: str, weights: str = "lora", max_rank: int = 8, dtype: str = "float32"):
         """A server on `folder`, named "base", in `dtype`, taking adapters by name (`lora`) or merged weights;
@@ -60,7 +63,7 @@ class VLLMPool:
             self.running[key] = self.running.pop(key)  # now the most recently used
         else:
             while len(self.running) >= self.KEEP:
-                self.running.pop(next(iter(self.running))).stop()
+                self._stop_oldest()
             self.room()
             workdir = Path(tempfile.mkdtemp(prefix="vllm-test-"))
             if weights == "merged":

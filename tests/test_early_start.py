@@ -22,9 +22,9 @@ def _spec(tmp_path, **rollout):
 
 
 def _starter(entered: threading.Event, stops: list[str]):
-    def start(spec, job_id, where):
+    def start(spec, job_id, where, index):
         entered.set()
-        handle = rollout_server(spec, job_id, where)
+        handle = rollout_server(spec, job_id, where, index)
 
         def stop() -> None:
             handle.stop()

@@ -348,22 +348,37 @@ def _killer(steps: set[int], killed: list[int], listening: list, pool):
 
 
 def test_a_killed_vllm_server_is_started_again_once(vllm_pool, vllm_tiny_path, tmp_path):
-    """The job starts its own server (the product's path: on a Unix socket, no port). SIGKILL to it after step 1's checkpoint: the
-    job starts a new one, goes on from step 1 and completes."""
+    """The job samples through two vLLM servers of its own (the product's path: each on a Unix socket,
+    no port), sharing the requests and each taking every update in place, verified. SIGKILL to the
+    second after step 1's checkpoint: the job's line names it, a new one takes its place while the
+    first lives on, and the job goes on from step 1 and completes."""
     from opentinker.inference.launch import rollout_server
     from opentinker.rl import RLJob
 
-    vllm_pool.room()  # memory for the job's own servers
-    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, rollout={"engine": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
-                     optimization={"steps": 3}, checkpoint={"every": 1})
+    vllm_pool.room(servers=2)  # memory for the job's own servers
+    spec = tiny_spec(tmp_path, model={"name": vllm_tiny_path}, optimization={"steps": 3}, checkpoint={"every": 1},
+                     rollout={"engine": "vllm", "servers": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4})
     killed: list[int] = []
     listening: list = []  # a job's own server listens on a Unix socket in its folder, on no port
     once = RLJob(spec, job_id="killed-once", start_server=rollout_server)
+    pool = once.sampler.engine
+    first, second = (m.server.uds for m in pool.members)
+
+    def kill_the_second(report) -> None:
+        if report.step == 1 and not killed:
+            killed.append(report.step)
+            for process in _vllm_servers_of_this_process(vllm_pool):
+                listening.extend(c for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN)
+                if second in process.cmdline():
+                    os.killpg(os.getpgid(process.pid), signal.SIGKILL)
     try:
-        result = once.run(on_step=_killer({1}, killed, listening, vllm_pool))
+        result = once.run(on_step=kill_the_second)
     finally:
         once.close()
-    assert (result.steps_done, killed, listening) == (3, [1], []) and "is gone: vLLM's server ended" in result.restarted
+    assert (result.steps_done, killed, listening) == (3, [1], [])
+    assert re.match(r"^inference server 2 of 2 at unix:\S+ is gone: vLLM's server ended", result.restarted), result.restarted
+    assert pool.members[0].server.uds == first and pool.members[1].server.uds != second  # only the dead one started again
+    assert [m.synced_version for m in pool.members] == [3, 3] and all(n > 0 for n in pool.requests)
     assert [h["step"] for h in result.history] == [1.0, 2.0, 3.0]  # step 2 trained once, after the restart
 
 

@@ -33,11 +33,11 @@ class VLLMPool:
     def __init__(self):
         self.running: dict[tuple[str, str, str], object] = {}
 
-    def room(self) -> None:
-        """Stop the least recently used servers while the machine could not hold one more."""
+    def room(self, servers: int = 1) -> None:
+        """Stop the least recently used servers while the machine could not hold `servers` more."""
         import psutil
 
-        while self.running and psutil.virtual_memory().available < self.ROOM_GIB * 2**30:
+        while self.running and psutil.virtual_memory().available < servers * self.ROOM_GIB * 2**30:
             self._stop_oldest()
 
     def _stop_oldest(self) -> None:

@@ -96,13 +96,15 @@ class ServerRolloutEngine:
     """`RolloutEngine` over a server; `sync_adapter` moves a policy version onto it."""
 
     def __init__(self, server: ServerHandle, tolerance: float, timeout_s: float = 600.0, max_concurrency: int = 128,
-                 adapter_prefix: str = "policy", stall_notice_s: float = STALL_NOTICE_S, stall_limit_s: float = STALL_LIMIT_S):
+                 adapter_prefix: str = "policy", stall_notice_s: float = STALL_NOTICE_S, stall_limit_s: float = STALL_LIMIT_S,
+                 label: str = "the inference server"):
         """`adapter_prefix`: the adapters' names on the server (`<prefix>-v<N>`): engines sharing a
-        server name theirs apart. `stall_notice_s`, `stall_limit_s`: see `_watch`."""
-        self.server = server
+        server name theirs apart. `stall_notice_s`, `stall_limit_s`: see `_watch`. `label`: what
+        the lines about it call the server (one of a job's several: which one)."""
+        self.server, self.what = server, f"{label} at {server.address}"
         self.tolerance, self.adapter_prefix = tolerance, adapter_prefix
         self.client = own_client(server.url, server.api_key, timeout_s, max_connections=max_concurrency, uds=server.uds)
-        self.calls = OwnServer(self.client, f"the inference server at {server.address}", server.ended, cause=server.cause, uds=server.uds)
+        self.calls = OwnServer(self.client, self.what, server.ended, cause=server.cause, uds=server.uds)
         self.pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="rollout-request")
         self.served = server.model  # what requests name: the base, then the newest verified adapter
         # Requests in flight per adapter name: a version replaced while requests still name it (a
@@ -154,13 +156,13 @@ class ServerRolloutEngine:
             raise self._stalled
         if not reply.is_success:
             self.calls.raise_if_dead(reply)
-            raise RuntimeError(f"the inference server at {self.server.address} answered {reply.status_code}: {reply.text[:300]}")
+            raise RuntimeError(f"{self.what} answered {reply.status_code}: {reply.text[:300]}")
         data = reply.json()
         if data.get("model") != model:
             raise SyncError(f"asked the inference server for {model!r}, it answered as {data.get('model')!r}")
         out = []
         if any(choice["finish_reason"] == "abort" for choice in data["choices"]):  # not a cut answer: the server let it go
-            raise ServerStalled(f"the inference server at {self.server.address} aborted the job's requests (paused or put to sleep "
+            raise ServerStalled(f"{self.what} aborted the job's requests (paused or put to sleep "
                                 "by someone holding its key)")
         for choice in sorted(data["choices"], key=lambda c: c["index"]):
             ids, logprobs = _token_ids(choice), [float(x) for x in choice["logprobs"]["token_logprobs"]]
@@ -180,9 +182,9 @@ class ServerRolloutEngine:
         with self._names:
             first, self.turns_cut = not self.turns_cut, self.turns_cut + len(cut)
         if first:
-            log.warning("the inference server at %s ended a turn at %d tokens, short of the %d asked (rollout.max_new_tokens, or what is "
+            log.warning("%s ended a turn at %d tokens, short of the %d asked (rollout.max_new_tokens, or what is "
                         "left of rollout.max_total_tokens): its own limit on a completion (a max_tokens cap, its context length) is lower, "
-                        "so the job trains on turns cut short (rollout/turns_cut_by_server counts them)", self.server.address, *cut[0])
+                        "so the job trains on turns cut short (rollout/turns_cut_by_server counts them)", self.what, *cut[0])
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         """A request to the server (every one this engine makes can be repeated: a completion is
@@ -253,12 +255,12 @@ class ServerRolloutEngine:
                 noticed = False
                 continue
             if not noticed:
-                log.warning("the inference server at %s is %s: the job's requests have had no answer for %.0f s",
-                            self.server.address, state, waiting)
+                log.warning("%s is %s: the job's requests have had no answer for %.0f s",
+                            self.what, state, waiting)
                 noticed = True
             self.stalled_seconds += 1.0
             if waiting >= self.stall_limit_s:
-                self._stalled = ServerStalled(f"the inference server at {self.server.address} was {state} under the job's requests for "
+                self._stalled = ServerStalled(f"{self.what} was {state} under the job's requests for "
                                               f"{waiting:.0f} s (over {self.stall_limit_s:g} s): someone holding its key stopped it")
                 for path in ("/wake_up", "/resume"):  # let the requests go, so the job fails now rather than at their timeout
                     self._quietly("POST", path)
@@ -304,10 +306,10 @@ class ServerRolloutEngine:
             (folder / key.removeprefix("adapter/")).write_bytes(data)
         reply = self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)})
         if not reply.is_success and not (reply.status_code == 400 and "already" in reply.text):  # a retried load that landed
-            raise SyncError(f"the inference server refused adapter {name} ({reply.status_code}): {reply.text[:300]}")
+            raise SyncError(f"{self.what} refused adapter {name} ({reply.status_code}): {reply.text[:300]}")
         listed = {m["id"] for m in self._call("GET", "/v1/models").json().get("data", [])}
         if name not in listed:
-            raise SyncError(f"the inference server loaded adapter {name} but does not list it (it lists {sorted(listed)})")
+            raise SyncError(f"{self.what} loaded adapter {name} but does not list it (it lists {sorted(listed)})")
         (answer,) = self._request([probe.prompt], SamplingParams(max_new_tokens=probe.tokens, greedy=True), probe.tokens, name)
         expected = probe.recompute(probe.prompt, answer.token_ids)
         gap = sum(abs(a - b) for a, b in zip(answer.logprobs, expected)) / max(1, len(expected))
@@ -353,7 +355,7 @@ class ServerRolloutEngine:
             finally:
                 path.unlink(missing_ok=True)
             if not reply.is_success:
-                raise SyncError(f"the inference server refused the weights of version {version} ({reply.status_code}): {reply.text[:300]}")
+                raise SyncError(f"{self.what} refused the weights of version {version} ({reply.status_code}): {reply.text[:300]}")
             # requests in flight go on, now drawing from the new weights (in-flight); the new version's requests
             # salt the prefix cache with it, so no key/values of the old weights serve them (no reset to wait for)
             self.synced_version = self.policy_version = version
@@ -378,7 +380,7 @@ class ServerRolloutEngine:
             expected = [self.synced_version, self._stamp]
             reply = self._call("POST", "/collective_rpc", json={"method": "policy_stamp"})
         if not reply.is_success:
-            raise SyncError(f"the inference server did not say which weights it serves ({reply.status_code}): {reply.text[:300]}")
+            raise SyncError(f"{self.what} did not say which weights it serves ({reply.status_code}): {reply.text[:300]}")
         stamps = [list(stamp or [None, None]) for stamp in reply.json().get("results") or [None]]
         if foreign := [stamp for stamp in stamps if stamp != expected]:
             raise SyncError(f"the inference server's weights changed under the job: it serves a load this job did not make "

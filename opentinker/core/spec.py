@@ -17,8 +17,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from opentinker.core.env_sources import check_env_field, resolve_source
 from opentinker.core.ids import JOB_ID_PATTERN
-from opentinker.core.model_names import VISION_MODELS, context_length, folder_problem, is_resolvable
+from opentinker.core.model_names import context_length, folder_problem, is_resolvable
 from opentinker.core.spec_limits import MAX_FIELD_CHARS, SpecError, control_problem, read_spec_file, validate_spec
+from opentinker.core.spec_rules import check_placement
 from opentinker.core.tool_spec import ToolSource
 
 
@@ -169,6 +170,10 @@ class RolloutSpec(Section):
     sampler_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="engine 'vllm' (or 'auto' choosing it): the precision its server samples in "
         "(auto: the job's compute precision). bfloat16 under a float32 trainer samples faster and its tokens' logprobs differ from the "
         "trainer's (SmolLM2: 0.03 on average): the loss then weighs each token by decoupled PPO's capped pi_trainer / pi_sampler")
+    servers: int = Field(1, gt=0, le=64, description="the job's own inference servers (on GPUs one per tensor_parallel devices, on a CPU "
+                         "sharing its cores): each request goes to the one with the fewest in flight; every one takes and verifies each update")
+    tensor_parallel: int = Field(1, gt=0, le=64, description="GPUs each of the job's vLLM servers spans (vLLM's --tensor-parallel-size), for a "
+                                 "model one device cannot hold")
     server_url: str | None = Field(None, description="engine 'server': a running server to sample through (reading the job's adapters from this disk)")
     sync_tolerance: float | None = Field(None, gt=0, description="engines 'server' and 'vllm': largest mean |logprob difference| between the server "
                                          "and the trainer on the sync probe; None: 1e-3 in float32, 0.1 in bfloat16/float16")
@@ -370,26 +375,7 @@ class JobSpec(BaseJobSpec):
 
     @model_validator(mode="after")
     def _placement_fits_the_job(self) -> "JobSpec":
-        if not isinstance(self.adapter, LoraSpec) and self.rollout.weight_sync == "lora":
-            raise ValueError("rollout.weight_sync: 'lora' moves a LoRA adapter; a full fine-tune (adapter.kind 'full') takes 'merged' (or 'auto')")
-        if self.rollout.sampler_dtype != "auto" and self.rollout.engine not in ("vllm", "auto"):
-            raise ValueError("rollout.sampler_dtype: only engine 'vllm' (or 'auto', where it chooses vllm) samples in a precision of its own")
-        if self.rollout.engine == "server" and not isinstance(self.adapter, LoraSpec):
-            raise ValueError("rollout.engine: 'server' moves a LoRA adapter; a full fine-tune (adapter.kind 'full') samples with 'local' or 'vllm'")
-        if self.rollout.engine in ("server", "vllm") and self.multiagent is not None:
-            raise ValueError("rollout.engine: self-play jobs sample with engine 'local'")
-        if self.resources.share_base and (not isinstance(self.adapter, LoraSpec) or self.model.init_from or self.multiagent is not None
-                                          or not self.resources.colocate or self.rollout.engine not in ("local", "auto")):
-            raise ValueError("resources.share_base: only a LoRA job on a plain base (no model.init_from), colocated, sampling with "
-                             "rollout.engine 'local' (or 'auto') and not self-play, trains as an adapter of a shared base-model worker")
-        if self.algorithm.max_staleness > 0 and (self.multiagent is not None or self.resources.share_base or self.rollout.engine == "server"):
-            raise ValueError("algorithm.max_staleness: k > 0 is served for single-agent jobs sampling with rollout.engine 'local' or 'vllm' "
-                             "on a base of their own")
-        if (r := self.resources).trainer_ranks > 1 and (r.num_gpus or r.share_base or self.multiagent or self.model.name in VISION_MODELS):
-            raise ValueError("resources.trainer_ranks: a sharded trainer trains one text model's policy in CPU processes for now (not on GPUs, a shared base, self-play or a VLM)")
-        if self.resources.share_base and self.optimization.compile:
-            raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
-                             "(resources.share_base) cannot compile them")
+        check_placement(self)  # the rules between sections, in a module of their own
         return self
 
     @model_validator(mode="after")

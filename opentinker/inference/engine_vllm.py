@@ -210,6 +210,13 @@ def start_supervised(command: list[str], log: Path, env: dict[str, str]) -> subp
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _core_list(cores: list[int]) -> str:
+    """Cores as VLLM_CPU_OMP_THREADS_BIND takes them: `a-b` for a run, else `a,b,c`."""
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+    return ",".join(map(str, cores))
+
+
 class VLLMServer:
     """vLLM's server as a child process; `url`, `alive()` and `stop()` like the CPU server's handle."""
 
@@ -217,11 +224,11 @@ class VLLMServer:
 
     def __init__(self, serve_args: list[str], host: str, port: int, name: str, workdir: Path,
                  num_gpus: float = 1, max_model_len: int | None = None, timeout: float = 900.0, api_key: str | None = None,
-                 env: dict[str, str] | None = None, cpu_threads: int | None = None, uds: Path | None = None):
+                 env: dict[str, str] | None = None, cpu_cores: list[int] | None = None, uds: Path | None = None):
         """Start vLLM's server on `serve_args` (the model folder first, then options: see
         `model_args`, `adapter_server_args`). With GPUs the child sees this process's
         CUDA_VISIBLE_DEVICES (the GPUs Ray gave the job); without, it runs on the CPU, eagerly, its
-        threads bound to `cpu_threads` cores (default: this process's). With `api_key` every route
+        threads bound to `cpu_cores` (default: this process's cores). With `api_key` every route
         but `/health` asks for it (vllm_guard.py; the key travels in the child's environment, never
         its command line). With `uds` it listens on that Unix socket instead of `host:port` (a job's
         own server: in a folder only this user opens, so no other user reaches it). ModelLoadError with one line (and the log's path) when it does not come up."""
@@ -252,7 +259,7 @@ class VLLMServer:
         self.api_key = api_key
         self.weights_dir = Path(child_env[WEIGHTS_VARIABLE]) if WEIGHTS_VARIABLE in child_env else None
         if num_gpus == 0:
-            threads = cpu_threads or len(os.sched_getaffinity(0))
+            cores = cpu_cores or sorted(os.sched_getaffinity(0))
             # eager (see above); whole prefills: with one split over steps, a seeded request's draw is rewound
             # (Generator.set_offset), which CPU generators refuse and the engine dies (vllm-cpu 0.32.0). Blocks of
             # 32 tokens, not the CPU's default 128: prompts share their prefixes through the prefix cache only in
@@ -262,7 +269,7 @@ class VLLMServer:
             # waiting on its queue, and a trainer on the same cores ran 7x slower in that second.
             command += ["--enforce-eager", "--no-enable-chunked-prefill", "--block-size", "32", "--distributed-executor-backend", "uni"]
             child_env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(get_settings().vllm_cpu_kv_cache_gib),
-                          "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "OMP_NUM_THREADS": str(threads)}
+                          "VLLM_CPU_OMP_THREADS_BIND": _core_list(cores), "OMP_NUM_THREADS": str(len(cores))}
         self._process = start_supervised(command, self.log, child_env)
         self._wait_ready(timeout)
 

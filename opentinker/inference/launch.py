@@ -100,11 +100,36 @@ def weight_sync(spec: JobSpec, where: Placement) -> str:
     return "lora" if where.device.type == "cuda" and isinstance(spec.adapter, LoraSpec) else "merged"
 
 
-def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:
-    """The inference server a job samples through (`rollout.engine: vllm`, or `server` naming none):
-    started by the job as a child process of its sampler, on its own machine (a Unix socket in a
-    folder only the job's user opens, and a fresh random key), on the job's device, so it sees the job's GPUs and no other, and it stops with the
-    job. One server per job, not one per worker shared by jobs: a job's weights are its own, and a
+def server_share(index: int, spec: JobSpec, where: Placement) -> dict[str, Any]:
+    """What the job's server number `index` runs on: on GPUs its `rollout.tensor_parallel` devices of
+    the job's (CUDA_VISIBLE_DEVICES, the GPUs Ray gave it: servers side by side, one device each by
+    default); on a CPU its contiguous share of the job's cores (all of them for one server)."""
+    import os
+
+    r = spec.rollout
+    if where.device.type == "cuda":
+        import torch
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+        devices = [d for d in visible.split(",") if d][index * r.tensor_parallel:(index + 1) * r.tensor_parallel]
+        if len(devices) < r.tensor_parallel:
+            raise ValueError(f"rollout.servers x rollout.tensor_parallel: server {index + 1} of {r.servers} needs "
+                             f"{r.tensor_parallel} of the job's GPUs ({visible or 'none'}), and they are taken")
+        return {"num_gpus": r.tensor_parallel, "env": {"CUDA_VISIBLE_DEVICES": ",".join(devices)}}
+    cores = sorted(os.sched_getaffinity(0))
+    if r.servers >= len(cores):
+        return {"num_gpus": 0, "cpu_cores": [cores[index % len(cores)]]}
+    size, extra = divmod(len(cores), r.servers)
+    first = index * size + min(index, extra)
+    return {"num_gpus": 0, "cpu_cores": cores[first:first + size + (index < extra)]}
+
+
+def rollout_server(spec: JobSpec, job_id: str | None, where: Placement, index: int = 0) -> ServerHandle:
+    """The job's inference server number `index` of `rollout.servers` (`rollout.engine: vllm`, or
+    `server` naming none): started by the job as a child process of its sampler, on its own machine (a
+    Unix socket in a folder only the job's user opens, and a fresh random key), on its share of the
+    job's devices (`server_share`), so it sees the job's GPUs and no other, and it stops with the job.
+    Servers of the job's own, not one per worker shared by jobs: a job's weights are its own, and a
     server that reloads them in place (merged weights, the fast way on a CPU) serves one policy.
     vLLM for engine 'vllm' (and for 'server' on a GPU where vLLM is installed), our server
     otherwise, which takes the policy's adapters by name."""
@@ -116,15 +141,16 @@ def rollout_server(spec: JobSpec, job_id: str | None, where: Placement) -> Serve
     if spec.rollout.engine == "vllm" or (gpu and vllm_python() is not None):
         from opentinker.inference.engine_vllm import VLLMServer, adapter_server_args, merged_server_args
 
-        workdir = Path(tempfile.mkdtemp(prefix="opentinker-rollout-server-"))
+        workdir = Path(tempfile.mkdtemp(prefix=f"opentinker-rollout-server{index}-"))
         dtype = str(sampling_dtype(spec.rollout.sampler_dtype, where)).removeprefix("torch.")
         sync = weight_sync(spec, where) if spec.rollout.engine == "vllm" else "lora"
         if sync == "merged":
             args, env = merged_server_args(name, init_from, dtype, workdir, name)
         else:
             args, env = adapter_server_args(name, init_from, dtype, spec.adapter.r, workdir, name), {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-        server = VLLMServer(args, "127.0.0.1", 0, name, workdir, num_gpus=1 if gpu else 0, max_model_len=spec.rollout.max_total_tokens,
-                            api_key=key, env=env, uds=workdir / "vllm.sock")  # on a CPU: this process's cores (at k = 0 trainer and server take turns)
+        share = server_share(index, spec, where)  # on a CPU: its share of this process's cores (at k = 0 trainer and servers take turns)
+        server = VLLMServer(args, "127.0.0.1", 0, name, workdir, max_model_len=spec.rollout.max_total_tokens, api_key=key,
+                            env=env | share.pop("env", {}), uds=workdir / "vllm.sock", **share)
         return server.handle(sync)
     from opentinker.inference.engine_hf import HFEngine
     from opentinker.inference.server import create_app, serve_in_thread

@@ -47,6 +47,8 @@ def choose_engine(spec: JobSpec, starts_servers: bool) -> tuple[JobSpec, str | N
     if rollout.engine != "auto":
         return spec, None
     why = why_not_vllm(spec, starts_servers)
+    if why and rollout.servers > 1:
+        raise ValueError(f"rollout.servers: {rollout.servers} servers sample through vLLM, which cannot sample this job here: {why}")
     line = f"rollout.engine auto chose local: {why}" if why else f"rollout.engine auto chose vllm (sampler_dtype {rollout.sampler_dtype})"
     log.info(line)
     update = {"engine": "local", "sampler_dtype": "auto"} if why else {"engine": "vllm"}

@@ -9,8 +9,9 @@ version handshake; with its own model (in a process of its own, or any job with 
 it takes the policy's trainable weights after each update, between two decode steps, so an
 episode in flight goes on with the new weights and its tokens record the version that drew them.
 
-With `rollout.engine: server` the episodes are sampled by an inference server instead: before a
-group plays, the newest version's adapter goes to the server and is verified there (see
+With `rollout.engine: server` (or `vllm`) the episodes are sampled by the job's inference servers
+instead (`rollout.servers` of them, sharing the requests by load: opentinker/backend/server_pool.py):
+before a group plays, the newest version goes to every server and is verified there (see
 opentinker/backend/server_engine.py); the model here is then the trainer's reference for it.
 """
 
@@ -30,7 +31,8 @@ from opentinker.agent.guard import stuck_calls
 from opentinker.backend import HFRolloutEngine, SamplingParams
 from opentinker.backend.device import Placement, placement, sampling_dtype
 from opentinker.backend.rollout import score_tokens
-from opentinker.backend.server_engine import Probe, ServerHandle, ServerRolloutEngine
+from opentinker.backend.server_engine import Probe, ServerHandle
+from opentinker.backend.server_pool import ServerPool
 from opentinker.core.settings import get_settings
 from opentinker.core.spec import JobSpec, LoraSpec
 from opentinker.core.trajectory import Trajectory
@@ -71,8 +73,8 @@ def own_model(spec: JobSpec, job_id: str | None, where: Placement):
     return model.to(where.device), tokenizer
 
 
-# What starts a job's own inference server (opentinker.inference.launch.rollout_server).
-StartServer = Callable[[JobSpec, "str | None", Placement], ServerHandle]
+# What starts a job's own inference server number `index` of `rollout.servers` (opentinker.inference.launch.rollout_server).
+StartServer = Callable[[JobSpec, "str | None", Placement, int], ServerHandle]
 
 
 def starts_own_server(spec: JobSpec) -> bool:
@@ -83,15 +85,17 @@ def starts_own_server(spec: JobSpec) -> bool:
 
 
 class EarlyStart:
-    """A job's own server, begun in a thread as soon as the job starts, so that its start (vLLM's
-    takes 16-20 s on a CPU, most of it two Python imports) runs beside the model's load instead of
-    after it. Called as a StartServer it waits for that server (or raises what its start raised);
-    `abandon` stops it once it is up, for a job that failed before taking it."""
+    """A job's own servers, begun in threads as soon as the job starts (all `rollout.servers` at
+    once), so that their start (vLLM's takes 16-20 s on a CPU, most of it two Python imports) runs
+    beside the model's load instead of after it. Called as a StartServer it waits for that server
+    (or raises what its start raised); `abandon` stops each once it is up, for a job that failed
+    before taking them."""
 
     def __init__(self, start_server: StartServer, spec: JobSpec, job_id: str | None):
-        self.start_server = start_server  # what starts another (a restart after the first died)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="server-start")
-        self.started: Future[ServerHandle] = pool.submit(start_server, spec, job_id, placement(spec.resources.num_gpus, spec.model.dtype))
+        self.start_server = start_server  # what starts another (a restart after one died)
+        n, where = spec.rollout.servers, placement(spec.resources.num_gpus, spec.model.dtype)
+        pool = ThreadPoolExecutor(n, thread_name_prefix="server-start")
+        self.started: list[Future[ServerHandle]] = [pool.submit(start_server, spec, job_id, where, i) for i in range(n)]
         pool.shutdown(wait=False)
         self.abandoned = False
 
@@ -102,13 +106,14 @@ class EarlyStart:
             return start_server
         return cls(start_server, spec, job_id)
 
-    def __call__(self, spec: JobSpec, job_id: str | None, where: Placement) -> ServerHandle:
-        return self.started.result()
+    def __call__(self, spec: JobSpec, job_id: str | None, where: Placement, index: int = 0) -> ServerHandle:
+        return self.started[index].result()
 
     def abandon(self) -> None:
-        if not self.abandoned:  # the sampler and the job around it may both give up on it
+        if not self.abandoned:  # the sampler and the job around it may both give up on them
             self.abandoned = True
-            self.started.add_done_callback(lambda done: done.exception() is None and done.result().stop())
+            for started in self.started:
+                started.add_done_callback(lambda done: done.exception() is None and done.result().stop())
 
 
 def abandon(start_server: StartServer | None) -> None:
@@ -158,7 +163,7 @@ class Sampler:
         elif r.engine in ("server", "vllm"):
             if getattr(tokenizer, "processor", None) is not None:
                 raise ValueError(f"rollout.engine: '{r.engine}' samples text only; a vision-language model samples with engine 'local'")
-            self.engine = ServerRolloutEngine(self._server(start_server, job_id), sync_tolerance(spec, where))
+            self.engine = ServerPool(self._servers(start_server, job_id), sync_tolerance(spec, where))
             self.probe = Probe(tokenizer(PROBE_TEXT)["input_ids"], lambda prompt, tokens: score_tokens(self.model, where, prompt, tokens))
         else:
             self.engine = HFRolloutEngine(model, tokenizer, max_batch_size=max(64, r.prompts_per_step * r.group_size),
@@ -176,14 +181,25 @@ class Sampler:
         self.producer: Producer | None = None  # plays the job's groups (started by the first rollout)
         self._last_take: tuple[float, tuple[float, int, int, int]] | None = None  # (time, the engine's counters) at the last take
 
-    def _server(self, start_server: StartServer | None, job_id: str | None) -> ServerHandle:
+    def _servers(self, start_server: StartServer | None, job_id: str | None) -> list[ServerHandle]:
+        """The servers the job samples through: `server_url`'s, or the `rollout.servers` it starts
+        (each waited for, so that one that fails to start fails the job, the others stopped)."""
         r = self.spec.rollout
         if not starts_own_server(self.spec):
-            return ServerHandle(url=r.server_url, model=self.spec.model.name)
+            return [ServerHandle(url=r.server_url, model=self.spec.model.name)]
         if start_server is None:
             raise ValueError("rollout.engine: 'server' needs rollout.server_url here (jobs run by opentinker start their own server)"
                              if r.engine == "server" else "rollout.engine: 'vllm': jobs run by opentinker start their vLLM server, this one cannot")
-        return start_server(self.spec, job_id, self.where)
+        started: list[ServerHandle] = []
+        try:
+            for i in range(r.servers):
+                started.append(start_server(self.spec, job_id, self.where, i))
+        except BaseException:
+            if not isinstance(start_server, EarlyStart):  # an early start's are stopped by its abandon (see __init__)
+                for server in started:
+                    server.stop()
+            raise
+        return started
 
     @property
     def version(self) -> int:
@@ -192,7 +208,7 @@ class Sampler:
     def _publish(self) -> None:
         """Server engine: put the wanted version on the server before episodes play (an adapter
         verified first; weights taken in place verified beside the episodes, `_verified`)."""
-        if not isinstance(self.engine, ServerRolloutEngine) or self.engine.synced_version == self.wanted_version:
+        if not isinstance(self.engine, ServerPool) or self.engine.synced_version == self.wanted_version:
             return
         # one sync at a time, the weights read by the one that moves them (a step's groups all ask at their start and
         # wait for its reload, not its probe); the model holds that version until the probe has checked it against
@@ -204,7 +220,7 @@ class Sampler:
             self._model_in_use.acquire()
             verdict = None
             try:
-                if self.engine.server.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
+                if self.engine.weights == "merged":  # the LoRA's factors merged by the server, or a full fine-tune's weights
                     weights = lora_factors if isinstance(self.spec.adapter, LoraSpec) else policy_weights
                     verdict = self.engine.sync_weights(self.wanted_version, lambda: weights(self.model), self.probe)
                 else:
@@ -220,20 +236,21 @@ class Sampler:
     def _verified(self) -> None:
         """Wait for the newest in-place sync's probe (it runs beside the episodes drawn after the
         reload): its SyncError fails the step before anything trains on those episodes."""
-        if isinstance(self.engine, ServerRolloutEngine) and (gap := self.engine.verified()) is not None:
+        if isinstance(self.engine, ServerPool) and (gap := self.engine.verified()) is not None:
             self.sync_metrics["rollout/sync_logprob_gap"] = gap
 
     def restart_server(self) -> None:
-        """After the job's own server died (ServerGone): stop its producer and what is left of the
-        server, and start a new one. The step loop then restores the job's last checkpoint, whose
-        version and weights reach the new server at the next sync (so versions may go down once)."""
+        """After one of the job's own servers died (ServerGone): stop its producer and start a new
+        server in place of the dead one (the others live on). The step loop then restores the job's
+        last checkpoint, whose version and weights reach every server at the next sync (so versions
+        may go down once)."""
         if not starts_own_server(self.spec) or self._start_server is None:
             raise RuntimeError("this job's inference server is not its own: it cannot start another")
         if self.producer is not None:
             self.producer.stop()
         self.producer, self._batch, self._last_take = None, None, None
-        self.engine.close()
-        self.engine = ServerRolloutEngine(self._server(self._start_server, self.job_id), sync_tolerance(self.spec, self.where))
+        start = self._start_server
+        self.engine.restart(lambda i: start(self.spec, self.job_id, self.where, i))
         self.wanted_version = 0
 
     def close(self) -> None:
@@ -259,7 +276,7 @@ class Sampler:
                     for name, tensor in weights.items():
                         named[name].copy_(tensor)
             self.wanted_version = version
-            if not isinstance(self.engine, ServerRolloutEngine):  # samples from self.model: nothing to move
+            if not isinstance(self.engine, ServerPool):  # samples from self.model: nothing to move
                 self.engine.policy_version = version
 
         stream = getattr(self.engine, "stream", None)

@@ -112,3 +112,12 @@ def test_each_server_gets_its_share_of_the_jobs_devices(tmp_path, monkeypatch):
 def test_servers_the_job_cannot_have_fail_the_spec(tmp_path, rollout, resources, match):
     with pytest.raises(SpecError, match=match):
         tiny_spec(tmp_path, rollout=rollout, resources=resources)
+
+
+def test_auto_refuses_several_servers_where_it_would_sample_in_process(tmp_path):
+    """`rollout.engine: auto` with servers: 2 on a model vLLM cannot run (the tiny model's head size):
+    one line, not a job that quietly samples in its own process."""
+    from opentinker.rl.engine_choice import choose_engine
+
+    with pytest.raises(ValueError, match=r"^rollout\.servers: 2 servers sample through vLLM, which cannot sample this job here: "):
+        choose_engine(tiny_spec(tmp_path, rollout={"servers": 2}), starts_servers=True)

@@ -36,10 +36,15 @@ from opentinker.algo.advantages import compute_advantages, grpo_advantages
 from opentinker.core.trajectory import Trajectory
 
 
-def credit(trajs: list[Trajectory], algorithm) -> tuple[list[Trajectory], torch.Tensor]:
+def credit(trajs: list[Trajectory], algorithm, critic=None) -> tuple[list[Trajectory], torch.Tensor]:
     """The samples an update trains and the advantage of each, as `algorithm` (the spec's) says:
-    the whole records for grpo and rloo, a sample per turn for grpo_per_step and gigpo."""
+    the whole records for grpo and rloo, a sample per turn for grpo_per_step, gigpo and gae (whose
+    `critic`, opentinker.backend.critic, values the turns)."""
     a = algorithm
+    if a.advantage == "gae":
+        if critic is None:
+            raise ValueError("algorithm.advantage: 'gae' needs a critic, and this trainer has none")
+        return critic.credit(trajs)
     if a.advantage == "grpo_per_step":
         return grpo_per_step(trajs, a.gamma, a.normalize_std)
     if a.advantage == "gigpo":

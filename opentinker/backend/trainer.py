@@ -123,6 +123,7 @@ class PolicyTrainer:
         self.temperature = temperature
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.version = 0
+        self.critic = None  # advantage gae's value model (backend/critic.py), given by the trainer's owner
         self.pack_tokens = PACK_TOKENS  # most tokens of a shared-prefix pass (bench/gpu_variants.py tries others)
         # A job on a shared base: each pass at most this many padded tokens, whatever its micro-batch size
         self.pass_tokens = SHARED_PASS_TOKENS if isinstance(model, AdapterModel) else None
@@ -252,7 +253,7 @@ class PolicyTrainer:
         update/positions_computed: token positions the policy's forward and backward ran over,
         padding included (the reference's forward for KL is not counted); update/positions_trained:
         the positions whose token carries loss."""
-        trajs, advantages = credit(trajs, self.algorithm)  # whole records, or a sample per turn (algo.turn_credit)
+        trajs, advantages = credit(trajs, self.algorithm, self.critic)  # whole records, or a sample per turn (algo.turn_credit)
         advantages = advantages.to(self.placement.device)
         normalizer = float(sum(t.num_sampled for t in trajs)) if self.algorithm.loss_aggregation == "token-mean" else float(len(trajs))
         return self._accumulate(trajs, advantages, normalizer) | {"update/advantage_abs_mean": float(advantages.abs().mean())}

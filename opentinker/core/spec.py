@@ -135,10 +135,14 @@ class KLSpec(Section):
 
 
 class AlgorithmSpec(Section):
-    advantage: Literal["grpo", "rloo", "grpo_per_step", "gigpo"] = Field("grpo", description="grpo: reward minus the group mean; rloo: minus "
-        "the mean of the group's other samples; grpo_per_step: each turn its return from there on, against the group's whole returns; "
-        "gigpo: GRPO plus each turn's return against the turns that acted from the same state")
-    gamma: float = Field(1.0, ge=0, le=1, description="grpo_per_step, gigpo: the discount of later turns' rewards in a turn's return")
+    advantage: Literal["grpo", "rloo", "grpo_per_step", "gigpo", "gae"] = Field("grpo", description="grpo: reward minus the group mean; rloo: "
+        "minus the mean of the group's other samples; grpo_per_step: each turn its return from there on, against the group's whole returns; "
+        "gigpo: GRPO plus each turn's return against the turns that acted from the same state; gae: GAE over the turns, from a critic")
+    gamma: float = Field(1.0, ge=0, le=1, description="grpo_per_step, gigpo, gae: the discount of later turns' rewards in a turn's return")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="gae: lambda (1: return minus value; 0: one-step temporal difference)")
+    critic_lr: float = Field(1e-4, gt=0, description="gae: the critic's AdamW learning rate (its own LoRA and value head: backend/critic.py)")
+    critic_epochs: int = Field(2, gt=0, le=64, description="gae: passes of the critic over each step's turns")
+    value_clip: float = Field(0.2, gt=0, description="gae: PPO's value clip around the values the advantages were computed with")
     step_weight: float = Field(1.0, ge=0, description="gigpo: the weight of the step-level advantage beside the episode's")
     normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std")
     clip_range: float = Field(0.2, gt=0, lt=1, description="PPO clip: the importance ratio is clipped to [1 - clip_range, 1 + clip_range]")

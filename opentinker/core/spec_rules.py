@@ -36,6 +36,9 @@ def check_placement(spec: Any) -> None:
                          "on a base of their own")
     if res.trainer_ranks > 1 and (res.num_gpus or res.share_base or spec.multiagent or spec.model.name in VISION_MODELS):
         raise ValueError("resources.trainer_ranks: a sharded trainer trains one text model's policy in CPU processes for now (not on GPUs, a shared base, self-play or a VLM)")
+    if spec.algorithm.advantage == "gae" and (res.trainer_ranks > 1 or res.share_base or spec.multiagent or spec.model.name in VISION_MODELS):
+        raise ValueError("algorithm.advantage: 'gae' trains a critic beside one text model's policy in its process (not sharded, on a "
+                         "shared base, self-play or a VLM)")
     if res.share_base and spec.optimization.compile:
         raise ValueError("optimization.compile: a shared base's modules serve every tenant's adapter, so a job on one "
                          "(resources.share_base) cannot compile them")

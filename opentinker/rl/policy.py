@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from opentinker.backend import PolicyTrainer
+from opentinker.backend.critic import CRITIC_FILE
 from opentinker.backend.sharded import ShardedPolicyTrainer
 from opentinker.backend.device import placement, precision_line, sampling_dtype
 from opentinker.core.ids import check_folder_name
@@ -88,6 +89,10 @@ class Policy:
         trainer_class = ShardedPolicyTrainer if spec.resources.trainer_ranks > 1 else PolicyTrainer
         self.trainer = trainer_class(model, tokenizer, spec.adapter, spec.algorithm, spec.optimization, spec.rollout.temperature,
                                      where, sampled_apart=apart)
+        if spec.algorithm.advantage == "gae":  # its value model, beside the policy (backend/critic.py)
+            from opentinker.backend.critic import job_critic
+
+            self.trainer.critic = job_critic(spec, where)
 
     @property
     def model(self):
@@ -106,8 +111,9 @@ class Policy:
         return precision_line(self.spec.model.dtype, self.trainer.placement)
 
     def update(self, batch) -> dict[str, float]:
-        """One optimizer step on a RolloutBatch."""
-        return self.trainer.update(batch.trajectories)
+        """One optimizer step on a RolloutBatch (then the critic's, on the returns it computed)."""
+        metrics = self.trainer.update(batch.trajectories)
+        return metrics | (self.trainer.critic.fit() if self.trainer.critic is not None else {})
 
     def weights(self) -> tuple[int, dict[str, torch.Tensor]]:
         """Trainable weights and their version, for a sampler in another process."""
@@ -130,6 +136,8 @@ class Policy:
                  POLICY_FILE: json.dumps(policy_info(self.spec, self.init_from)).encode()}
         if isinstance(self.spec.adapter, LoraSpec):
             extra |= adapter_files(self.trainer.model, state_dict=weights)
+        if self.trainer.critic is not None:
+            extra[CRITIC_FILE] = self.trainer.critic.state()
         return ckpt.save_checkpoint(
             self.spec.checkpoint.base_url, self.job_id, step,
             weights=weights,
@@ -153,15 +161,18 @@ class Policy:
         found = ckpt.newest_intact(self.spec.checkpoint.base_url, self.job_id, self.owner)
         if found.ref is None:
             return Restored(step=0, checkpoint=None, env_state=None, skipped=found.skipped) if found.skipped else None
-        loaded = self.apply(found.loaded)
+        loaded = self.apply(found.loaded, found.ref.url)
         return Restored(step=loaded.step, checkpoint=found.ref, env_state=loaded.state["env"],
                         metrics=loaded.state.get("metrics", []), skipped=found.skipped)
 
     def restore(self, url: str) -> ckpt.LoadedCheckpoint:
         """Load this job's checkpoint at `url` (refused unless it is this job's, intact)."""
-        return self.apply(ckpt.load_checkpoint(url, self.owner))
+        return self.apply(ckpt.load_checkpoint(url, self.owner), url)
 
-    def apply(self, loaded: ckpt.LoadedCheckpoint) -> ckpt.LoadedCheckpoint:
+    def apply(self, loaded: ckpt.LoadedCheckpoint, url: str | None = None) -> ckpt.LoadedCheckpoint:
+        """Put a loaded checkpoint's state in place (its critic's too, read from `url`, for a job with one)."""
+        if self.trainer.critic is not None:  # a checkpoint without one is refused (CheckpointError): the critic resumes too
+            self.trainer.critic.load_state(ckpt.read_file(url, CRITIC_FILE, owner=self.owner))
         self.trainer.load_trainable_state(loaded.weights)
         self.trainer.load_optimizer_state(loaded.optimizer_state)
         self.trainer.version = int(loaded.state["policy_version"])

@@ -75,6 +75,8 @@ def main() -> int:
     parser.add_argument("--sampler-dtype", choices=["auto", "float32", "bfloat16"], default=None, help="rollout.sampler_dtype (engine vllm)")
     parser.add_argument("--model-dtype", choices=["auto", "float32", "bfloat16"], default=None,
                         help="model.dtype, the trainer's compute precision (default: the spec's)")
+    parser.add_argument("--advantage", choices=["grpo", "rloo", "grpo_per_step", "gigpo", "gae"], default=None,
+                        help="algorithm.advantage (default: the spec's; gae trains a critic beside the policy)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     recipe = "sft_rl" if args.sft_first else "rl"
@@ -103,6 +105,7 @@ def main() -> int:
             "evaluation": spec.evaluation.model_copy(update={"every": args.every}),
             "checkpoint": spec.checkpoint.model_copy(update={"every": 0, "base_url": f"file://{tmp}"}),
             "seed": spec.seed if args.seed is None else args.seed,
+            "algorithm": spec.algorithm.model_copy(update={"advantage": args.advantage or spec.algorithm.advantage}),
             "model": spec.model.model_copy(update={"dtype": args.model_dtype or spec.model.dtype}),
             "rollout": spec.rollout.model_copy(update={k: v for k, v in {"engine": args.engine, "sampler_dtype": args.sampler_dtype}.items() if v}),
         })

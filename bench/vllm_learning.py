@@ -9,7 +9,9 @@ the other on this machine, for each seed:
 - `vllm-bf16`: rollout.engine vllm, rollout.sampler_dtype bfloat16 under the float32 trainer (the
   loss weighs each token by decoupled PPO's capped pi_trainer / pi_sampler);
 - `bf16`: vLLM sampling in bfloat16 and the trainer too (model.dtype bfloat16: its passes under
-  bfloat16 autocast, the adapter and optimizer in float32, the same capped weight): the demo now.
+  bfloat16 autocast, the adapter and optimizer in float32, the same capped weight): the demo now;
+- `bf16-gae`: the same with `algorithm.advantage: gae` (a critic beside the policy, opentinker/backend/critic.py)
+  instead of GRPO's group baseline.
 
 Reports per way: each seed's step-0 and final held-out accuracy and the job's wall time from its
 start (the policy's load and, for vLLM, its server's start included: the part a user waits for
@@ -37,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WAYS = {"hf": ["--engine", "local", "--model-dtype", "float32"],
         "vllm": ["--engine", "vllm", "--sampler-dtype", "float32", "--model-dtype", "float32"],
         "vllm-bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "float32"],
-        "bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "bfloat16"]}
+        "bf16": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "bfloat16"],
+        "bf16-gae": ["--engine", "vllm", "--sampler-dtype", "bfloat16", "--model-dtype", "bfloat16", "--advantage", "gae"]}
 
 
 def run(way: str, seed: int, tmp: str) -> dict:
@@ -99,7 +102,7 @@ def write(out: Path, seeds: list[int], results: dict[str, list[dict]]) -> None:
     sums = "\n".join(f"| {way} | {s['final_mean']:.1%} | {s['final_spread'] * 100:.1f} points | {s['wall_s_mean']:.0f} | "
                      f"{'-' if s.get('wall_vs_hf') is None else format(s['wall_vs_hf'], '.2f') + 'x'} |" for way, s in summary.items())
     out.with_suffix(".md").write_text(
-        f"# The demo's learning through vLLM: float32 and bfloat16 sampling and training against the HF engine ({machine}, one run)\n\n"
+        f"# The demo's learning, way against way: {', '.join(results)} ({machine}, one run)\n\n"
         f"bench/learning_math.py per way and seed (25 steps, greedy held-out accuracy on 64 problems every 5), one after the other. "
         f"Wall time: the job's, from its start (the policy's load and the vLLM server's start, which overlap, included) to its last evaluation.\n\n"
         f"| way | seed | step 0 | final | best | wall (s) | of which the start (s) |\n|---|---:|---:|---:|---:|---:|---:|\n{rows}\n\n"

@@ -6,7 +6,7 @@ other estimator trains (the same loss, passes and tests; the Tinker door and the
 untouched), and the value loss never pulls on the policy's features (a shared trunk needs its
 value-loss weight tuned against the policy's). The cost is a second copy of the base (frozen, in
 the compute precision: 270 MB for SmolLM2-135M in bfloat16, 540 MB in float32) and a forward and
-backward over each turn's context per epoch. The head starts at zero, so the first values are 0
+backward over each distinct state per epoch. The head starts at zero, so the first values are 0
 and the first advantages the discounted returns.
 
 It values the state each turn acts from: the record up to the turn's first sampled token (the
@@ -83,9 +83,14 @@ class Critic:
         a = self.algorithm
         pieces = [t.split_by_turn() for t in trajs]
         samples = [p for own in pieces for p in own]
-        contexts = [list(p.prompt_ids) for p in samples]
+        # each state runs once: a group's episodes share their prompt (its first turn's state), and the
+        # loss over a state's samples is the same with one forward (the demo's 32 samples act from 8 states)
+        contexts = [tuple(p.prompt_ids) for p in samples]
+        states = list(dict.fromkeys(contexts))
+        row = {state: i for i, state in enumerate(states)}
+        of = torch.tensor([row[c] for c in contexts], dtype=torch.long)
         with torch.no_grad():
-            values = self.values(contexts).double()
+            values = self.values([list(state) for state in states]).double().cpu()[of]
         advantages, returns, at = [], [], 0
         for t, own in zip(trajs, pieces):
             rewards = [turn.reward for turn in t.turns] if len(own) == len(t.turns) and not t.failed else [t.reward]
@@ -93,27 +98,29 @@ class Critic:
             advantages += adv
             returns += ret
             at += len(own)
-        self._kept = (contexts, values, torch.tensor(returns, dtype=torch.float64))
+        self._kept = (states, of, values, torch.tensor(returns, dtype=torch.float64))
         advantages_t = torch.tensor(advantages, dtype=torch.float64)
         return samples, (whiten(advantages_t) if a.normalize_std else advantages_t).float()
 
     def fit(self) -> dict[str, float]:
-        """Train the critic on the last `credit`'s returns: `critic_epochs` passes over its samples
-        in micro-batches, each an AdamW step on PPO's clipped value loss (clip `value_clip`)."""
+        """Train the critic on the last `credit`'s returns: `critic_epochs` passes over its states
+        in micro-batches, each an AdamW step on PPO's clipped value loss (clip `value_clip`), the
+        mean over the samples that act from those states."""
         if self._kept is None:
             return {}
-        contexts, old, returns = self._kept
+        states, of, old, returns = self._kept
         self._kept = None
         a, size, losses = self.algorithm, self.optimization.micro_batch_size, []
         spread = float(returns.var(unbiased=False))
         explained = 1.0 - float((returns - old).var(unbiased=False)) / spread if spread > 0 else 0.0  # of the returns, by the values
         self.model.train()
         for _ in range(a.critic_epochs):
-            for start in range(0, len(contexts), size):
-                end = min(start + size, len(contexts))
-                values = self.values(contexts[start:end])
-                dtype = values.dtype
-                loss = clipped_value_loss(values, old[start:end].to(dtype), returns[start:end].to(dtype), a.value_clip).mean()
+            for start in range(0, len(states), size):
+                mine = (of >= start) & (of < start + size)
+                values = self.values([list(state) for state in states[start:start + size]])
+                values = values[(of[mine] - start).to(values.device)]
+                dtype, device = values.dtype, values.device
+                loss = clipped_value_loss(values, old[mine].to(device, dtype), returns[mine].to(device, dtype), a.value_clip).mean()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.params, self.optimization.grad_clip)
                 self.optimizer.step()

@@ -86,11 +86,11 @@ class Critic:
         # each state runs once: a group's episodes share their prompt (its first turn's state), and the
         # loss over a state's samples is the same with one forward (the demo's 32 samples act from 8 states)
         contexts = [tuple(p.prompt_ids) for p in samples]
-        states = list(dict.fromkeys(contexts))
-        row = {state: i for i, state in enumerate(states)}
+        row = {state: i for i, state in enumerate(dict.fromkeys(contexts))}
+        states = [list(state) for state in row]
         of = torch.tensor([row[c] for c in contexts], dtype=torch.long)
         with torch.no_grad():
-            values = self.values([list(state) for state in states]).double().cpu()[of]
+            values = self.values(states).double().cpu()[of]
         advantages, returns, at = [], [], 0
         for t, own in zip(trajs, pieces):
             rewards = [turn.reward for turn in t.turns] if len(own) == len(t.turns) and not t.failed else [t.reward]
@@ -117,7 +117,7 @@ class Critic:
         for _ in range(a.critic_epochs):
             for start in range(0, len(states), size):
                 mine = (of >= start) & (of < start + size)
-                values = self.values([list(state) for state in states[start:start + size]])
+                values = self.values(states[start:start + size])
                 values = values[(of[mine] - start).to(values.device)]
                 dtype, device = values.dtype, values.device
                 loss = clipped_value_loss(values, old[mine].to(device, dtype), returns[mine].to(device, dtype), a.value_clip).mean()

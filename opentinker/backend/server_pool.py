@@ -33,10 +33,10 @@ def _label(index: int, count: int) -> str:
 class ServerPool:
     """`RolloutEngine` over the job's servers, with `ServerRolloutEngine`'s sync API."""
 
-    def __init__(self, servers: list[ServerHandle], tolerance: float, **engine_options: Any):
+    def __init__(self, servers: list[ServerHandle], tolerance: float):
         if not servers:
             raise ValueError("a server pool needs at least one server")
-        self.tolerance, self.engine_options = tolerance, engine_options
+        self.tolerance = tolerance
         self.members = [self._engine(s, i, len(servers)) for i, s in enumerate(servers)]
         self._lock = threading.Lock()
         self._in_flight = [0] * len(servers)  # the job's requests on each server now (what routing reads)
@@ -46,7 +46,7 @@ class ServerPool:
         self._fan = ThreadPoolExecutor(len(servers), thread_name_prefix="server-sync")
 
     def _engine(self, server: ServerHandle, index: int, count: int) -> ServerRolloutEngine:
-        return ServerRolloutEngine(server, self.tolerance, label=_label(index, count), **self.engine_options)
+        return ServerRolloutEngine(server, self.tolerance, label=_label(index, count))
 
     # --- sampling ------------------------------------------------------------------------------
     def _pick(self) -> int:
